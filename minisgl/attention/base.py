@@ -1,0 +1,104 @@
+"""The attention backend interface.
+
+A backend owns the per-step metadata (`prepare_metadata`, host side, before the forward) and
+the per-layer compute (`forward`, which also stores the step's K/V into the pool at
+`batch.out_loc`). Backends that support CUDA graphs also implement the capture/replay hooks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, List
+
+import torch
+
+from minisgl.core import Batch, get_global_ctx
+from minisgl.models.config import ModelConfig
+from minisgl.utils.registry import Registry
+
+
+@dataclass
+class BaseAttnMetadata:
+    # index of each request's last fed token in the flat batch: the rows the LM head needs
+    last_indices: torch.Tensor
+
+
+class BaseAttnBackend(ABC):
+    def __init__(self, model_config: ModelConfig) -> None:
+        ctx = get_global_ctx()
+        assert ctx.kv_cache is not None and ctx.page_table is not None, "create the KV pool and page table first"
+        self.model_config = model_config
+        self.kv_cache = ctx.kv_cache
+        self.page_table = ctx.page_table
+        self.page_size = ctx.page_size
+        self.device = ctx.page_table.device
+
+    @abstractmethod
+    def prepare_metadata(self, batch: Batch) -> None: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hk, D] (this step's tokens). Returns [T, Hq, D]."""
+
+    # ---- CUDA graph hooks (decode only) ------------------------------------------------------
+    supports_cuda_graph: bool = False
+
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+
+ATTN_BACKENDS: Registry[Callable[[ModelConfig], BaseAttnBackend]] = Registry("attention backend")
+
+
+@ATTN_BACKENDS.register("torch")
+def _torch(cfg: ModelConfig) -> BaseAttnBackend:
+    from minisgl.attention.torch_backend import TorchAttnBackend
+
+    return TorchAttnBackend(cfg)
+
+
+@ATTN_BACKENDS.register("triton")
+def _triton(cfg: ModelConfig) -> BaseAttnBackend:
+    from minisgl.attention.triton_backend import TritonAttnBackend
+
+    return TritonAttnBackend(cfg)
+
+
+@ATTN_BACKENDS.register("flashinfer", "fi")
+def _flashinfer(cfg: ModelConfig) -> BaseAttnBackend:
+    from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
+
+    return FlashInferAttnBackend(cfg)
+
+
+def resolve_attention_backend(name: str, device: torch.device) -> str:
+    """'auto' -> flashinfer if importable on CUDA, else triton on CUDA, else torch."""
+    if name != "auto":
+        ATTN_BACKENDS.get(name)  # validates
+        return name
+    if device.type != "cuda":
+        return "torch"
+    try:
+        import flashinfer  # noqa: F401
+
+        return "flashinfer"
+    except ImportError:
+        pass
+    try:
+        import triton  # noqa: F401
+
+        return "triton"
+    except ImportError:
+        return "torch"
+
+
+def create_attention_backend(name: str, model_config: ModelConfig) -> BaseAttnBackend:
+    device = get_global_ctx().page_table.device  # type: ignore[union-attr]
+    return ATTN_BACKENDS.get(resolve_attention_backend(name, device))(model_config)

@@ -1,0 +1,89 @@
+"""Reference attention on torch SDPA over the paged pool: any device, page_size, GQA.
+
+Prefill runs one SDPA per request (queries [cached_len, device_len) against keys
+[0, device_len), causal with the cached-prefix offset). Decode gathers every request's keys into a
+padded [B, max_len] block and runs one masked SDPA for the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.core import Batch
+from minisgl.utils.device import make_device_tensor
+
+
+@dataclass
+class TorchPrefillSeq:
+    q_start: int
+    q_len: int
+    slots: torch.Tensor  # [seq_len] pool slots of this request's keys
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plainly causal (no cached prefix)
+
+
+@dataclass
+class TorchAttnMetadata(BaseAttnMetadata):
+    prefill: List[TorchPrefillSeq] | None = None
+    decode_slots: torch.Tensor | None = None  # [B, max_len]
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len]
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs
+        ext = [r.extend_len for r in reqs]
+        last = make_device_tensor(list(_cumsum(ext)), torch.int64, self.device) - 1
+        rows = make_device_tensor([r.table_idx for r in reqs], torch.int64, self.device)
+        if batch.is_decode:
+            seq_lens = make_device_tensor([r.device_len for r in reqs], torch.int64, self.device)
+            max_len = max(r.device_len for r in reqs)
+            slots = self.page_table[rows, :max_len].long()
+            mask = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
+            batch.attn_metadata = TorchAttnMetadata(last, decode_slots=slots, decode_mask=mask[:, None, None, :])
+            return
+        seqs: List[TorchPrefillSeq] = []
+        start = 0
+        for r, n in zip(reqs, ext):
+            slots = self.page_table[r.table_idx, : r.device_len].long()
+            mask = None
+            if r.cached_len > 0:
+                q_pos = torch.arange(r.cached_len, r.device_len, device=self.device)
+                mask = torch.arange(r.device_len, device=self.device)[None, :] <= q_pos[:, None]
+            seqs.append(TorchPrefillSeq(start, n, slots, mask))
+            start += n
+        batch.attn_metadata = TorchAttnMetadata(last, prefill=seqs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        meta: TorchAttnMetadata = batch.attn_metadata
+        if meta.decode_slots is not None:
+            keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hk, S, D]
+            values = v_cache[meta.decode_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+            )
+            return o.squeeze(2).to(q.dtype)
+        out = torch.empty_like(q)
+        for s in meta.prefill or []:
+            qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
+            ki = k_cache[s.slots].transpose(0, 1)  # [Hk, S, D]
+            vi = v_cache[s.slots].transpose(0, 1)
+            oi = F.scaled_dot_product_attention(
+                qi.to(ki.dtype), ki, vi, attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True
+            )
+            out[s.q_start : s.q_start + s.q_len] = oi.transpose(0, 1).to(q.dtype)
+        return out
+
+
+def _cumsum(xs: List[int]) -> Tuple[int, ...]:
+    total, out = 0, []
+    for x in xs:
+        total += x
+        out.append(total)
+    return tuple(out)

@@ -1,0 +1,58 @@
+"""EngineConfig: everything needed to build one Engine (one tensor-parallel rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, List
+
+import torch
+
+from minisgl.distributed import DistributedInfo
+from minisgl.models.config import ModelConfig
+from minisgl.utils.hf import cached_load_hf_config
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    tp_info: DistributedInfo
+    dtype: torch.dtype
+    device: str = "auto"  # auto: cuda:<rank> when a GPU is present, else cpu
+    max_running_req: int = 256
+    attention_backend: str = "auto"
+    moe_backend: str = "auto"
+    cuda_graph_bs: List[int] | None = None
+    cuda_graph_max_bs: int | None = None
+    page_size: int = 1
+    memory_ratio: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30  # on CPU the KV pool is capped at 2 GiB by default
+    distributed_timeout: float = 60.0
+    distributed_port: int = 2333
+    use_dummy_weight: bool = False
+    max_seq_len_override: int | None = None
+    num_page_override: int | None = None
+
+    @cached_property
+    def hf_config(self) -> Any:
+        return cached_load_hf_config(self.model_path)
+
+    @cached_property
+    def model_config(self) -> ModelConfig:
+        from minisgl.models import ModelConfig
+
+        return ModelConfig.from_hf(self.hf_config)
+
+    @property
+    def max_seq_len(self) -> int:
+        if self.max_seq_len_override is not None:
+            return self.max_seq_len_override
+        return self.model_config.rotary_config.max_position
+
+    @property
+    def max_forward_len(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def distributed_addr(self) -> str:
+        return f"tcp://127.0.0.1:{self.distributed_port}"

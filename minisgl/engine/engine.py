@@ -1,0 +1,272 @@
+"""Engine: one tensor-parallel rank's model, KV pool, page table, backends and sampler.
+
+Init order matters: TP info and device -> stream and global Context -> communication (tp > 1)
+-> measure free memory -> model on meta, load weights -> KV pool (+1 dummy page) -> page table
+(+1 dummy row) -> attention backend (reads the pool) -> MoE backend -> sampler -> dummy request
+-> GraphRunner (captures last: it runs the model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, NamedTuple, Tuple
+
+import torch
+
+from minisgl.attention.base import create_attention_backend, resolve_attention_backend
+from minisgl.core import Batch, Context, Req, clear_global_ctx, set_global_ctx
+from minisgl.distributed import destroy_process_group, init_process_group, set_tp_info
+from minisgl.distributed.info import clear_tp_info
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.graph import GraphRunner
+from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.kvcache import create_kvcache_pool
+from minisgl.layers.rotary import clear_rope_cache, set_rope_device
+from minisgl.models import create_model
+from minisgl.models.weight import dummy_weights, load_weights
+from minisgl.moe import create_moe_backend
+from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream
+from minisgl.utils.hf import resolve_model_path
+from minisgl.utils.logger import init_logger
+from minisgl.utils.misc import align_up, div_even, gib
+from minisgl.utils.torch_utils import torch_dtype
+
+logger = init_logger(__name__)
+
+
+class ForwardOutput(NamedTuple):
+    next_tokens_gpu: torch.Tensor  # on the engine's device: written back to the token pool
+    next_tokens_cpu: torch.Tensor  # non-blocking host copy: wait on copy_done_event first
+    copy_done_event: Any
+
+
+def _align_up_32(x: int) -> int:
+    return align_up(x, 32)
+
+
+def _pick_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        if torch.cuda.is_available():
+            return torch.device(f"cuda:{config.tp_info.rank % torch.cuda.device_count()}")
+        return torch.device("cpu")
+    device = torch.device(config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{config.tp_info.rank}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+    return device
+
+
+def _adjust_config(config: EngineConfig) -> EngineConfig:
+    """Validate and resolve 'auto' choices so `engine.config` says what actually runs."""
+    if config.page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {config.page_size}")
+    if config.max_running_req < 1:
+        raise ValueError(f"max_running_req must be >= 1, got {config.max_running_req}")
+    if not 0.0 < config.memory_ratio <= 1.0:
+        raise ValueError(f"memory_ratio must be in (0, 1], got {config.memory_ratio}")
+    device = _pick_device(config)
+    backend = resolve_attention_backend(config.attention_backend, device)
+    max_bs = config.cuda_graph_max_bs
+    if max_bs is not None:
+        max_bs = min(max_bs, config.max_running_req)
+    return dataclasses.replace(config, attention_backend=backend, cuda_graph_max_bs=max_bs)
+
+
+def _set_cpu_threads(tp_size: int) -> None:
+    # Small decode GEMMs slow down dozens of times when threads oversubscribe the cores.
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // tp_size))
+
+
+def _host_available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        set_tp_info(rank=config.tp_info.rank, size=config.tp_info.size)
+        self.config = config = _adjust_config(config)
+        self.device = _pick_device(config)
+        if is_cuda(self.device):
+            torch.cuda.set_device(self.device)
+        else:
+            _set_cpu_threads(config.tp_info.size)
+        torch.manual_seed(42)
+        self.stream = create_stream(self.device)
+        set_stream(self.stream)
+        self.dtype = config.dtype
+        self.ctx = Context(config.page_size)
+        set_global_ctx(self.ctx)
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        self.tp_cpu_group = self._init_communication(config)
+        init_free_memory = self._sync_get_memory()[1]
+        logger.info_rank0(f"Free memory before loading model: {gib(init_free_memory)}")
+
+        # ---- model: an empty shell on meta, then the weights are installed into it
+        model_config = config.model_config
+        set_rope_device(self.device)
+        with torch.device("meta"), torch_dtype(config.dtype):
+            self.model = create_model(model_config)
+        self.model.load_state_dict(self._load_weight_state_dict(config))
+        self.model.eval()
+
+        # ---- KV pool: what memory remains
+        self.num_pages = self._determine_num_pages(init_free_memory, config)
+        num_tokens = self.num_pages * config.page_size
+        self.ctx.kv_cache = self.kv_cache = create_kvcache_pool(
+            model_config=model_config,
+            num_pages=self.num_pages + 1,  # the extra page is the dummy request's
+            page_size=config.page_size,
+            device=self.device,
+            dtype=self.dtype,
+        )
+
+        # ---- page table: a row per request, each entry the pool slot of that token's KV
+        self.max_seq_len = min(config.max_seq_len, num_tokens)
+        aligned_max_seq_len = _align_up_32(self.max_seq_len)
+        self.ctx.page_table = self.page_table = torch.zeros(
+            (config.max_running_req + 1, aligned_max_seq_len),  # last row: the dummy request
+            dtype=torch.int32,
+            device=self.device,
+        )
+
+        # ---- attention backend, MoE backend, sampler
+        self.ctx.attn_backend = self.attn_backend = create_attention_backend(config.attention_backend, model_config)
+        if model_config.is_moe:
+            self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device)
+        self.sampler = Sampler(self.device, model_config.vocab_size)
+
+        # ---- dummy request and CUDA graphs
+        self.dummy_req = Req(
+            input_ids=torch.tensor([0], dtype=torch.int32),
+            table_idx=config.max_running_req,
+            cached_len=0,
+            output_len=1,
+            uid=-1,
+            sampling_params=None,  # type: ignore[arg-type]
+            cache_handle=None,
+        )
+        self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # the dummy page
+        self.graph_runner = GraphRunner(
+            stream=self.stream,
+            device=self.device,
+            model=self.model,
+            attn_backend=self.attn_backend,
+            cuda_graph_bs=config.cuda_graph_bs,
+            cuda_graph_max_bs=config.cuda_graph_max_bs,
+            free_memory=init_free_memory,
+            max_seq_len=aligned_max_seq_len,
+            vocab_size=model_config.vocab_size,
+            dummy_req=self.dummy_req,
+        )
+
+    # ---- init helpers ------------------------------------------------------------------------
+    def _init_communication(self, config: EngineConfig) -> Any:
+        if config.tp_info.size == 1:
+            return None
+        init_process_group(
+            config.distributed_addr, config.tp_info.rank, config.tp_info.size, self.device, config.distributed_timeout
+        )
+        import torch.distributed as dist
+
+        # a gloo group for host-side agreement (memory min, scheduling metadata)
+        return dist.new_group(backend="gloo") if is_cuda(self.device) else dist.group.WORLD
+
+    def _sync_get_memory(self) -> Tuple[int, int]:
+        """(total, free) bytes on this device; `free` is the minimum over TP ranks."""
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+        else:
+            free, total = _host_available_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if self.tp_cpu_group is not None:
+            import torch.distributed as dist
+
+            t = torch.tensor([free], dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_cpu_group)
+            free = int(t.item())
+        return total, free
+
+    def _load_weight_state_dict(self, config: EngineConfig) -> dict[str, torch.Tensor]:
+        if config.use_dummy_weight:
+            return dummy_weights(self.model, self.device, self.dtype)
+        return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype)
+
+    def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
+        cache_per_page = (
+            2  # K and V
+            * config.model_config.head_dim
+            * div_even(config.model_config.num_kv_heads, config.tp_info.size, allow_replicate=True)
+            * config.page_size
+            * self.dtype.itemsize
+            * config.model_config.num_layers
+        )
+        num_pages = config.num_page_override
+        if num_pages is None:
+            new_free_memory = self._sync_get_memory()[1]
+            model_memory = old_free_memory - new_free_memory
+            available = int(config.memory_ratio * old_free_memory) - model_memory
+            if not is_cuda(self.device):
+                available = min(available, config.cpu_kv_cache_bytes)
+            num_pages = available // cache_per_page
+        if num_pages <= 1:
+            raise ValueError(
+                f"not enough memory for the KV cache: num_pages={num_pages} (need > 1, {cache_per_page} bytes each); "
+                "raise memory_ratio / cpu_kv_cache_bytes or set num_page_override"
+            )
+        logger.info_rank0(f"KV cache: {num_pages * config.page_size} tokens, {gib(num_pages * cache_per_page)}")
+        return num_pages
+
+    # ---- the one method callers use ----------------------------------------------------------
+    def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:
+        if batch.is_prefill:
+            for req in batch.reqs:
+                if req.device_len > self.max_seq_len:
+                    raise ValueError(
+                        f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}"
+                    )
+        with torch.inference_mode(), self.ctx.forward_batch(batch):
+            if self.graph_runner.can_use_cuda_graph(batch):
+                logits = self.graph_runner.replay(batch)
+            else:
+                logits = self.model.forward()
+            for req in batch.reqs:
+                req.complete_one()
+            next_tokens_gpu = self.sampler.sample(logits[: batch.size], args).to(torch.int32)
+            next_tokens_cpu = next_tokens_gpu.to("cpu", non_blocking=True)
+        copy_done_event = create_event(self.device)
+        copy_done_event.record(self.stream)
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event)
+
+    def shutdown(self) -> None:
+        """Free global state so another Engine can be built in this process."""
+        runner = getattr(self, "graph_runner", None)
+        if runner is not None:
+            runner.destroy()
+        for name in ("graph_runner", "attn_backend", "moe_backend", "kv_cache", "page_table", "model"):
+            if hasattr(self, name):
+                delattr(self, name)
+        clear_global_ctx()
+        clear_rope_cache()
+        if self.config.tp_info.size > 1:
+            destroy_process_group()
+        clear_tp_info()
+        if is_cuda(self.device):
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()

@@ -1,0 +1,109 @@
+"""Batched sampling where every request has its own temperature, top-k, top-p, min-p and seed.
+
+All-greedy batches take an argmax. Mixed batches give greedy requests a tiny temperature
+(softmax becomes one-hot), so one code path serves the whole batch. Order of filters: min-p on
+the full tempered distribution, then top-k, then top-p over the renormalised remainder (keep a
+token while the mass before it is < p, so the best token always survives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.utils.device import make_device_tensor
+
+MIN_T = 1e-6
+MIN_P = 1e-6
+
+
+@dataclass
+class BatchSamplingArgs:
+    temperatures: torch.Tensor | None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    # (row, per-step seed) for requests that asked for a seed: their draw depends only on the
+    # seed and the token position, never on which other requests share the batch.
+    seeded_rows: List[Tuple[int, int]] | None = None
+
+
+@dataclass
+class Sampler:
+    device: torch.device
+    vocab_size: int
+
+    def prepare(self, batch: Batch) -> BatchSamplingArgs:
+        """Host side, before the forward: turn per-request params into device tensors."""
+        params = [r.sampling_params for r in batch.reqs]
+        if all(p.is_greedy for p in params):
+            return BatchSamplingArgs(temperatures=None)
+        ts = [max(0.0 if p.is_greedy else p.temperature, MIN_T) for p in params]
+        top_ks = [p.top_k if p.top_k >= 1 else self.vocab_size for p in params]
+        top_ps = [min(max(p.top_p, MIN_P), 1.0) for p in params]
+        min_ps = [0.0 if p.is_greedy else p.min_p for p in params]
+        top_k = top_p = min_p = None
+        if any(k != self.vocab_size for k in top_ks):
+            top_k = make_device_tensor(top_ks, torch.int32, self.device)
+        if any(p < 1.0 for p in top_ps):
+            top_p = make_device_tensor(top_ps, torch.float32, self.device)
+        if any(p > 0.0 for p in min_ps):
+            min_p = make_device_tensor(min_ps, torch.float32, self.device)
+        seeded = [
+            (i, _step_seed(r.sampling_params.seed, r.device_len))
+            for i, r in enumerate(batch.reqs)
+            if r.sampling_params.seed is not None and not r.sampling_params.is_greedy
+        ]
+        temps = make_device_tensor(ts, torch.float32, self.device)
+        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None)
+
+    def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        if args.temperatures is None:
+            return torch.argmax(logits, dim=-1)
+        if logits.is_cuda and args.min_p is None and args.seeded_rows is None:
+            try:
+                from minisgl.engine.sample_flashinfer import sample_flashinfer
+
+                return sample_flashinfer(logits.float(), args.temperatures, args.top_k, args.top_p)
+            except ImportError:
+                pass
+        return sample_torch(logits.float(), args.temperatures, args.top_k, args.top_p, args.min_p, args.seeded_rows)
+
+
+def _step_seed(seed: int, position: int) -> int:
+    return (seed * 1_000_003 + position) % (1 << 63)
+
+
+def sample_torch(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None = None,
+    seeded_rows: List[Tuple[int, int]] | None = None,
+) -> torch.Tensor:
+    probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
+    if min_p is not None:
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    if top_k is not None or top_p is not None:
+        sorted_probs, sorted_idx = probs.sort(dim=-1, descending=True)
+        if top_k is not None:
+            rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
+            sorted_probs = sorted_probs.masked_fill(rank >= top_k.unsqueeze(1), 0.0)
+        if top_p is not None:
+            sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass ranked ahead of each token
+            sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
+    if not seeded_rows:
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+    # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; seeded rows use their own noise.
+    noise = torch.empty_like(probs).exponential_()
+    for row, step_seed in seeded_rows:
+        gen = torch.Generator(device=probs.device).manual_seed(step_seed)
+        noise[row].exponential_(generator=gen)
+    return torch.argmax(probs / noise, dim=-1)

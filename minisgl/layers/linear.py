@@ -1,0 +1,105 @@
+"""Linear layers with Megatron-style sharding.
+
+Column-parallel: the output features are split over ranks; no communication.
+Row-parallel: the input features are split; partial outputs are summed with an all-reduce.
+A column-parallel layer followed by a row-parallel one (qkv -> o, gate_up -> down) needs exactly
+one all-reduce per block.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.base import ShardedModule, narrow_rank
+from minisgl.utils.misc import div_even
+
+
+class _Linear(ShardedModule):
+    def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
+        super().__init__()
+        self.in_local, self.out_local = in_local, out_local
+        self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_Linear):
+    """Every rank holds the whole matrix (small layers such as the MoE router)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias)
+
+
+class ColumnParallelLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp_info()
+        super().__init__(in_features, div_even(out_features, tp.size), bias)
+
+    def shard(self, param_name: str, full: torch.Tensor, part: Any = None) -> torch.Tensor:
+        return narrow_rank(full, 0, self.out_local, get_tp_info().rank)
+
+
+class MergedColumnParallelLinear(_Linear):
+    """Several column-parallel outputs stored as one matrix, e.g. gate_proj and up_proj."""
+
+    def __init__(self, in_features: int, out_features: List[int], bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.part_sizes = [div_even(n, tp.size) for n in out_features]
+        super().__init__(in_features, sum(self.part_sizes), bias)
+
+    def parts(self, param_name: str) -> Sequence[Any]:
+        return list(range(len(self.part_sizes)))
+
+    def shard(self, param_name: str, full: torch.Tensor, part: Any = None) -> torch.Tensor:
+        return narrow_rank(full, 0, self.part_sizes[part], get_tp_info().rank)
+
+
+class QKVParallelLinear(_Linear):
+    """q, k and v projections in one matrix, split by heads. When there are fewer KV heads than
+    ranks, each rank keeps a replica of the KV head its query heads attend to."""
+
+    def __init__(self, hidden: int, head_dim: int, num_q_heads: int, num_kv_heads: int, bias: bool) -> None:
+        tp = get_tp_info()
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.local_q_heads = div_even(num_q_heads, tp.size)
+        self.local_kv_heads = div_even(num_kv_heads, tp.size, allow_replicate=True)
+        self.q_size = self.local_q_heads * head_dim
+        self.kv_size = self.local_kv_heads * head_dim
+        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias)
+
+    def parts(self, param_name: str) -> Sequence[Any]:
+        return ("q", "k", "v")
+
+    def shard(self, param_name: str, full: torch.Tensor, part: Any = None) -> torch.Tensor:
+        tp = get_tp_info()
+        if part == "q":
+            return narrow_rank(full, 0, self.q_size, tp.rank)
+        kv_index = tp.rank * self.num_kv_heads // tp.size if self.num_kv_heads < tp.size else tp.rank
+        return narrow_rank(full, 0, self.kv_size, kv_index)
+
+
+class RowParallelLinear(_Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp_info()
+        super().__init__(div_even(in_features, tp.size), out_features, bias)
+
+    def shard(self, param_name: str, full: torch.Tensor, part: Any = None) -> torch.Tensor:
+        if param_name == "bias":
+            return full  # added once, after the all-reduce
+        return narrow_rank(full, 1, self.in_local, get_tp_info().rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+def merge_dict(parts: Sequence[Any], shards: Dict[Any, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([shards[p] for p in parts], dim=0)

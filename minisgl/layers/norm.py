@@ -1,0 +1,33 @@
+"""RMSNorm, computed the way HF does (float32 statistics, scale in the model dtype)."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import nn
+
+from minisgl.layers.base import ShardedModule
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(ShardedModule):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Add the residual stream, then normalise; returns (normed, new residual)."""
+        if residual is not None:
+            x = x + residual
+        return rms_norm(x, self.weight, self.eps), x

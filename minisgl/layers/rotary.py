@@ -1,0 +1,102 @@
+"""Rotary position embedding (HF's rotate-half layout) with default, linear and llama3 scaling.
+
+The cos/sin table is computed in float32 on the real device (never on meta: the model is built
+on meta and its weights loaded afterwards, but the table is not a weight) and shared by every
+layer with the same parameters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import nn
+
+_ROPE_DEVICE: torch.device = torch.device("cpu")
+_ROPE_CACHE: Dict[Tuple[Any, ...], "RotaryEmbedding"] = {}
+
+
+def set_rope_device(device: torch.device) -> None:
+    global _ROPE_DEVICE
+    _ROPE_DEVICE = torch.device(device)
+
+
+def clear_rope_cache() -> None:
+    _ROPE_CACHE.clear()
+
+
+@dataclass(frozen=True)
+class RotaryConfig:
+    head_dim: int
+    rotary_dim: int
+    max_position: int
+    base: float
+    scaling: Dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+    def key(self) -> Tuple[Any, ...]:
+        scaling = tuple(sorted((k, str(v)) for k, v in (self.scaling or {}).items()))
+        return (self.head_dim, self.rotary_dim, self.max_position, self.base, scaling)
+
+
+def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in ("default", None):
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(scaling["factor"])
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: RotaryConfig) -> None:
+        super().__init__()
+        self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
+        inv_freq = _inv_freq(cfg)
+        t = torch.arange(cfg.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        # Plain attributes, not buffers: they are not weights and must not be built on meta.
+        self.cos = emb.cos().to(_ROPE_DEVICE)
+        self.sin = emb.sin().to(_ROPE_DEVICE)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+
+
+def get_rope(cfg: RotaryConfig) -> RotaryEmbedding:
+    key = cfg.key() + (str(_ROPE_DEVICE),)
+    if key not in _ROPE_CACHE:
+        # Build outside any `torch.device("meta")` context the caller may be in.
+        with torch.device(_ROPE_DEVICE):
+            _ROPE_CACHE[key] = RotaryEmbedding(cfg)
+    return _ROPE_CACHE[key]

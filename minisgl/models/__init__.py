@@ -1,0 +1,54 @@
+"""Model implementations, chosen by the `architectures` entry of config.json."""
+
+from __future__ import annotations
+
+from typing import Callable, Type
+
+from torch import nn
+
+from minisgl.models.config import ModelConfig
+from minisgl.utils.registry import Registry
+
+MODELS: Registry[Callable[[], Type[nn.Module]]] = Registry("model architecture")
+
+
+@MODELS.register("LlamaForCausalLM")
+def _llama() -> Type[nn.Module]:
+    from minisgl.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM
+
+
+@MODELS.register("MistralForCausalLM")
+def _mistral() -> Type[nn.Module]:
+    from minisgl.models.llama import MistralForCausalLM
+
+    return MistralForCausalLM
+
+
+@MODELS.register("Qwen2ForCausalLM")
+def _qwen2() -> Type[nn.Module]:
+    from minisgl.models.qwen2 import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM
+
+
+@MODELS.register("Qwen3ForCausalLM")
+def _qwen3() -> Type[nn.Module]:
+    from minisgl.models.qwen3 import Qwen3ForCausalLM
+
+    return Qwen3ForCausalLM
+
+
+@MODELS.register("Qwen3MoeForCausalLM")
+def _qwen3_moe() -> Type[nn.Module]:
+    from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM
+
+
+def create_model(config: ModelConfig) -> nn.Module:
+    return MODELS.get(config.architecture)()(config)
+
+
+__all__ = ["ModelConfig", "MODELS", "create_model"]

@@ -1,0 +1,100 @@
+"""ModelConfig: the architecture facts minisgl needs, read from a HF config (4.x or 5.x layout)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from minisgl.layers.rotary import RotaryConfig
+
+
+def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
+    """(theta, scaling) from either `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (checkpoints written by transformers 4)."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
+    scaling: Dict[str, Any] | None = None
+    if params.get("rope_type", "default") not in ("default", None):
+        scaling = dict(params)
+    elif getattr(hf, "rope_scaling", None):
+        scaling = dict(hf.rope_scaling)
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    hidden_act: str
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rotary_config: RotaryConfig
+    eos_token_ids: List[int] = field(default_factory=list)
+    # Mixture of experts (Qwen3-MoE); num_experts == 0 means dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: List[int] = field(default_factory=list)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer_id: int) -> bool:
+        return (
+            self.is_moe
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "ModelConfig":
+        archs = getattr(hf, "architectures", None) or []
+        if not archs:
+            raise ValueError("config.json has no 'architectures' entry; cannot pick a model implementation")
+        num_heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        theta, scaling = _rope_params(hf)
+        partial = float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0)
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+        num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+        return cls(
+            architecture=archs[0],
+            model_type=getattr(hf, "model_type", ""),
+            num_layers=hf.num_hidden_layers,
+            num_qo_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            hidden_act=getattr(hf, "hidden_act", "silu"),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(hf, "attention_bias", False)),
+            rotary_config=RotaryConfig(
+                head_dim=head_dim,
+                rotary_dim=int(head_dim * partial),
+                max_position=hf.max_position_embeddings,
+                base=theta,
+                scaling=scaling,
+            ),
+            eos_token_ids=eos_ids,
+            num_experts=int(num_experts) if "moe" in getattr(hf, "model_type", "") else 0,
+            num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0),
+            norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
+            decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
+            mlp_only_layers=list(getattr(hf, "mlp_only_layers", None) or []),
+        )

