@@ -26,6 +26,12 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: List[int] = field(default_factory=list)
     seed: int | None = None
+    # OpenAI-style penalties on tokens generated so far; HF-style repetition penalty on all tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Return the chosen token's logprob and this many top alternatives (None: no logprobs).
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first field outside its allowed range."""
@@ -37,8 +43,22 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def is_greedy(self) -> bool:
@@ -66,9 +86,11 @@ class Req:
     ) -> None:
         assert input_ids.dim() == 1 and input_ids.device.type == "cpu"
         self.input_ids = input_ids.to(torch.int32)
+        self.prompt_len = len(input_ids)
         self.table_idx = table_idx
         self.cached_len = cached_len
         self.device_len = len(input_ids)
+        self.output_len = output_len  # tokens this request may generate at most
         self.max_device_len = len(input_ids) + output_len
         self.uid = uid
         self.sampling_params = sampling_params
@@ -84,14 +106,15 @@ class Req:
     def remain_len(self) -> int:
         return self.max_device_len - self.device_len
 
-    @property
-    def output_len(self) -> int:
-        return self.max_device_len - len(self.input_ids)
-
     def complete_one(self) -> None:
         """Mark the current forward done: its tokens are cached, one more token is on the way."""
         self.cached_len = self.device_len
         self.device_len += 1
+
+    @property
+    def output_ids(self) -> torch.Tensor:
+        """Tokens generated so far and known on the host."""
+        return self.input_ids[self.prompt_len :]
 
     def append_host(self, next_token: torch.Tensor) -> None:
         self.input_ids = torch.cat([self.input_ids, next_token.view(-1).to(torch.int32)])

@@ -39,6 +39,8 @@ class ForwardOutput(NamedTuple):
     next_tokens_gpu: torch.Tensor  # on the engine's device: written back to the token pool
     next_tokens_cpu: torch.Tensor  # non-blocking host copy: wait on copy_done_event first
     copy_done_event: Any
+    # (chosen-token logprob [B], top-k logprobs [B, k], top-k ids [B, k]) on the host, when asked
+    logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _align_up_32(x: int) -> int:
@@ -89,6 +91,20 @@ def _host_available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the model's raw distribution (before penalties and temperature), host copies."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
+    top_vals, top_ids = logp.topk(max(k, 1), dim=-1)
+    return (
+        chosen.to("cpu", non_blocking=True),
+        top_vals[:, :k].to("cpu", non_blocking=True),
+        top_ids[:, :k].to("cpu", non_blocking=True),
+    )
 
 
 class Engine:
@@ -248,11 +264,15 @@ class Engine:
                 logits = self.model.forward()
             for req in batch.reqs:
                 req.complete_one()
-            next_tokens_gpu = self.sampler.sample(logits[: batch.size], args).to(torch.int32)
+            logits = logits[: batch.size]
+            next_tokens_gpu = self.sampler.sample(logits, args).to(torch.int32)
             next_tokens_cpu = next_tokens_gpu.to("cpu", non_blocking=True)
+            logprobs = None
+            if args.logprobs_k is not None:
+                logprobs = _token_logprobs(logits, next_tokens_gpu, args.logprobs_k)
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
-        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event)
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs)
 
     def shutdown(self) -> None:
         """Free global state so another Engine can be built in this process."""

@@ -53,11 +53,13 @@ class GraphRunner:
         self.batch_sizes: List[int] = []
         if not is_cuda(device) or not attn_backend.supports_cuda_graph:
             return
+        # A batch never holds more requests than the page table has rows (the last is the dummy's).
+        max_reqs = get_global_ctx().page_table.shape[0] - 1  # type: ignore[union-attr]
         if cuda_graph_bs is not None:
-            sizes = sorted(set(cuda_graph_bs))
+            sizes = sorted(set(bs for bs in cuda_graph_bs if bs <= max_reqs))
         else:
             max_bs = cuda_graph_max_bs if cuda_graph_max_bs is not None else default_graph_max_bs(free_memory)
-            sizes = default_graph_batch_sizes(max_bs)
+            sizes = default_graph_batch_sizes(min(max_bs, max_reqs))
         if not sizes or sizes[0] <= 0:
             return
         self.batch_sizes = sizes
@@ -69,23 +71,29 @@ class GraphRunner:
 
     def _capture(self, max_seq_len: int) -> None:
         max_bs = self.max_graph_bs
+        ctx = get_global_ctx()
+        assert ctx.page_table is not None
+        # The static inputs start as the dummy request's (token 0 at position 0, its KV written to
+        # the dummy page), so capture and padded rows never touch a real request's pages.
+        self.dummy_slot = int(ctx.page_table[self.dummy_req.table_idx, 0].item())
         self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.positions = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-        self.out_loc = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int32, device=self.device)
         self.attn_backend.init_capture_graph(max_seq_len, self.batch_sizes)
-        ctx = get_global_ctx()
         pool = None
         torch.cuda.synchronize(self.device)
-        for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-            batch = self._static_batch(bs)
-            self.attn_backend.prepare_for_capture(batch)
-            with ctx.forward_batch(batch):
-                self.model.forward()  # warm-up: lazy inits and autotuning happen outside capture
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                    self.outputs[bs] = self.model.forward()
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
+        # inference_mode as in Engine.forward_batch: the captured kernels are the eager ones
+        with torch.inference_mode():
+            for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
+                batch = self._static_batch(bs)
+                self.attn_backend.prepare_for_capture(batch)
+                with ctx.forward_batch(batch):
+                    self.model.forward()  # warm-up: lazy inits and autotuning happen outside capture
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                        self.outputs[bs] = self.model.forward()
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
         logger.info_rank0(f"captured CUDA graphs for decode batch sizes {self.batch_sizes}")
 
@@ -112,9 +120,14 @@ class GraphRunner:
 
     def replay(self, batch: Batch) -> torch.Tensor:
         bs = batch.padded_size
-        self.input_ids[:bs].copy_(batch.input_ids)
-        self.positions[:bs].copy_(batch.positions)
-        self.out_loc[:bs].copy_(batch.out_loc)
+        n = batch.input_ids.shape[0]  # == bs when the caller filled the fields over padded_reqs
+        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
+        self.positions[:n].copy_(batch.positions, non_blocking=True)
+        self.out_loc[:n].copy_(batch.out_loc, non_blocking=True)
+        if n < bs:  # fields filled over batch.reqs only: the padding rows are the dummy's
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.out_loc[n:bs].fill_(self.dummy_slot)
         self.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.outputs[bs]

@@ -29,6 +29,31 @@ class BatchSamplingArgs:
     # (row, per-step seed) for requests that asked for a seed: their draw depends only on the
     # seed and the token position, never on which other requests share the batch.
     seeded_rows: List[Tuple[int, int]] | None = None
+    penalties: "Penalties | None" = None
+    logprobs_k: int | None = None  # return logprobs with this many top alternatives
+
+
+@dataclass
+class Penalties:
+    """Sparse token counts of the rows that use penalties, applied to the logits on device."""
+
+    rows: torch.Tensor  # [N] batch row of each (row, token) pair
+    tokens: torch.Tensor  # [N]
+    output_counts: torch.Tensor  # [N] float: occurrences among generated tokens (0: prompt only)
+    presence: torch.Tensor  # [B]
+    frequency: torch.Tensor  # [B]
+    repetition: torch.Tensor  # [B]
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().clone()
+        rows, tokens = self.rows, self.tokens
+        picked = logits[rows, tokens]
+        rep = self.repetition[rows]
+        picked = torch.where(picked > 0, picked / rep, picked * rep)
+        generated = (self.output_counts > 0).float()
+        picked = picked - self.presence[rows] * generated - self.frequency[rows] * self.output_counts
+        logits[rows, tokens] = picked
+        return logits
 
 
 @dataclass
@@ -39,8 +64,11 @@ class Sampler:
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """Host side, before the forward: turn per-request params into device tensors."""
         params = [r.sampling_params for r in batch.reqs]
+        penalties = self._prepare_penalties(batch) if any(p.has_penalties for p in params) else None
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        logprobs_k = max(wanted) if wanted else None
         if all(p.is_greedy for p in params):
-            return BatchSamplingArgs(temperatures=None)
+            return BatchSamplingArgs(temperatures=None, penalties=penalties, logprobs_k=logprobs_k)
         ts = [max(0.0 if p.is_greedy else p.temperature, MIN_T) for p in params]
         top_ks = [p.top_k if p.top_k >= 1 else self.vocab_size for p in params]
         top_ps = [min(max(p.top_p, MIN_P), 1.0) for p in params]
@@ -58,9 +86,38 @@ class Sampler:
             if r.sampling_params.seed is not None and not r.sampling_params.is_greedy
         ]
         temps = make_device_tensor(ts, torch.float32, self.device)
-        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None)
+        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k)
+
+    def _prepare_penalties(self, batch: Batch) -> Penalties:
+        rows: List[int] = []
+        tokens: List[int] = []
+        counts: List[float] = []
+        for i, r in enumerate(batch.reqs):
+            p = r.sampling_params
+            if not p.has_penalties:
+                continue
+            out_ids, out_counts = torch.unique(r.output_ids, return_counts=True)
+            seen = dict(zip(out_ids.tolist(), out_counts.tolist()))
+            if p.repetition_penalty != 1.0:
+                for t in torch.unique(r.input_ids[: r.prompt_len]).tolist():
+                    seen.setdefault(t, 0)
+            rows += [i] * len(seen)
+            tokens += list(seen.keys())
+            counts += [float(c) for c in seen.values()]
+        params = [r.sampling_params for r in batch.reqs]
+        dev = self.device
+        return Penalties(
+            rows=make_device_tensor(rows, torch.int64, dev),
+            tokens=make_device_tensor(tokens, torch.int64, dev),
+            output_counts=make_device_tensor(counts, torch.float32, dev),
+            presence=make_device_tensor([p.presence_penalty for p in params], torch.float32, dev),
+            frequency=make_device_tensor([p.frequency_penalty for p in params], torch.float32, dev),
+            repetition=make_device_tensor([p.repetition_penalty for p in params], torch.float32, dev),
+        )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+        if args.penalties is not None:
+            logits = args.penalties.apply(logits)
         if args.temperatures is None:
             return torch.argmax(logits, dim=-1)
         if logits.is_cuda and args.min_p is None and args.seeded_rows is None:

@@ -1,0 +1,145 @@
+"""FlashInfer attention over the paged pool (CUDA, optional: used when `flashinfer` imports).
+
+FlashInfer is told the pool has page size 1: its "page indices" are our per-token slots, read from
+the page table, so every page_size works unchanged. Each step is planned once, host side, in
+`prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
+
+CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
+fixed index buffers. Decode batches of a captured size are planned on that wrapper, in eager
+runs too, so a replayed step computes exactly what the eager step computes; planning rewrites
+the fixed buffers and the wrapper's plan in place, which is what the captured kernels read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Tuple
+
+import flashinfer  # ImportError here: the backend is unavailable (resolve_attention_backend picks another)
+import torch
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.core import Batch
+from minisgl.distributed import get_tp_info
+from minisgl.models.config import ModelConfig
+from minisgl.utils.misc import div_even
+
+WORKSPACE_BYTES = 128 << 20
+
+
+@dataclass
+class FlashInferAttnMetadata(BaseAttnMetadata):
+    wrapper: Any  # the planned prefill or decode wrapper
+
+
+class FlashInferAttnBackend(BaseAttnBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        if self.kv_cache.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"the flashinfer attention backend needs a float16/bfloat16 KV cache, got {self.kv_cache.dtype}; "
+                "use --dtype bfloat16 or --attention-backend triton"
+            )
+        self.num_qo_heads = div_even(model_config.num_qo_heads, get_tp_info().size)
+        self.num_kv_heads = self.kv_cache.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.dtype = self.kv_cache.dtype
+        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+        # Tensor-core decode pays off for large GQA groups (it is FlashInfer's prefill kernel).
+        self.use_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
+        self.graph_wrappers: Dict[int, Any] = {}
+        self._ones: torch.Tensor = torch.ones(0, dtype=torch.int32)
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def _kv_indices(self, rows: List[int], lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(indptr on the host, slot indices on the device) for the requests' first `lens` tokens."""
+        lens_h = torch.tensor(lens, dtype=torch.int32)
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        torch.cumsum(lens_h, 0, out=indptr[1:])
+        total = int(indptr[-1])
+        dev = self.device
+        packed = torch.tensor([rows, lens, indptr[:-1].tolist()], dtype=torch.int64, pin_memory=True)
+        packed = packed.to(dev, non_blocking=True)
+        row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)
+        start_of = torch.repeat_interleave(packed[2], packed[1], output_size=total)
+        pos = torch.arange(total, device=dev) - start_of
+        return indptr, self.page_table[row_of, pos]
+
+    def _last_page_len(self, bs: int) -> torch.Tensor:
+        if self._ones.numel() < bs:
+            self._ones = torch.ones(max(bs, 2 * self._ones.numel()), dtype=torch.int32)
+        return self._ones[:bs]
+
+    def _plan_decode(self, wrapper: Any, rows: List[int], lens: List[int]) -> None:
+        indptr, indices = self._kv_indices(rows, lens)
+        wrapper.plan(
+            indptr, indices, self._last_page_len(len(rows)), self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale,
+        )  # fmt: skip
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs
+        bs = len(reqs)
+        rows = [r.table_idx for r in reqs]
+        lens = [r.device_len for r in reqs]
+        if batch.is_decode:
+            wrapper = self.graph_wrappers.get(bs, self.decode_wrapper)
+            self._plan_decode(wrapper, rows, lens)
+            last = torch.arange(bs, device=self.device)
+            batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper)
+            return
+        ext = [r.extend_len for r in reqs]
+        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
+        torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo_indptr[1:])
+        kv_indptr, indices = self._kv_indices(rows, lens)
+        self.prefill_wrapper.plan(
+            qo_indptr, kv_indptr, indices, self._last_page_len(bs), self.num_qo_heads, self.num_kv_heads,
+            self.head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale,
+        )  # fmt: skip
+        last = (qo_indptr[1:].long() - 1).pin_memory().to(self.device, non_blocking=True)
+        batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper)
+
+    # ---- compute -------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        k_cache = self.kv_cache.k_cache(layer_id).unsqueeze(1)  # [slots, page=1, Hk, D]
+        v_cache = self.kv_cache.v_cache(layer_id).unsqueeze(1)
+        meta: FlashInferAttnMetadata = batch.attn_metadata
+        q = q.contiguous().to(self.dtype)
+        return meta.wrapper.run(q, (k_cache, v_cache))
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        max_bs = max(bs_list)
+        dev = self.device
+        # one indices buffer shared by every graph wrapper: one step runs at a time
+        self._graph_indices = torch.zeros(max_bs * max_seq_len, dtype=torch.int32, device=dev)
+        for bs in bs_list:
+            self.graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
+            )  # fmt: skip
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.padded_size
+        wrapper = self.graph_wrappers[bs]
+        self._plan_decode(wrapper, [r.table_idx for r in batch.padded_reqs], [1] * bs)  # the dummy: one token
+        last = torch.arange(bs, device=self.device)
+        batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper)
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        meta: FlashInferAttnMetadata = batch.attn_metadata
+        bs = batch.padded_size
+        if meta.wrapper is not self.graph_wrappers[bs]:  # planned before the graphs existed: plan again
+            self._plan_decode(self.graph_wrappers[bs], [r.table_idx for r in batch.padded_reqs],
+                              [r.device_len for r in batch.padded_reqs])  # fmt: skip

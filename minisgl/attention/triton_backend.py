@@ -1,0 +1,157 @@
+"""Triton attention over the paged pool (CUDA): split-K decode and causal extend over a cached
+prefix, any page size, GQA. Needs only torch + triton; the default on CUDA without FlashInfer.
+
+Per-step metadata is one small int64 tensor copied to the device once (rows, lengths, split
+counts, last indices as its rows), so a decode step costs one host-to-device copy. For CUDA
+graphs the backend keeps static copies of that tensor and of the split-K scratch, sized for the
+largest captured batch; replay copies the step's metadata into them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.core import Batch
+from minisgl.distributed import get_tp_info
+from minisgl.kernel.triton_attention import decode_attention, extend_attention
+from minisgl.models.config import ModelConfig
+from minisgl.utils.device import make_device_tensor
+from minisgl.utils.misc import div_ceil, div_even
+
+MAX_SPLITS = 16  # upper bound of KV chunks per request in decode
+MIN_SPLIT_LEN = 64  # a chunk shorter than this costs more in the reduction than it saves
+
+
+@dataclass
+class TritonAttnMetadata(BaseAttnMetadata):
+    rows: torch.Tensor  # [B] page-table row of each request
+    seq_lens: torch.Tensor  # [B] device_len
+    # decode
+    num_splits: torch.Tensor | None = None  # [B] KV chunks per request (<= grid_splits)
+    grid_splits: int = 1
+    mid_o: torch.Tensor | None = None  # [B, Hq, grid_splits, D] float32
+    mid_lse: torch.Tensor | None = None  # [B, Hq, grid_splits] float32
+    # extend
+    q_start: torch.Tensor | None = None  # [B] first row of each request in the flat batch
+    cached_lens: torch.Tensor | None = None  # [B]
+    extend_lens: torch.Tensor | None = None  # [B]
+    max_extend_len: int = 0
+    # the packed device tensor all of the above are views of (rows of one [K, B] int64 tensor)
+    packed: torch.Tensor | None = None
+
+
+class TritonAttnBackend(BaseAttnBackend):
+    supports_cuda_graph = True
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        tp = get_tp_info().size
+        self.num_qo_heads = div_even(model_config.num_qo_heads, tp)
+        self.num_kv_heads = self.kv_cache.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+        # (the CPU branch only serves Triton's interpreter, TRITON_INTERPRET=1, in kernel tests)
+        cuda = self.device.type == "cuda"
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
+        self._graph_buffers: Dict[str, torch.Tensor] = {}
+
+    # ---- split-K sizing ------------------------------------------------------------------------
+    def grid_splits(self, bs: int) -> int:
+        """The split bound for a batch of `bs` requests: enough programs to fill the GPU ~4x."""
+        want = div_ceil(4 * self.num_sms, bs * self.num_kv_heads)
+        return max(1, min(MAX_SPLITS, want))
+
+    def _num_splits(self, seq_lens: List[int], grid_splits: int) -> List[int]:
+        return [max(1, min(grid_splits, div_ceil(n, MIN_SPLIT_LEN))) for n in seq_lens]
+
+    # ---- metadata ------------------------------------------------------------------------------
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs
+        bs = len(reqs)
+        rows = [r.table_idx for r in reqs]
+        seq_lens = [r.device_len for r in reqs]
+        if batch.is_decode:
+            grid = self.grid_splits(bs)
+            packed = make_device_tensor(
+                [rows, seq_lens, self._num_splits(seq_lens, grid), list(range(bs))], torch.int64, self.device
+            )
+            batch.attn_metadata = TritonAttnMetadata(
+                last_indices=packed[3], rows=packed[0], seq_lens=packed[1], num_splits=packed[2],
+                grid_splits=grid, packed=packed,
+            )  # fmt: skip
+            return
+        ext = [r.extend_len for r in reqs]
+        q_start, last, total = [], [], 0
+        for n in ext:
+            q_start.append(total)
+            total += n
+            last.append(total - 1)
+        cached = [r.cached_len for r in reqs]
+        packed = make_device_tensor([rows, seq_lens, q_start, cached, ext, last], torch.int64, self.device)
+        batch.attn_metadata = TritonAttnMetadata(
+            last_indices=packed[5], rows=packed[0], seq_lens=packed[1], q_start=packed[2],
+            cached_lens=packed[3], extend_lens=packed[4], max_extend_len=max(ext), packed=packed,
+        )  # fmt: skip
+
+    # ---- compute -------------------------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        meta: TritonAttnMetadata = batch.attn_metadata
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if meta.num_splits is not None:
+            if meta.mid_o is None:  # eager: scratch shared by every layer of this step
+                B, Hq, D = q.shape
+                meta.mid_o = torch.empty((B, Hq, meta.grid_splits, D), dtype=torch.float32, device=q.device)
+                meta.mid_lse = torch.empty((B, Hq, meta.grid_splits), dtype=torch.float32, device=q.device)
+            decode_attention(
+                q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits,
+                meta.mid_o, meta.mid_lse, out, self.sm_scale,
+            )  # fmt: skip
+            return out
+        assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
+        extend_attention(
+            q, k_cache, v_cache, self.page_table, meta.rows, meta.q_start, meta.cached_lens,
+            meta.extend_lens, meta.max_extend_len, out, self.sm_scale,
+        )  # fmt: skip
+        return out
+
+    # ---- CUDA graphs (decode) ------------------------------------------------------------------
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        max_bs = max(bs_list)
+        max_grid = max(self.grid_splits(bs) for bs in bs_list)
+        Hq, D = self.num_qo_heads, self.head_dim
+        packed = torch.zeros((4, max_bs), dtype=torch.int64, device=self.device)
+        packed[3] = torch.arange(max_bs, device=self.device)
+        self._graph_buffers = {
+            "packed": packed,
+            "mid_o": torch.empty((max_bs, Hq, max_grid, D), dtype=torch.float32, device=self.device),
+            "mid_lse": torch.empty((max_bs, Hq, max_grid), dtype=torch.float32, device=self.device),
+        }
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.padded_size
+        grid = self.grid_splits(bs)
+        buf = self._graph_buffers
+        packed = buf["packed"][:, :bs]
+        packed[0].fill_(batch.padded_reqs[0].table_idx)  # the dummy request: one token on the dummy page
+        packed[1].fill_(1)
+        packed[2].fill_(1)
+        batch.attn_metadata = TritonAttnMetadata(
+            last_indices=packed[3], rows=packed[0], seq_lens=packed[1], num_splits=packed[2],
+            grid_splits=grid, mid_o=buf["mid_o"][:bs, :, :grid], mid_lse=buf["mid_lse"][:bs, :, :grid],
+            packed=packed,
+        )  # fmt: skip
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        meta: TritonAttnMetadata = batch.attn_metadata
+        bs = batch.padded_size
+        assert meta.packed is not None and meta.num_splits is not None, "prepare_metadata(batch) first"
+        assert meta.grid_splits == self.grid_splits(bs), "metadata was prepared for another batch size"
+        self._graph_buffers["packed"][:3, :bs].copy_(meta.packed[:3])

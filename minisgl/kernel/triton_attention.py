@@ -1,0 +1,314 @@
+"""Paged attention kernels in Triton (CUDA only; imported only when the triton backend is chosen).
+
+The KV pool of one layer is `[num_slots, Hk, D]`; a request's keys are found through its page
+table row: `page_table[row, pos]` is the pool slot of token `pos`. Because the table holds one
+slot per token, the kernels work for any page size (a page is just `page_size` consecutive slots).
+
+Decode (one query token per request) is split-K ("flash decoding"):
+  stage 1, grid (B, Hk, S): each program takes one KV head, all the query heads that share it
+      (GQA: the group is padded to 16 rows so the scores are one tensor-core dot) and one of the
+      request's `num_splits[b]` chunks of its context; it writes the chunk's normalised output and
+      its log-sum-exp (base 2) to float32 scratch.
+  stage 2, grid (B, Hq): combines the chunks with their log-sum-exp weights.
+The split count per request is chosen on the host (metadata), bounded by the grid's S, so the
+launch shape depends only on the batch size: a CUDA graph captured per batch size replays it.
+
+Extend/prefill, grid (B, Hq, query blocks): queries `[cached_len, device_len)` of a request
+attend to keys `[0, position]` (causal with the cached-prefix offset), keys read from the pool
+(this step's K/V are stored before attention runs). Blocks above the diagonal are skipped.
+
+All softmax arithmetic is float32 in base 2 (the scale is pre-multiplied by log2(e)). Float32
+inputs use IEEE dots (not TF32) so float32 models match the reference exactly enough for greedy
+comparisons.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q,
+    K,
+    V,
+    PageTable,
+    Rows,
+    SeqLens,
+    NumSplits,
+    MidO,
+    MidLse,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_split = tl.load(NumSplits + b).to(tl.int32)
+    if split < n_split:
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
+        row = tl.load(Rows + b).to(tl.int64)
+        split_len = tl.cdiv(seq_len, n_split)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = kvh * GROUP + offs_h
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        q = tl.load(
+            Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        pt_row = PageTable + row * stride_pt
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        has = l_i > 0.0  # an empty chunk (start >= seq_len) contributes weight 0, never NaN
+        safe_l = tl.where(has, l_i, 1.0)
+        lse = tl.where(has, m_i + tl.log2(safe_l), float("-inf"))
+        out = acc / safe_l[:, None]
+        o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+        tl.store(o_ptr, out, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    MidO,
+    MidLse,
+    NumSplits,
+    Out,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    stride_outt,
+    stride_outh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    n_split = tl.load(NumSplits + b).to(tl.int32)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < n_split
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(MidLse + b.to(tl.int64) * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)  # chunk 0 is never empty: finite
+    w = tl.exp2(lse - m)
+    o = tl.load(
+        MidO + b.to(tl.int64) * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+        mask=mask_s[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + b.to(tl.int64) * stride_outt + h * stride_outh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PageTable,
+    Rows,
+    QStart,
+    CachedLens,
+    ExtendLens,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_outt,
+    stride_outh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    ext = tl.load(ExtendLens + b).to(tl.int32)
+    if mb * BLOCK_M < ext:
+        cached = tl.load(CachedLens + b).to(tl.int32)
+        q0 = tl.load(QStart + b).to(tl.int64)
+        row = tl.load(Rows + b).to(tl.int64)
+        kvh = h // GROUP
+
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < ext
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < HEAD_DIM
+        tok = q0 + offs_m
+        q = tl.load(
+            Q + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        q_pos = cached + offs_m
+        kv_end = cached + tl.minimum((mb + 1) * BLOCK_M, ext)  # keys past the block's last query are masked anyway
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        pt_row = PageTable + row * stride_pt
+        for n0 in range(0, kv_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < kv_end
+            slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            # key 0 is visible to every row, so after the first block m_i is finite
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(
+            Out + tok[:, None] * stride_outt + h * stride_outh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: torch.Tensor,
+    mid_o: torch.Tensor,
+    mid_lse: torch.Tensor,
+    out: torch.Tensor,
+    sm_scale: float,
+) -> None:
+    """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
+    mid_o: [B, Hq, S, D] float32, mid_lse: [B, Hq, S] float32 (S = the grid's split bound)."""
+    B, Hq, D = q.shape
+    Hk = k_cache.shape[1]
+    group = Hq // Hk
+    S = mid_o.shape[2]
+    block_d = triton.next_power_of_2(D)
+    fp32 = q.dtype == torch.float32
+    block_n = 32 if fp32 else 64
+    _decode_partial_kernel[(B, Hk, S)](
+        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, mid_o, mid_lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_D=block_d, PRECISION=_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    _decode_reduce_kernel[(B, Hq)](
+        mid_o, mid_lse, num_splits, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d,
+        num_warps=4 if fp32 or block_d >= 128 else 2,
+    )  # fmt: skip
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    q_start: torch.Tensor,
+    cached_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    max_extend_len: int,
+    out: torch.Tensor,
+    sm_scale: float,
+) -> None:
+    """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata."""
+    T, Hq, D = q.shape
+    B = rows.shape[0]
+    Hk = k_cache.shape[1]
+    block_d = triton.next_power_of_2(D)
+    fp32 = q.dtype == torch.float32
+    if fp32 or block_d > 128:
+        block_m, block_n, warps = 32, 32, 4
+    else:
+        block_m, block_n, warps = 64, 64, 4
+    grid = (B, Hq, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, page_table, rows, q_start, cached_lens, extend_lens,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
+        GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=2,
+    )  # fmt: skip

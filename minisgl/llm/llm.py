@@ -1,0 +1,171 @@
+"""LLM: run the scheduler in this process and generate for a list of prompts.
+
+Prompts may be text, token-id lists, or chat conversations (lists of {"role", "content"}
+messages, rendered with the tokenizer's chat template). Every prompt is validated before any is
+queued, so a bad one raises ValueError and leaves the LLM usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.distributed import DistributedInfo
+from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
+from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_model_path
+from minisgl.utils.torch_utils import auto_dtype, parse_dtype
+
+Message = Dict[str, Any]
+Prompt = Union[str, List[int], List[Message]]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: List[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    logprobs: List[float] | None = None
+    top_logprobs: List[List[Tuple[int, float]]] | None = field(default=None, repr=False)
+
+
+class LLM:
+    def __init__(self, model_path: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto", **config: Any) -> None:
+        path = resolve_model_path(model_path)
+        target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
+        resolved = auto_dtype(cached_load_hf_config(path), target) if dtype == "auto" else parse_dtype(dtype)
+        self.model_path = path
+        self.scheduler = Scheduler(
+            SchedulerConfig(model_path=path, tp_info=DistributedInfo(0, 1), dtype=resolved, device=device, **config)
+        )
+        self.tokenizer = load_tokenizer(path)
+        self._uids = itertools.count()
+
+    # ---- prompts -----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt, index: int = 0) -> List[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty")
+            return list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            ids = self.tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty")
+            return list(prompt)
+        raise ValueError(
+            f"prompt {index} must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
+        )
+
+    @staticmethod
+    def _as_list(prompts: Prompt | Sequence[Prompt]) -> List[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], (int, dict)):
+            return [list(prompts)]  # one token list or one conversation
+        return list(prompts)  # type: ignore[arg-type]
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> List[GenerationResult]:
+        items = self._as_list(prompts)
+        if not items:
+            raise ValueError("prompts is empty")
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(items)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(items):
+                raise ValueError(f"got {len(params)} sampling_params for {len(items)} prompts")
+        requests = [UserRequest(next(self._uids), self.encode(p, i), sp) for i, (p, sp) in enumerate(zip(items, params))]
+        pending = set()
+        for req in requests:  # validate all before queueing any: a bad prompt leaves nothing behind
+            self.scheduler.validate(req)
+        for req in requests:
+            self.scheduler.add_request(req)
+            pending.add(req.uid)
+        tokens: Dict[int, List[int]] = {r.uid: [] for r in requests}
+        logps: Dict[int, List[float]] = {r.uid: [] for r in requests}
+        tops: Dict[int, List[List[Tuple[int, float]]]] = {r.uid: [] for r in requests}
+        finals: Dict[int, Any] = {}
+        bar = _progress(len(requests), use_tqdm)
+        try:
+            while pending:
+                for out in self.scheduler.step():
+                    if out.uid not in pending:
+                        continue
+                    if out.token_id is not None:
+                        tokens[out.uid].append(out.token_id)
+                        if out.logprob is not None:
+                            logps[out.uid].append(out.logprob)
+                            tops[out.uid].append(out.top_logprobs or [])
+                    if out.finished:
+                        finals[out.uid] = out
+                        pending.discard(out.uid)
+                        if bar is not None:
+                            bar.update(1)
+            self.scheduler.run_until_idle()  # retire the step still in flight (overlap)
+        except BaseException:
+            for uid in pending:
+                self.scheduler.abort(uid)
+            self.scheduler.run_until_idle()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        results = []
+        for req in requests:
+            fin = finals[req.uid]
+            ids = tokens[req.uid]
+            wants_lp = req.sampling_params.logprobs is not None
+            results.append(
+                GenerationResult(
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    token_ids=ids,
+                    finish_reason=fin.finish_reason,
+                    prompt_tokens=len(req.input_ids),
+                    completion_tokens=len(ids),
+                    cached_tokens=fin.cached_tokens,
+                    logprobs=logps[req.uid] if wants_lp else None,
+                    top_logprobs=tops[req.uid] if wants_lp else None,
+                )
+            )
+        return results
+
+    def chat(
+        self, messages: List[Message] | Sequence[List[Message]], sampling_params: SamplingParams | None = None
+    ) -> List[GenerationResult]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)  # type: ignore[list-item]
+        return self.generate(convs, sampling_params)  # type: ignore[arg-type]
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _progress(total: int, use_tqdm: bool | None) -> Any:
+    if use_tqdm is None:
+        use_tqdm = total >= 8 and sys.stderr.isatty()
+    if not use_tqdm:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

@@ -1,0 +1,79 @@
+"""What the scheduler keeps per request, around the engine's Req."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import torch
+
+from minisgl.core import Req, SamplingParams
+from minisgl.kvcache.base import MatchResult
+
+
+@dataclass
+class UserRequest:
+    """A tokenized request as it arrives at the scheduler."""
+
+    uid: int
+    input_ids: List[int]
+    sampling_params: SamplingParams
+
+
+@dataclass
+class TokenOutput:
+    """One generated token (or a final notice) for one request."""
+
+    uid: int
+    token_id: int | None  # None only for a request aborted before producing a token
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprob: float | None = None
+    top_logprobs: List[Tuple[int, float]] | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class SchedReq(Req):
+    """A running request: the engine's Req plus its pages, cache pin and stop state.
+
+    While the prompt is being prefilled in chunks, `device_len` stops at the end of the current
+    chunk (< prompt_len); the token sampled after a non-final chunk is discarded.
+    """
+
+    def __init__(self, user: UserRequest, table_idx: int, output_len: int, match: MatchResult, page_size: int) -> None:
+        cached = match.num_pages * page_size
+        super().__init__(
+            input_ids=torch.tensor(user.input_ids, dtype=torch.int32),
+            table_idx=table_idx,
+            cached_len=cached,
+            output_len=output_len,
+            uid=user.uid,
+            sampling_params=user.sampling_params,
+            cache_handle=match.handle,
+        )
+        self.pages: List[int] = list(match.pages)
+        self.num_cached_prompt = cached
+        self.reserved_pages = 0  # pages promised to this request but not yet allocated
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.stop_ids: set[int] = set()
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.cached_len >= self.prompt_len
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.device_len <= self.prompt_len and not self.prefill_done
+
+    @property
+    def num_output(self) -> int:
+        return len(self.input_ids) - self.prompt_len
+
+    @property
+    def can_decode(self) -> bool:
+        return not self.finished and self.prefill_done and self.device_len < self.max_device_len
+
+
+__all__ = ["UserRequest", "TokenOutput", "SchedReq", "field"]

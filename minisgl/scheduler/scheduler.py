@@ -1,0 +1,410 @@
+"""The scheduler: owns one Engine and runs the step loop.
+
+Each step admits waiting requests (matching cached prefixes, reserving KV pages for their
+worst case so decode never runs out of memory), picks a prefill batch (chunked under a token
+budget) or a decode batch, prepares its inputs on the device, and hands it to the engine.
+
+Token ids never round-trip through the host during decode: the token pool (one row per running
+request, on the device) holds prompts and sampled tokens, and each batch gathers its input ids
+from it. With overlap scheduling, step N+1 is prepared and launched before step N's results are
+read back, so the host work hides behind the device's; results then lag by one step, and pages
+of requests that finished are released only after the step that may still use them completes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Set
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.engine import Engine, ForwardOutput
+from minisgl.engine.sample import BatchSamplingArgs
+from minisgl.kvcache import PageAllocator, create_cache_manager
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
+from minisgl.utils.device import create_stream, make_device_tensor, stream_context
+from minisgl.utils.hf import resolve_model_path
+from minisgl.utils.logger import init_logger
+from minisgl.utils.misc import div_ceil
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _InFlight:
+    batch: Batch
+    output: ForwardOutput
+    # requests whose sampled token is real (not a non-final prefill chunk), by batch row
+    emits: List[bool]
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    total_pages: int
+    free_pages: int  # free + evictable (cached but unpinned)
+    cached_pages: int
+    prompt_tokens: int
+    cache_hit_tokens: int
+    generated_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_pages / self.total_pages
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be >= 1, got {config.max_extend_tokens}")
+        self.engine = Engine(config)
+        self.config = config
+        self.overlap = config.overlap
+        self.device = self.engine.device
+        self.page_size = config.page_size
+        self.max_seq_len = self.engine.max_seq_len
+        self.vocab_size = self.engine.config.model_config.vocab_size
+        self.allocator = PageAllocator(self.engine.num_pages)
+        self.cache = create_cache_manager(config.cache_type, self.page_size)
+        self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
+        # token ids of every running request on the device; the last row is the dummy request's
+        self.token_pool = torch.zeros_like(self.engine.page_table)
+        self.stream = create_stream(self.device)  # host-to-device staging, apart from the engine's stream
+        self.eos_ids: Set[int] = set(self.engine.config.model_config.eos_token_ids) | _generation_eos(
+            config.model_path
+        )
+        self.waiting: Deque[UserRequest] = deque()
+        self.prefilling: List[SchedReq] = []  # admitted, prompt not fully prefilled
+        self.running: List[SchedReq] = []  # decoding
+        self.active: Dict[int, SchedReq] = {}
+        self._queued_uids: Set[int] = set()
+        self._reserved = 0
+        self._in_flight: _InFlight | None = None
+        self._deferred: List[SchedReq] = []  # finished; freed once no in-flight step can touch them
+        self._last_phase = "decode"
+        self._early: List[TokenOutput] = []  # outputs produced outside a step (aborts)
+        self._prompt_tokens = self._hit_tokens = self._generated = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate(self, req: UserRequest) -> None:
+        """Raise ValueError naming what is wrong with the request (nothing is changed)."""
+        if req.uid in self._queued_uids or req.uid in self.active:
+            raise ValueError(f"request uid {req.uid} is already in use")
+        if len(req.input_ids) == 0:
+            raise ValueError("prompt is empty: input_ids must hold at least one token")
+        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids must be in [0, {self.vocab_size}), got {bad[0]}")
+        req.sampling_params.validate()
+        if len(req.input_ids) >= self.max_seq_len:
+            raise ValueError(
+                f"prompt has {len(req.input_ids)} tokens but the context is {self.max_seq_len} tokens "
+                "(prompt + at least one generated token must fit)"
+            )
+
+    def add_request(self, req: UserRequest) -> None:
+        self.validate(req)
+        self.waiting.append(req)
+        self._queued_uids.add(req.uid)
+
+    def abort(self, uid: int) -> bool:
+        """Stop a request wherever it is; its pages are freed. Returns whether it was found."""
+        for i, req in enumerate(self.waiting):
+            if req.uid == uid:
+                del self.waiting[i]
+                self._queued_uids.discard(uid)
+                self._early.append(TokenOutput(uid, None, True, "abort", prompt_tokens=len(req.input_ids)))
+                return True
+        sreq = self.active.get(uid)
+        if sreq is None or sreq.finished:
+            return False
+        self._finish(sreq, "abort")
+        self._early.append(TokenOutput(uid, None, True, "abort", prompt_tokens=sreq.prompt_len))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self._in_flight or self._early)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> List[TokenOutput]:
+        """Schedule and launch one batch; return the tokens of the batch that completed."""
+        outputs, self._early = self._early, []
+        batch = self._schedule()
+        launched = self._launch(batch) if batch is not None else None
+        must_sync = launched is not None and _needs_host_history(launched.batch)
+        if self.overlap and not must_sync:
+            if self._in_flight is not None:
+                outputs += self._process(self._in_flight)
+            self._in_flight = launched
+        else:
+            if self._in_flight is not None:
+                outputs += self._process(self._in_flight)
+                self._in_flight = None
+            if launched is not None:
+                outputs += self._process(launched)
+        if self._in_flight is None:
+            self._release_deferred()
+        return outputs
+
+    def run_until_idle(self) -> List[TokenOutput]:
+        out: List[TokenOutput] = []
+        while self.has_work():
+            out += self.step()
+        return out
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def _schedule(self) -> Batch | None:
+        decodable = [r for r in self.running if r.can_decode]
+        want_prefill = bool(self.waiting or self.prefilling)
+        # Alternate when both kinds of work exist: a decode step never waits more than one
+        # (budget-bounded) prefill step, and prefills still make progress every other step.
+        if want_prefill and (not decodable or self._last_phase == "decode"):
+            batch = self._schedule_prefill()
+            if batch is not None:
+                self._last_phase = "prefill"
+                return batch
+        if decodable:
+            self._last_phase = "decode"
+            return Batch(reqs=decodable, phase="decode")
+        return None
+
+    def _available_pages(self) -> int:
+        return self.allocator.num_free + self.cache.evictable_pages - self._reserved
+
+    def _schedule_prefill(self) -> Batch | None:
+        budget = self.config.max_extend_tokens
+        reqs: List[SchedReq] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(req.prompt_len - req.cached_len, budget)
+            req.device_len = req.cached_len + chunk
+            budget -= chunk
+            reqs.append(req)
+        while self.waiting and budget > 0 and self.free_rows:
+            user = self.waiting[0]
+            prompt_len = len(user.input_ids)
+            output_len = min(user.sampling_params.max_tokens, self.max_seq_len - prompt_len)
+            match = self.cache.match_prefix(user.input_ids[: prompt_len - 1])
+            need = div_ceil(prompt_len + output_len, self.page_size) - match.num_pages
+            if need > self._available_pages():
+                self.cache.unlock(match.handle)
+                break  # wait for running requests to finish and return pages
+            self.waiting.popleft()
+            self._queued_uids.discard(user.uid)
+            req = SchedReq(user, self.free_rows.pop(), output_len, match, self.page_size)
+            req.reserved_pages = need
+            self._reserved += need
+            req.stop_ids = set(user.sampling_params.stop_token_ids)
+            if not user.sampling_params.ignore_eos:
+                req.stop_ids |= self.eos_ids
+            self.active[req.uid] = req
+            self._prompt_tokens += prompt_len
+            self._hit_tokens += req.cached_len
+            self._write_prompt(req)
+            chunk = min(prompt_len - req.cached_len, budget)
+            req.device_len = req.cached_len + chunk
+            budget -= chunk
+            self.prefilling.append(req)
+            reqs.append(req)
+        if not reqs:
+            return None
+        return Batch(reqs=reqs, phase="prefill")
+
+    def _write_prompt(self, req: SchedReq) -> None:
+        ids = req.input_ids
+        with stream_context(self.stream):
+            self.token_pool[req.table_idx, : len(ids)].copy_(ids.to(self.device, non_blocking=True))
+        # matched prefix pages: point the page table at the cached slots
+        if req.pages:
+            self._write_page_table(req, 0, len(req.pages))
+
+    def _alloc_pages(self, req: SchedReq, upto_tokens: int) -> None:
+        """Make sure pages cover token positions [0, upto_tokens) of `req`."""
+        need = div_ceil(upto_tokens, self.page_size) - len(req.pages)
+        if need <= 0:
+            return
+        if self.allocator.num_free < need:
+            self.allocator.free(self.cache.evict(need - self.allocator.num_free))
+        start = len(req.pages)
+        req.pages += self.allocator.alloc(need)
+        take = min(need, req.reserved_pages)
+        req.reserved_pages -= take
+        self._reserved -= take
+        self._write_page_table(req, start, len(req.pages))
+
+    def _write_page_table(self, req: SchedReq, first_page: int, end_page: int) -> None:
+        ps = self.page_size
+        pages = torch.tensor(req.pages[first_page:end_page], dtype=torch.int64)
+        slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).flatten().to(torch.int32)
+        limit = self.engine.page_table.shape[1]
+        start = first_page * ps
+        slots = slots[: max(0, limit - start)]
+        with stream_context(self.stream):
+            self.engine.page_table[req.table_idx, start : start + len(slots)].copy_(
+                slots.to(self.device, non_blocking=True)
+            )
+
+    # ---- launching ---------------------------------------------------------------------------
+    def _launch(self, batch: Batch) -> _InFlight:
+        engine = self.engine
+        for req in batch.reqs:
+            self._alloc_pages(req, req.device_len)  # type: ignore[arg-type]
+        engine.graph_runner.pad_batch(batch)
+        rows: List[int] = []
+        positions: List[int] = []
+        for req in batch.padded_reqs:
+            n = req.device_len - req.cached_len
+            rows += [req.table_idx] * n
+            positions += range(req.cached_len, req.device_len)
+        with stream_context(self.stream):
+            rows_t = make_device_tensor(rows, torch.int64, self.device)
+            pos_t = make_device_tensor(positions, torch.int64, self.device)
+        args = engine.sampler.prepare(batch)
+        engine.stream.wait_stream(self.stream)
+        with stream_context(engine.stream):
+            batch.input_ids = self.token_pool[rows_t, pos_t]
+            batch.out_loc = engine.page_table[rows_t, pos_t]
+            batch.positions = pos_t.to(torch.int32)
+            engine.attn_backend.prepare_metadata(batch)
+            output = engine.forward_batch(batch, args)
+            emits = []
+            write_rows, write_pos = [], []
+            for req in batch.reqs:
+                assert isinstance(req, SchedReq)
+                real = req.prefill_done  # after complete_one: the whole prompt has KV now
+                emits.append(real)
+                if real:
+                    write_rows.append(req.table_idx)
+                    write_pos.append(req.device_len - 1)
+            if write_rows:
+                idx_rows = make_device_tensor(write_rows, torch.int64, self.device)
+                idx_pos = make_device_tensor(write_pos, torch.int64, self.device)
+                keep = make_device_tensor([i for i, e in enumerate(emits) if e], torch.int64, self.device)
+                self.token_pool[idx_rows, idx_pos] = output.next_tokens_gpu[keep]
+        # bookkeeping that must happen at launch time (the next schedule depends on it)
+        for req, real in zip(batch.reqs, emits):
+            assert isinstance(req, SchedReq)
+            if not real:
+                req.device_len = req.cached_len  # mid-prompt chunk: next chunk continues here
+            elif req in self.prefilling:
+                self.prefilling.remove(req)
+                self.running.append(req)
+        return _InFlight(batch, output, emits)
+
+    # ---- results -----------------------------------------------------------------------------
+    def _process(self, flight: _InFlight) -> List[TokenOutput]:
+        flight.output.copy_done_event.synchronize()
+        self._release_deferred()  # every step before this one has completed
+        tokens = flight.output.next_tokens_cpu.tolist()
+        lp = flight.output.logprobs
+        outputs: List[TokenOutput] = []
+        for i, (req, real) in enumerate(zip(flight.batch.reqs, flight.emits)):
+            assert isinstance(req, SchedReq)
+            if not real or req.finished:
+                continue
+            token = tokens[i]
+            req.append_host(torch.tensor([token], dtype=torch.int32))
+            self._generated += 1
+            out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
+            if lp is not None and req.sampling_params.logprobs is not None:
+                k = req.sampling_params.logprobs
+                out.logprob = float(lp[0][i])
+                out.top_logprobs = list(zip(lp[2][i, :k].tolist(), lp[1][i, :k].tolist()))
+            if token in req.stop_ids:
+                self._finish(req, "stop")
+            elif req.num_output >= req.output_len:
+                self._finish(req, "length")
+            out.finished, out.finish_reason = req.finished, req.finish_reason
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, req: SchedReq, reason: str) -> None:
+        req.finished, req.finish_reason = True, reason
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        self._deferred.append(req)
+
+    def _release_deferred(self) -> None:
+        for req in self._deferred:
+            self._release(req)
+        self._deferred = []
+
+    def _release(self, req: SchedReq) -> None:
+        """Return a finished request's row and pages; its full pages go to the prefix cache."""
+        known = min(req.cached_len, len(req.input_ids))  # tokens whose KV is in the pool
+        full = min(known // self.page_size, len(req.pages))
+        ids = req.input_ids[: full * self.page_size].tolist()
+        to_free, _ = self.cache.insert(ids, req.pages[:full])
+        to_free += req.pages[full:]
+        self.cache.unlock(req.cache_handle)
+        self.allocator.free(to_free)
+        self._reserved -= req.reserved_pages
+        req.reserved_pages = 0
+        req.pages = []
+        self.free_rows.append(req.table_idx)
+        del self.active[req.uid]
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running) + len(self.prefilling),
+            num_waiting=len(self.waiting),
+            total_pages=self.allocator.num_pages,
+            free_pages=self.allocator.num_free + self.cache.evictable_pages,
+            cached_pages=self.cache.cached_pages,
+            prompt_tokens=self._prompt_tokens,
+            cache_hit_tokens=self._hit_tokens,
+            generated_tokens=self._generated,
+        )
+
+    def check_invariants(self) -> None:
+        """When idle: every page is free or held unpinned by the cache, every row is free."""
+        assert not self.has_work(), "check_invariants() needs an idle scheduler"
+        assert not self.active and not self._deferred, f"requests still hold resources: {list(self.active)}"
+        total = self.allocator.num_pages
+        assert self.allocator.num_free + self.cache.cached_pages == total, (
+            f"page leak: {self.allocator.num_free} free + {self.cache.cached_pages} cached != {total}"
+        )
+        assert self.cache.evictable_pages == self.cache.cached_pages, "a cached page is still pinned"
+        assert len(self.free_rows) == self.config.max_running_req, "a table row leaked"
+        assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
+        assert self._reserved == 0, f"{self._reserved} pages still reserved"
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unpinned cached page; returns how many were freed."""
+        freed = self.cache.reset()
+        self.allocator.free(freed)
+        return len(freed)
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+
+def _needs_host_history(batch: Batch) -> bool:
+    """Penalties read every generated token on the host: such steps cannot run one step ahead."""
+    return any(r.sampling_params.has_penalties for r in batch.reqs)
+
+
+def _generation_eos(model_path: str) -> Set[int]:
+    import json
+    from pathlib import Path
+
+    try:
+        path = Path(resolve_model_path(model_path)) / "generation_config.json"
+        eos: Any = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+    except (OSError, ValueError):
+        return set()
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)
