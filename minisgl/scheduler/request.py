@@ -52,12 +52,34 @@ class SchedReq(Req):
             sampling_params=user.sampling_params,
             cache_handle=match.handle,
         )
-        self.pages: List[int] = list(match.pages)
+        self.pages: List[int] = list(match.pages)  # page i holds positions [i*page_size, (i+1)*page_size)
         self.num_cached_prompt = cached
         self.reserved_pages = 0  # pages promised to this request but not yet allocated
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_ids: set[int] = set()
+
+    # Token ids live in a Python list: appending one per step must not copy the whole sequence.
+    @property  # type: ignore[override]
+    def input_ids(self) -> torch.Tensor:
+        if self._ids_tensor is None or len(self._ids_tensor) != len(self._ids):
+            self._ids_tensor = torch.tensor(self._ids, dtype=torch.int32)
+        return self._ids_tensor
+
+    @input_ids.setter
+    def input_ids(self, value: torch.Tensor) -> None:
+        self._ids: List[int] = value.tolist()
+        self._ids_tensor: torch.Tensor | None = value
+
+    @property
+    def token_ids(self) -> List[int]:
+        return self._ids
+
+    def append_host(self, next_token: torch.Tensor) -> None:
+        self._ids.extend(next_token.view(-1).tolist())
+
+    def append_token(self, token: int) -> None:
+        self._ids.append(token)
 
     @property
     def prefill_done(self) -> bool:
@@ -69,7 +91,7 @@ class SchedReq(Req):
 
     @property
     def num_output(self) -> int:
-        return len(self.input_ids) - self.prompt_len
+        return len(self._ids) - self.prompt_len
 
     @property
     def can_decode(self) -> bool:

@@ -134,6 +134,7 @@ class Scheduler:
         return bool(self.waiting or self.prefilling or self.running or self._in_flight or self._early)
 
     # ---- the loop ----------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> List[TokenOutput]:
         """Schedule and launch one batch; return the tokens of the batch that completed."""
         outputs, self._early = self._early, []
@@ -312,7 +313,7 @@ class Scheduler:
             if not real or req.finished:
                 continue
             token = tokens[i]
-            req.append_host(torch.tensor([token], dtype=torch.int32))
+            req.append_token(token)
             self._generated += 1
             out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
             if lp is not None and req.sampling_params.logprobs is not None:
@@ -342,9 +343,9 @@ class Scheduler:
 
     def _release(self, req: SchedReq) -> None:
         """Return a finished request's row and pages; its full pages go to the prefix cache."""
-        known = min(req.cached_len, len(req.input_ids))  # tokens whose KV is in the pool
+        known = min(req.cached_len, len(req.token_ids))  # tokens whose KV is in the pool
         full = min(known // self.page_size, len(req.pages))
-        ids = req.input_ids[: full * self.page_size].tolist()
+        ids = req.token_ids[: full * self.page_size]
         to_free, _ = self.cache.insert(ids, req.pages[:full])
         to_free += req.pages[full:]
         self.cache.unlock(req.cache_handle)
