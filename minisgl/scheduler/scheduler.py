@@ -88,7 +88,10 @@ class Scheduler:
         self._queued_uids: Set[int] = set()
         self._reserved = 0
         self._in_flight: _InFlight | None = None
-        self._deferred: List[SchedReq] = []  # finished; freed once no in-flight step can touch them
+        self._deferred: List[SchedReq] = []
+        # (row, first column, values) writes to the page table / token pool, flushed per launch
+        self._pt_writes: List[tuple[int, int, List[int]]] = []
+        self._tp_writes: List[tuple[int, int, List[int]]] = []  # finished; freed once no in-flight step can touch them
         self._last_phase = "decode"
         self._early: List[TokenOutput] = []  # outputs produced outside a step (aborts)
         self._prompt_tokens = self._hit_tokens = self._generated = 0
@@ -221,12 +224,10 @@ class Scheduler:
         return Batch(reqs=reqs, phase="prefill")
 
     def _write_prompt(self, req: SchedReq) -> None:
-        ids = req.input_ids
-        with stream_context(self.stream):
-            self.token_pool[req.table_idx, : len(ids)].copy_(ids.to(self.device, non_blocking=True))
-        # matched prefix pages: point the page table at the cached slots
-        if req.pages:
-            self._write_page_table(req, 0, len(req.pages))
+        n = req.prompt_len
+        self._tp_writes.append((req.table_idx, 0, req.token_ids[:n]))
+        if req.pages:  # matched prefix: point the page table at the cached slots
+            self._queue_page_table(req, 0, len(req.pages))
 
     def _alloc_pages(self, req: SchedReq, upto_tokens: int) -> None:
         """Make sure pages cover token positions [0, upto_tokens) of `req`."""
@@ -240,25 +241,42 @@ class Scheduler:
         take = min(need, req.reserved_pages)
         req.reserved_pages -= take
         self._reserved -= take
-        self._write_page_table(req, start, len(req.pages))
+        self._queue_page_table(req, start, len(req.pages))
 
-    def _write_page_table(self, req: SchedReq, first_page: int, end_page: int) -> None:
+    def _queue_page_table(self, req: SchedReq, first_page: int, end_page: int) -> None:
         ps = self.page_size
-        pages = torch.tensor(req.pages[first_page:end_page], dtype=torch.int64)
-        slots = (pages[:, None] * ps + torch.arange(ps)[None, :]).flatten().to(torch.int32)
-        limit = self.engine.page_table.shape[1]
-        start = first_page * ps
-        slots = slots[: max(0, limit - start)]
-        with stream_context(self.stream):
-            self.engine.page_table[req.table_idx, start : start + len(slots)].copy_(
-                slots.to(self.device, non_blocking=True)
-            )
+        if ps == 1:
+            slots = req.pages[first_page:end_page]
+        else:
+            slots = [p * ps + i for p in req.pages[first_page:end_page] for i in range(ps)]
+        self._pt_writes.append((req.table_idx, first_page * ps, slots))
+
+    def _flush_writes(self) -> None:
+        """One scatter each for the queued page-table and token-pool writes of this step."""
+        for target, writes in ((self.engine.page_table, self._pt_writes), (self.token_pool, self._tp_writes)):
+            if not writes:
+                continue
+            limit = target.shape[1]
+            rows: List[int] = []
+            cols: List[int] = []
+            vals: List[int] = []
+            for row, start, values in writes:
+                values = values[: max(0, limit - start)]
+                rows += [row] * len(values)
+                cols += range(start, start + len(values))
+                vals += values
+            writes.clear()
+            with stream_context(self.stream):
+                r = make_device_tensor(rows, torch.int64, self.device)
+                c = make_device_tensor(cols, torch.int64, self.device)
+                target[r, c] = make_device_tensor(vals, torch.int32, self.device)
 
     # ---- launching ---------------------------------------------------------------------------
     def _launch(self, batch: Batch) -> _InFlight:
         engine = self.engine
         for req in batch.reqs:
             self._alloc_pages(req, req.device_len)  # type: ignore[arg-type]
+        self._flush_writes()
         engine.graph_runner.pad_batch(batch)
         rows: List[int] = []
         positions: List[int] = []
