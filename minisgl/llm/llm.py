@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import torch
@@ -42,14 +43,21 @@ class LLM:
         target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         resolved = auto_dtype(cached_load_hf_config(path), target) if dtype == "auto" else parse_dtype(dtype)
         self.model_path = path
+        # A config-only or weights-only folder (dummy weights, tiny test models) has no tokenizer:
+        # such an LLM takes token-id prompts only and returns empty text. Loaded before the
+        # engine so a failure here cannot leave an engine (and its global Context) behind.
+        self.tokenizer = _load_tokenizer_if_any(path)
         self.scheduler = Scheduler(
             SchedulerConfig(model_path=path, tp_info=DistributedInfo(0, 1), dtype=resolved, device=device, **config)
         )
-        self.tokenizer = load_tokenizer(path)
         self._uids = itertools.count()
 
     # ---- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, index: int = 0) -> List[int]:
+        if self.tokenizer is None and isinstance(prompt, (str, list, tuple)) and not _is_token_list(prompt):
+            raise ValueError(
+                f"prompt {index}: the model folder {self.model_path!r} has no tokenizer; pass token ids instead"
+            )
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty")
@@ -133,7 +141,7 @@ class LLM:
             wants_lp = req.sampling_params.logprobs is not None
             results.append(
                 GenerationResult(
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else "",
                     token_ids=ids,
                     finish_reason=fin.finish_reason,
                     prompt_tokens=len(req.input_ids),
@@ -159,6 +167,19 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _is_token_list(prompt: Any) -> bool:
+    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _load_tokenizer_if_any(path: str) -> Any:
+    if not any((Path(path) / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    return load_tokenizer(path)
 
 
 def _progress(total: int, use_tqdm: bool | None) -> Any:
