@@ -475,9 +475,8 @@ def part_timing(device: torch.device, backend: str, bs_list: List[int], ctx_len:
     log(f"  engine built with graphs {engine.graph_runner.batch_sizes} in {time.perf_counter() - t0:.1f}s")
     try:
         mc = engine.config.model_config
-        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        if mc.tie_word_embeddings:  # the LM head reads the embedding again
-            weight_bytes += mc.vocab_size * mc.hidden_size * 2
+        # every weight is read once per step (a tied embedding: by the LM head; the lookup is tiny)
+        weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in engine.model.parameters()}.values())
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
         engine.kv_cache.buffer.normal_()  # never time on zeros
         for row in range(max_bs):

@@ -57,6 +57,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
         )
         self.graph_wrappers: Dict[int, Any] = {}
         self._ones: torch.Tensor = torch.ones(0, dtype=torch.int32)
+        try:  # one launch for K and V instead of three
+            from minisgl.kernel.triton_attention import store_kv
+
+            self._store_kv = store_kv
+        except ImportError:
+            from minisgl.kernel import store_kv as torch_store_kv
+
+            self._store_kv = torch_store_kv
 
     # ---- metadata ------------------------------------------------------------------------------
     def _kv_indices(self, rows: List[int], lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -109,9 +117,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
 
     # ---- compute -------------------------------------------------------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
-        k_cache = self.kv_cache.k_cache(layer_id).unsqueeze(1)  # [slots, page=1, Hk, D]
-        v_cache = self.kv_cache.v_cache(layer_id).unsqueeze(1)
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        self._store_kv(k_cache, v_cache, k, v, batch.out_loc)
+        k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)  # [slots, page=1, Hk, D]
         meta: FlashInferAttnMetadata = batch.attn_metadata
         q = q.contiguous().to(self.dtype)
         return meta.wrapper.run(q, (k_cache, v_cache))

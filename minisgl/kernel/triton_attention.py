@@ -61,6 +61,7 @@ def _decode_partial_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -106,11 +107,15 @@ def _decode_partial_kernel(
 
         has = l_i > 0.0  # an empty chunk (start >= seq_len) contributes weight 0, never NaN
         safe_l = tl.where(has, l_i, 1.0)
-        lse = tl.where(has, m_i + tl.log2(safe_l), float("-inf"))
         out = acc / safe_l[:, None]
-        o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
-        tl.store(o_ptr, out, mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+        if DIRECT:  # one chunk per request (the grid has one split): this is the final output
+            o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            tl.store(o_ptr, out.to(MidO.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
+        else:
+            lse = tl.where(has, m_i + tl.log2(safe_l), float("-inf"))
+            o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
+            tl.store(o_ptr, out, mask=mask_h[:, None] & mask_d[None, :])
+            tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -234,6 +239,14 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def decode_tile(batch_size: int, dtype: torch.dtype) -> int:
+    """BLOCK_N for decode. Measured on the H200 (Qwen3-0.6B heads, benchmark/tune_triton_attention.py):
+    128-token tiles win at batch >= 128 and for long chunks at small batch, 64 in between."""
+    if dtype == torch.float32:
+        return 32
+    return 64 if 16 < batch_size < 128 else 128
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -246,28 +259,40 @@ def decode_attention(
     mid_lse: torch.Tensor,
     out: torch.Tensor,
     sm_scale: float,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> None:
     """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
-    mid_o: [B, Hq, S, D] float32, mid_lse: [B, Hq, S] float32 (S = the grid's split bound)."""
+    mid_o: [B, Hq, S, D] float32, mid_lse: [B, Hq, S] float32 (S = the grid's split bound).
+    With S == 1 the first stage writes `out` directly and the scratch is not touched."""
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     group = Hq // Hk
     S = mid_o.shape[2]
     block_d = triton.next_power_of_2(D)
     fp32 = q.dtype == torch.float32
-    block_n = 32 if fp32 else 64
+    if block_n is None:
+        block_n = decode_tile(B, q.dtype)
+    if num_stages is None:
+        num_stages = 2 if fp32 else 3
+    direct = S == 1
+    dst = out if direct else mid_o
+    dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     _decode_partial_kernel[(B, Hk, S)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, mid_o, mid_lse,
+        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, dst, mid_lse,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        *dst_strides,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, PRECISION=_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
+    if direct:
+        return
     _decode_reduce_kernel[(B, Hq)](
         mid_o, mid_lse, num_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -290,17 +315,21 @@ def extend_attention(
     max_extend_len: int,
     out: torch.Tensor,
     sm_scale: float,
+    config: tuple[int, int, int, int] | None = None,
 ) -> None:
-    """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata."""
+    """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata.
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles."""
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
     block_d = triton.next_power_of_2(D)
     fp32 = q.dtype == torch.float32
-    if fp32 or block_d > 128:
-        block_m, block_n, warps = 32, 32, 4
-    else:
-        block_m, block_n, warps = 64, 64, 4
+    if config is not None:
+        block_m, block_n, warps, stages = config
+    elif fp32 or block_d > 128:
+        block_m, block_n, warps, stages = 32, 32, 4, 2
+    else:  # measured best of the sweep in benchmark/tune_triton_attention.py (H200)
+        block_m, block_n, warps, stages = 64, 64, 4, 3
     grid = (B, Hq, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, q_start, cached_lens, extend_lens,
@@ -310,5 +339,37 @@ def extend_attention(
         page_table.stride(0),
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=_precision(q.dtype),
-        num_warps=warps, num_stages=2,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_kv_kernel(
+    K, V, KCache, VCache, Loc,
+    stride_kt, stride_vt, stride_kcs, stride_vcs,
+    N: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    k = tl.load(K + t.to(tl.int64) * stride_kt + offs, mask=mask)
+    tl.store(KCache + slot * stride_kcs + offs, k.to(KCache.dtype.element_ty), mask=mask)
+    v = tl.load(V + t.to(tl.int64) * stride_vt + offs, mask=mask)
+    tl.store(VCache + slot * stride_vcs + offs, v.to(VCache.dtype.element_ty), mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
+    """One launch for both K and V (the torch fallback takes three): k/v [T, Hk, D] -> pool slots."""
+    T, Hk, D = k.shape
+    if k.stride(2) != 1 or k.stride(1) != D:
+        k = k.contiguous()
+    if v.stride(2) != 1 or v.stride(1) != D:
+        v = v.contiguous()
+    if T == 0:
+        return
+    n = Hk * D
+    _store_kv_kernel[(T,)](
+        k, v, k_cache, v_cache, out_loc, k.stride(0), v.stride(0), k_cache.stride(0), v_cache.stride(0),
+        N=n, BLOCK=triton.next_power_of_2(n), num_warps=4 if n >= 1024 else 2,
     )  # fmt: skip
