@@ -61,8 +61,27 @@ class Sampler:
     device: torch.device
     vocab_size: int
 
+    def __post_init__(self) -> None:
+        self._cache_key: Tuple[int, ...] | None = None
+        self._cache_args: BatchSamplingArgs | None = None
+        self._cache_params: List[object] = []
+
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
-        """Host side, before the forward: turn per-request params into device tensors."""
+        """Host side, before the forward: turn per-request params into device tensors.
+
+        Consecutive decode steps over the same requests reuse the previous tensors, unless a
+        request's draw depends on its step (seed) or its history (penalties)."""
+        params = [r.sampling_params for r in batch.reqs]
+        key = tuple(map(id, params))
+        if key == self._cache_key and self._cache_args is not None:
+            return self._cache_args
+        args = self._prepare(batch)
+        cacheable = args.seeded_rows is None and args.penalties is None
+        # holding `params` keeps their ids from being reused by new objects while cached
+        self._cache_key, self._cache_args, self._cache_params = (key, args, params) if cacheable else (None, None, [])
+        return args
+
+    def _prepare(self, batch: Batch) -> BatchSamplingArgs:
         params = [r.sampling_params for r in batch.reqs]
         penalties = self._prepare_penalties(batch) if any(p.has_penalties for p in params) else None
         wanted = [p.logprobs for p in params if p.logprobs is not None]

@@ -274,16 +274,20 @@ class Scheduler:
     # ---- launching ---------------------------------------------------------------------------
     def _launch(self, batch: Batch) -> _InFlight:
         engine = self.engine
+        ps = self.page_size
         for req in batch.reqs:
-            self._alloc_pages(req, req.device_len)  # type: ignore[arg-type]
+            if req.device_len > len(req.pages) * ps:  # type: ignore[attr-defined]
+                self._alloc_pages(req, req.device_len)  # type: ignore[arg-type]
         self._flush_writes()
         engine.graph_runner.pad_batch(batch)
-        rows: List[int] = []
-        positions: List[int] = []
-        for req in batch.padded_reqs:
-            n = req.device_len - req.cached_len
-            rows += [req.table_idx] * n
-            positions += range(req.cached_len, req.device_len)
+        if batch.is_decode:
+            rows = [r.table_idx for r in batch.padded_reqs]
+            positions = [r.device_len - 1 for r in batch.padded_reqs]
+        else:
+            rows, positions = [], []
+            for req in batch.padded_reqs:
+                rows += [req.table_idx] * (req.device_len - req.cached_len)
+                positions += range(req.cached_len, req.device_len)
         with stream_context(self.stream):
             rows_t = make_device_tensor(rows, torch.int64, self.device)
             pos_t = make_device_tensor(positions, torch.int64, self.device)
@@ -295,28 +299,25 @@ class Scheduler:
             batch.positions = pos_t.to(torch.int32)
             engine.attn_backend.prepare_metadata(batch)
             output = engine.forward_batch(batch, args)
-            emits = []
-            write_rows, write_pos = [], []
-            for req in batch.reqs:
+            # after complete_one: a request emits a real token once its whole prompt has KV
+            emits = [r.prefill_done for r in batch.reqs]  # type: ignore[attr-defined]
+            if batch.is_decode:  # each request fed one token at p and sampled the one at p + 1
+                n = batch.size
+                self.token_pool[rows_t[:n], pos_t[:n] + 1] = output.next_tokens_gpu
+            elif any(emits):
+                keep = [i for i, e in enumerate(emits) if e]
+                idx_rows = make_device_tensor([batch.reqs[i].table_idx for i in keep], torch.int64, self.device)
+                idx_pos = make_device_tensor([batch.reqs[i].device_len - 1 for i in keep], torch.int64, self.device)
+                keep_t = make_device_tensor(keep, torch.int64, self.device)
+                self.token_pool[idx_rows, idx_pos] = output.next_tokens_gpu[keep_t]
+        if batch.is_prefill:  # bookkeeping the next schedule depends on
+            for req, real in zip(batch.reqs, emits):
                 assert isinstance(req, SchedReq)
-                real = req.prefill_done  # after complete_one: the whole prompt has KV now
-                emits.append(real)
-                if real:
-                    write_rows.append(req.table_idx)
-                    write_pos.append(req.device_len - 1)
-            if write_rows:
-                idx_rows = make_device_tensor(write_rows, torch.int64, self.device)
-                idx_pos = make_device_tensor(write_pos, torch.int64, self.device)
-                keep = make_device_tensor([i for i, e in enumerate(emits) if e], torch.int64, self.device)
-                self.token_pool[idx_rows, idx_pos] = output.next_tokens_gpu[keep]
-        # bookkeeping that must happen at launch time (the next schedule depends on it)
-        for req, real in zip(batch.reqs, emits):
-            assert isinstance(req, SchedReq)
-            if not real:
-                req.device_len = req.cached_len  # mid-prompt chunk: next chunk continues here
-            elif req in self.prefilling:
-                self.prefilling.remove(req)
-                self.running.append(req)
+                if not real:
+                    req.device_len = req.cached_len  # mid-prompt chunk: the next chunk continues here
+                else:
+                    self.prefilling.remove(req)
+                    self.running.append(req)
         return _InFlight(batch, output, emits)
 
     # ---- results -----------------------------------------------------------------------------
