@@ -1,0 +1,70 @@
+"""Session-wide fixtures: each tiny checkpoint and each HF oracle is built once per run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Dict
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from helpers import TINY_ARCHS, HFOracle, build_tiny_model  # noqa: E402
+
+import minisgl.core  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_model_dir(name) -> folder of the tiny random checkpoint `name` (built on first use)."""
+    cache: Dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            seed = sorted(TINY_ARCHS).index(name)
+            cache[name] = build_tiny_model(name, tmp_path_factory.mktemp(name), seed=seed)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def hf_oracle(tiny_model_dir: Callable[[str], Path]) -> Callable[[str], HFOracle]:
+    cache: Dict[str, HFOracle] = {}
+
+    def get(name: str) -> HFOracle:
+        if name not in cache:
+            cache[name] = HFOracle(tiny_model_dir(name))
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> str:
+    """The embedded SmolLM2-135M-Instruct as an HF folder (the first call converts the GGUF)."""
+    from minisgl.utils.hf import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+@pytest.fixture(scope="session")
+def embedded_oracle(embedded_model_dir: str) -> HFOracle:
+    return HFOracle(embedded_model_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer(embedded_model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_model_dir)
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_engine():
+    """Every test must shut its engines down: a leaked global Context breaks the next Engine."""
+    yield
+    leaked = minisgl.core._GLOBAL_CTX is not None
+    minisgl.core.clear_global_ctx()
+    assert not leaked, "test left a global Context set (an Engine was not shut down)"
