@@ -1,12 +1,20 @@
-"""Gated activations."""
+"""Gated activations (one Triton kernel on CUDA tensors when triton imports)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from minisgl.kernel.fused import triton_ops, use_fused
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x = [gate | up] along the last dim -> silu(gate) * up."""
+    if use_fused(x):
+        return triton_ops().silu_and_mul(x)  # type: ignore[union-attr]
+    return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -1,4 +1,7 @@
-"""RMSNorm, computed the way HF does (float32 statistics, scale in the model dtype)."""
+"""RMSNorm, computed the way HF does (float32 statistics, scale in the model dtype).
+
+On CUDA tensors (when triton imports) one Triton kernel does the same arithmetic, with the
+residual add fused in; see minisgl/kernel/triton_ops.py."""
 
 from __future__ import annotations
 
@@ -7,10 +10,17 @@ from typing import Tuple
 import torch
 from torch import nn
 
+from minisgl.kernel.fused import triton_ops, use_fused
 from minisgl.layers.base import ShardedModule
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_fused(x) and weight.dtype == x.dtype:
+        return triton_ops().rms_norm(x, weight, eps)  # type: ignore[union-attr]
+    return rms_norm_torch(x, weight, eps)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -28,6 +38,8 @@ class RMSNorm(ShardedModule):
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Add the residual stream, then normalise; returns (normed, new residual)."""
+        if residual is not None and use_fused(x) and self.weight.dtype == x.dtype == residual.dtype:
+            return triton_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)  # type: ignore[union-attr]
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x

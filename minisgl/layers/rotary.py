@@ -14,6 +14,8 @@ from typing import Any, Dict, Tuple
 import torch
 from torch import nn
 
+from minisgl.kernel.fused import triton_ops, use_fused
+
 _ROPE_DEVICE: torch.device = torch.device("cpu")
 _ROPE_CACHE: Dict[Tuple[Any, ...], "RotaryEmbedding"] = {}
 
@@ -76,6 +78,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        if use_fused(q) and self.cos.device == q.device:
+            return triton_ops().apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)  # type: ignore[union-attr]
+        return self.forward_torch(positions, q, k)
+
+    def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
