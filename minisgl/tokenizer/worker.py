@@ -1,0 +1,219 @@
+"""The tokenizer/detokenizer worker process.
+
+From the API server it receives TokenizeMsg (encode the prompt, apply the chat template, start a
+DetokState, forward a UserMsg to the scheduler) and AbortReq (forget the request, forward an
+AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
+strings, reply to the API server), ErrorMsg and StatsMsg (relayed). A stop string ends the request
+here, and the scheduler is told to abort it so its pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Dict, List
+
+import zmq
+
+from minisgl.message import (
+    AbortMsg,
+    AbortReq,
+    ErrorMsg,
+    FlushCacheMsg,
+    ReplyBatchMsg,
+    ReplyMsg,
+    StatsMsg,
+    TokenBatchMsg,
+    TokenizeMsg,
+    TokenOut,
+    UserMsg,
+    decode_msg,
+    encode_msg,
+)
+from minisgl.tokenizer.detokenize import DetokState
+from minisgl.tokenizer.tokenize import PromptEncoder
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+IDLE_POLL_MS = 1000
+
+
+class TokenizerWorker:
+    def __init__(self, tokenizer: Any, to_scheduler: zmq.Socket, to_api: zmq.Socket) -> None:
+        self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)
+        self.to_scheduler = to_scheduler
+        self.to_api = to_api
+        self.states: Dict[int, DetokState] = {}
+        self._piece_cache: Dict[int, str] = {}
+        self._replies: List[ReplyMsg] = []
+
+    # ---- outgoing ----------------------------------------------------------------------------
+    def _to_scheduler(self, msg: Any) -> None:
+        self.to_scheduler.send(encode_msg(msg), copy=False)
+
+    def _to_api(self, msg: Any) -> None:
+        self.to_api.send(encode_msg(msg), copy=False)
+
+    def flush_replies(self) -> None:
+        if self._replies:
+            self._to_api(ReplyBatchMsg(self._replies))
+            self._replies = []
+
+    # ---- incoming ----------------------------------------------------------------------------
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, TokenBatchMsg):
+            for out in msg.outputs:
+                self._on_token(out)
+        elif isinstance(msg, TokenizeMsg):
+            self._on_tokenize(msg)
+        elif isinstance(msg, AbortReq):
+            if self.states.pop(msg.uid, None) is not None:
+                self._to_scheduler(AbortMsg(msg.uid))
+        elif isinstance(msg, ErrorMsg):
+            self.states.pop(msg.uid, None)
+            self.flush_replies()  # keep the order of this request's messages
+            self._to_api(msg)
+        elif isinstance(msg, StatsMsg):
+            self.flush_replies()  # stats describe the state after the tokens already received
+            self._to_api(msg)
+        elif isinstance(msg, FlushCacheMsg):
+            self._to_scheduler(msg)
+        else:
+            logger.warning("tokenizer worker ignores a message of type %s", type(msg).__name__)
+
+    def _on_tokenize(self, msg: TokenizeMsg) -> None:
+        try:
+            if msg.messages is not None:
+                ids = self.encoder.encode_chat(msg.messages, msg.chat_template_kwargs)
+            elif msg.input_ids is not None:
+                ids = self.encoder.encode_ids(msg.input_ids)
+            elif msg.text is not None:
+                ids = self.encoder.encode_text(msg.text)
+            else:
+                raise ValueError("the request has no prompt")
+        except ValueError as exc:
+            self._to_api(ErrorMsg(msg.uid, str(exc), 400, "messages" if msg.messages is not None else "prompt"))
+            return
+        except Exception as exc:
+            logger.error("tokenization failed:\n%s", traceback.format_exc())
+            self._to_api(ErrorMsg(msg.uid, f"tokenization failed: {type(exc).__name__}: {exc}", 400, "prompt"))
+            return
+        self.states[msg.uid] = DetokState(
+            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, prompt_tokens=len(ids)
+        )
+        self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit))
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._piece_cache.get(token_id)
+        if piece is None:
+            piece = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._piece_cache) < 200_000:
+                self._piece_cache[token_id] = piece
+        return piece
+
+    def _on_token(self, out: TokenOut) -> None:
+        state = self.states.get(out.uid)
+        if state is None:
+            return  # aborted, or ended by a stop string: the scheduler's late outputs are dropped
+        new_ids = [out.token_id] if out.token_id is not None else []
+        state.completion_tokens += len(new_ids)
+        try:
+            delta = state.detok.add(new_ids, final=out.finished)
+        except Exception as exc:  # a token id the tokenizer cannot decode
+            logger.error("detokenization failed for request %d: %s", out.uid, exc)
+            delta = ""
+        text, matched = state.stop.feed(delta, final=out.finished)
+        logprobs = None
+        if state.want_logprobs and out.token_id is not None and out.logprob is not None:
+            tops = [[self._piece(int(t)), float(lp)] for t, lp in (out.top_logprobs or [])]
+            logprobs = [[self._piece(out.token_id), out.logprob, tops, out.token_id]]
+        reply = ReplyMsg(
+            uid=out.uid,
+            text=text,
+            num_tokens=len(new_ids),
+            finished=out.finished,
+            finish_reason=out.finish_reason,
+            prompt_tokens=out.prompt_tokens or state.prompt_tokens,
+            completion_tokens=state.completion_tokens,
+            cached_tokens=out.cached_tokens,
+            logprobs=logprobs,
+            token_ids=new_ids,
+        )
+        if matched is not None and not out.finished:
+            reply.finished, reply.finish_reason, reply.matched_stop = True, "stop", matched
+            self._to_scheduler(AbortMsg(out.uid))  # free its pages now
+        elif matched is not None:
+            reply.finish_reason, reply.matched_stop = "stop", matched
+        elif out.finished and out.finish_reason == "stop" and out.token_id is not None:
+            reply.matched_stop = out.token_id
+        if reply.finished:
+            del self.states[out.uid]
+        self._replies.append(reply)
+
+    # ---- loop --------------------------------------------------------------------------------
+    def run(self, recv_sock: zmq.Socket, parent_pid: int | None = None) -> None:
+        from minisgl.server.process_utils import parent_alive
+
+        while True:
+            if not recv_sock.poll(IDLE_POLL_MS):
+                if parent_pid is not None and not parent_alive(parent_pid):
+                    logger.error("the server process is gone; tokenizer worker exits")
+                    return
+                continue
+            while True:
+                try:
+                    data = recv_sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    msg = decode_msg(data)
+                except Exception as exc:
+                    logger.error("tokenizer worker dropped an undecodable message: %s", exc)
+                    continue
+                try:
+                    self.handle(msg)
+                except Exception:  # keep serving everyone else
+                    logger.error("tokenizer worker failed on %s:\n%s", type(msg).__name__, traceback.format_exc())
+                    uid = getattr(msg, "uid", None)
+                    if uid is not None:
+                        self.states.pop(uid, None)
+                        self._to_api(ErrorMsg(uid, "internal error in the tokenizer worker", 500))
+            self.flush_replies()
+
+
+def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
+    """Entry point of the tokenizer worker process (multiprocessing spawn target)."""
+    from minisgl.server.process_utils import IpcAddrs, setup_child_process
+
+    parent = setup_child_process("minisgl-tokenizer", args.log_level)
+    try:
+        from minisgl.utils.hf import load_tokenizer
+
+        tokenizer = load_tokenizer(args.model_path)
+    except BaseException as exc:
+        logger.error("tokenizer worker failed to start:\n%s", traceback.format_exc())
+        try:
+            ready_conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        raise SystemExit(1)
+    addrs = IpcAddrs.in_dir(args.ipc_dir)
+    ctx = zmq.Context()
+    recv_sock = ctx.socket(zmq.PULL)
+    recv_sock.bind(addrs.tokenizer)
+    to_scheduler = ctx.socket(zmq.PUSH)
+    to_scheduler.setsockopt(zmq.SNDHWM, 0)
+    to_scheduler.connect(addrs.scheduler)
+    to_api = ctx.socket(zmq.PUSH)
+    to_api.setsockopt(zmq.SNDHWM, 0)
+    to_api.connect(addrs.api)
+    ready_conn.send(("ready", {"has_chat_template": getattr(tokenizer, "chat_template", None) is not None}))
+    ready_conn.close()
+    logger.info("tokenizer worker ready")
+    try:
+        TokenizerWorker(tokenizer, to_scheduler, to_api).run(recv_sock, parent)
+    finally:
+        for sock in (recv_sock, to_scheduler, to_api):
+            sock.close(linger=0)
+        ctx.term()

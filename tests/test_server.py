@@ -1,0 +1,575 @@
+"""The HTTP server end to end: a real `python -m minisgl` process tree on a free loopback port,
+driven with the official `openai` client and with raw HTTP.
+
+The model is a tiny random Llama (hidden 64, 2 layers) that shares the embedded SmolLM2's
+tokenizer and chat template (vocab 49152), so prompts, chat templates and detokenization are real
+while a forward pass costs a few milliseconds. Every greedy output is compared with
+`minisgl.llm.LLM.generate` on the same checkpoint in float32.
+
+This module also holds the helpers the other server tests import (ServerProcess, the tiny model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 240.0  # the CI machine has 2 cores; other jobs may share them
+API_KEY = "test-key-123"
+MAX_SEQ_LEN = 512
+
+# ---------------------------------------------------------------------------------------------
+# Helpers (imported by test_server_*.py and test_shell.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_tiny_chat_model(out_dir: Path, tokenizer_dir: str) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if (out_dir / "config.json").exists() and (out_dir / "tokenizer.json").exists():
+        return out_dir
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.manual_seed(1234)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,  # varied, prompt-dependent greedy outputs (the default repeats itself)
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copy(src, tmp / name)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+class ServerProcess:
+    """`python -m minisgl ...` as a subprocess (its own session, log in a file)."""
+
+    def __init__(self, model: str | None, *extra: str, log_path: Path, api_key: str | None = None) -> None:
+        self.port = free_port()
+        self.api_key = api_key
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "minisgl", "--port", str(self.port), "--log-level", "info", *extra]
+        if model is not None:
+            cmd += ["--model", model]
+        if api_key is not None:
+            cmd += ["--api-key", api_key]
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("MINISGL_API_KEY", None)
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} during start-up:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{self.log()[-4000:]}")
+
+    def tree_pids(self) -> List[int]:
+        import psutil
+
+        try:
+            parent = psutil.Process(self.proc.pid)
+            return [parent.pid] + [c.pid for c in parent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        else:
+            try:  # whatever is left of its session
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self._log.close()
+        return self.proc.returncode
+
+    def headers(self) -> Dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def openai(self, **kw: Any) -> Any:
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", max_retries=0, timeout=120, **kw)
+
+    def async_openai(self, **kw: Any) -> Any:
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> Dict[str, float]:
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        return parse_metrics(text)
+
+    def wait_idle(self, timeout: float = 30.0) -> Dict[str, float]:
+        """Poll /metrics until no request runs, waits or holds a page-table row."""
+        deadline = time.monotonic() + timeout
+        m: Dict[str, float] = {}
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if (
+                m.get("minisgl_num_running_requests") == 0
+                and m.get("minisgl_num_waiting_requests") == 0
+                and m.get("minisgl_scheduler_active_requests") == 0
+                and m.get("minisgl_http_requests_in_flight") == 0
+            ):
+                return m
+            time.sleep(0.1)
+        raise AssertionError(f"server not idle after {timeout} s: {m}")
+
+
+def parse_metrics(text: str) -> Dict[str, float]:
+    out: Dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name] = float(value)
+    return out
+
+
+def pids_alive(pids: List[int]) -> List[int]:
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: str) -> str:
+    return str(build_tiny_chat_model(tmp_path_factory.getbasetemp() / "tiny_chat_llama", embedded_model_dir))
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny server and its reference outputs
+# ---------------------------------------------------------------------------------------------
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}],
+]
+PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
+CONCURRENT_PROMPTS = [f"Request number {i}: tell me about {w}" for i, w in enumerate(("cats dogs birds fish trees rocks rivers stars " * 4).split())]
+N_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = ServerProcess(
+        tiny_chat_model,
+        "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "16384",
+        "--max-running-requests", "48",
+        log_path=log,
+        api_key=API_KEY,
+    )  # fmt: skip
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model: str) -> Dict[str, Any]:
+    """Greedy outputs of LLM.generate on the same checkpoint (built and shut down here)."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    llm = LLM(tiny_chat_model, dtype="float32", max_seq_len_override=MAX_SEQ_LEN, num_page_override=16384, max_running_req=48)
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=N_NEW)
+        with_lp = SamplingParams(temperature=0.0, max_tokens=N_NEW, logprobs=3)
+        ref: Dict[str, Any] = {
+            "chats": llm.generate(CHATS, with_lp),
+            "prompts": llm.generate(PROMPTS, with_lp),
+            "concurrent": llm.generate(CONCURRENT_PROMPTS, SamplingParams(temperature=0.0, max_tokens=32)),
+            "long": llm.generate(["Write a long story."], SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)),
+            "greedy": greedy,
+        }
+        ref["prompt_ids"] = [llm.encode(p) for p in PROMPTS]
+    finally:
+        llm.shutdown()
+    return ref
+
+
+def _post(server: ServerProcess, path: str, body: Any, **kw: Any) -> httpx.Response:
+    headers = {**server.headers(), **kw.pop("headers", {})}
+    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=120, **kw)
+
+
+def _sse_events(resp: httpx.Response) -> List[Any]:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------
+
+
+def test_models_health_and_auth(server: ServerProcess) -> None:
+    assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
+    models = server.openai().models.list()
+    assert [m.id for m in models.data] == ["tiny_chat_llama"]
+    info = httpx.get(server.base_url + "/server_info").json()
+    assert info["scheduler"]["max_seq_len"] == MAX_SEQ_LEN and info["scheduler"]["dtype"] == "float32"
+    m = server.metrics()
+    assert m["minisgl_kv_cache_usage"] == 0.0 and m["minisgl_kv_pages_total"] == 16384
+
+
+def test_chat_greedy_matches_llm(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    client = server.openai()
+    for chat, ref in zip(CHATS, reference["chats"]):
+        resp = client.chat.completions.create(model="tiny_chat_llama", messages=chat, temperature=0, max_tokens=N_NEW)
+        choice = resp.choices[0]
+        assert choice.message.role == "assistant"
+        assert choice.message.content == ref.text
+        assert choice.finish_reason == ref.finish_reason
+        assert resp.usage.prompt_tokens == ref.prompt_tokens
+        assert resp.usage.completion_tokens == ref.completion_tokens
+
+
+def test_chat_streaming_with_usage(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    client = server.openai()
+    ref = reference["chats"][0]
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny_chat_llama", messages=CHATS[0], temperature=0, max_tokens=N_NEW, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == ref.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == ref.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    # without stream_options: no usage chunk
+    chunks = list(client.chat.completions.create(model="tiny_chat_llama", messages=CHATS[0], temperature=0, max_tokens=4, stream=True))
+    assert all(c.choices for c in chunks)
+
+
+def test_completions_match_llm(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    client = server.openai()
+    # a batch of prompts in one request
+    resp = client.completions.create(model="tiny_chat_llama", prompt=PROMPTS, temperature=0, max_tokens=N_NEW)
+    assert [c.text for c in sorted(resp.choices, key=lambda c: c.index)] == [r.text for r in reference["prompts"]]
+    assert resp.usage.completion_tokens == sum(r.completion_tokens for r in reference["prompts"])
+    # token-id prompt, streaming
+    ids = reference["prompt_ids"][1]
+    stream = client.completions.create(model="tiny_chat_llama", prompt=ids, temperature=0, max_tokens=N_NEW, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == reference["prompts"][1].text
+    # the native API returns the token ids
+    out = _post(server, "/generate", {"text": PROMPTS[2], "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW}}).json()
+    assert out["output_ids"] == reference["prompts"][2].token_ids
+    assert out["text"] == reference["prompts"][2].text
+    assert out["meta_info"]["finish_reason"]["type"] == reference["prompts"][2].finish_reason
+    with httpx.stream(
+        "POST", server.base_url + "/generate", headers=server.headers(), timeout=60,
+        json={"text": PROMPTS[0], "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW}, "stream": True},
+    ) as resp:  # fmt: skip
+        events = _sse_events(resp)
+    assert events[-1] == "[DONE]" and events[-2]["text"] == reference["prompts"][0].text  # cumulative text
+
+
+def test_n_and_seed(server: ServerProcess) -> None:
+    client = server.openai()
+    kw = dict(model="tiny_chat_llama", prompt="Pick a word:", max_tokens=12, temperature=1.0, n=4, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1, 2, 3]
+    texts = [c.text for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.text for c in sorted(b.choices, key=lambda c: c.index)]  # seeded: reproducible
+    assert len(set(texts)) > 1  # choices are independent samples
+    # the same choices streamed, interleaved by index
+    streamed: Dict[int, str] = {}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == texts
+    chat = client.chat.completions.create(model="tiny_chat_llama", messages=CHATS[0], max_tokens=6, n=3, temperature=0)
+    assert len(chat.choices) == 3 and len({c.message.content for c in chat.choices}) == 1  # greedy: all equal
+    assert chat.usage.completion_tokens == 3 * 6
+
+
+def test_stop_strings(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    client = server.openai()
+    ref = reference["prompts"][0]
+    full = ref.text
+    stop = full[len(full) // 3 : len(full) // 3 + 4]
+    expected = full[: full.find(stop)]
+    before = server.metrics().get("minisgl_aborted_requests_total", 0.0)
+    resp = client.completions.create(model="tiny_chat_llama", prompt=PROMPTS[0], temperature=0, max_tokens=N_NEW, stop=[stop, "@@@@"])
+    assert resp.choices[0].text == expected
+    assert resp.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="tiny_chat_llama", prompt=PROMPTS[0], temperature=0, max_tokens=N_NEW, stop=stop, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # chat: the stop string is trimmed as well
+    chat_ref = reference["chats"][0].text
+    cstop = chat_ref[len(chat_ref) // 2 : len(chat_ref) // 2 + 3]
+    resp = client.chat.completions.create(model="tiny_chat_llama", messages=CHATS[0], temperature=0, max_tokens=N_NEW, stop=cstop)
+    assert resp.choices[0].message.content == chat_ref[: chat_ref.find(cstop)]
+    # the requests that stopped early were aborted in the scheduler (their pages freed at once)
+    m = server.wait_idle()
+    assert m["minisgl_aborted_requests_total"] >= before + 2
+    assert m["minisgl_kv_cache_usage"] == 0.0
+
+
+def test_logprobs(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    client = server.openai()
+    ref = reference["chats"][1]
+    resp = client.chat.completions.create(
+        model="tiny_chat_llama", messages=CHATS[1], temperature=0, max_tokens=N_NEW, logprobs=True, top_logprobs=3
+    )
+    content = resp.choices[0].logprobs.content
+    assert len(content) == ref.completion_tokens
+    for item, lp, tops in zip(content, ref.logprobs, ref.top_logprobs):
+        assert item.logprob == pytest.approx(lp, abs=1e-4)
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx([v for _, v in tops], abs=1e-4)
+        assert item.top_logprobs[0].token == item.token  # greedy: the chosen token is the best one
+    assert "".join(i.token for i in content) == resp.choices[0].message.content
+    # completions: logprobs=int
+    cref = reference["prompts"][1]
+    resp = client.completions.create(model="tiny_chat_llama", prompt=PROMPTS[1], temperature=0, max_tokens=N_NEW, logprobs=3)
+    lp = resp.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(cref.logprobs, abs=1e-4)
+    assert [len(t) for t in lp.top_logprobs] == [3] * len(cref.logprobs)
+    assert "".join(lp.tokens) == resp.choices[0].text
+    # streamed logprobs add up to the same
+    stream = client.chat.completions.create(
+        model="tiny_chat_llama", messages=CHATS[1], temperature=0, max_tokens=N_NEW, logprobs=True, stream=True
+    )
+    streamed = [i.logprob for c in stream if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_penalties_and_sampling_knobs_accepted(server: ServerProcess) -> None:
+    client = server.openai()
+    resp = client.chat.completions.create(
+        model="tiny_chat_llama", messages=CHATS[0], max_tokens=8, temperature=0.7, top_p=0.9, seed=3,
+        presence_penalty=0.5, frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True, "stop_token_ids": [2]},
+    )  # fmt: skip
+    assert resp.choices[0].finish_reason == "length" and resp.usage.completion_tokens == 8
+
+
+def test_concurrent_streaming_clients(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    idle_usage = server.metrics()["minisgl_kv_cache_usage"]
+    client = server.async_openai()
+
+    async def one(prompt: str) -> tuple[str, str | None]:
+        stream = await client.completions.create(model="tiny_chat_llama", prompt=prompt, temperature=0, max_tokens=32, stream=True)
+        parts, finish = [], None
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        return "".join(parts), finish
+
+    async def main() -> List[tuple[str, str | None]]:
+        try:
+            return await asyncio.gather(*(one(p) for p in CONCURRENT_PROMPTS))
+        finally:
+            await client.close()
+
+    assert len(CONCURRENT_PROMPTS) == 32
+    results = asyncio.run(main())
+    assert [r[0] for r in results] == [r.text for r in reference["concurrent"]]
+    assert [r[1] for r in results] == [r.finish_reason for r in reference["concurrent"]]
+    m = server.wait_idle()
+    assert m["minisgl_kv_cache_usage"] == idle_usage
+    assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"]
+    assert m["minisgl_time_to_first_token_seconds_count"] >= 32
+    assert m["minisgl_inter_token_latency_seconds_count"] > 0
+
+
+def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
+    server.wait_idle()
+    before = server.metrics()["minisgl_aborted_requests_total"]
+    body = {"model": "tiny_chat_llama", "prompt": "Tell me everything.", "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=server.headers(), timeout=60) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+                if seen == 3:
+                    break  # leave mid-stream: closing the response closes the connection
+    m = server.wait_idle()
+    assert m["minisgl_aborted_requests_total"] == before + 1
+    assert m["minisgl_kv_cache_usage"] == 0.0
+    assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"]
+    # a non-streaming client that gives up is aborted too
+    def give_up() -> None:
+        try:
+            httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, headers=server.headers(), timeout=0.5)
+        except httpx.TimeoutException:
+            pass
+
+    t = threading.Thread(target=give_up)
+    t.start()
+    t.join()
+    m = server.wait_idle()
+    assert m["minisgl_aborted_requests_total"] == before + 2
+    assert m["minisgl_kv_cache_usage"] == 0.0
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> Dict[str, Any]:
+    assert resp.status_code == status, (resp.status_code, resp.text)
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def test_bad_inputs_get_openai_errors(server: ServerProcess) -> None:
+    url = server.base_url
+    h = {**server.headers(), "Content-Type": "application/json"}
+    chat = "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def post(path: str, body: Any, headers: Dict[str, str] | None = None) -> httpx.Response:
+        content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+        return httpx.post(url + path, content=content, headers=h if headers is None else headers, timeout=60)
+
+    _assert_error(post(chat, b'{"messages": [{"role": "user", "content": "hi"'), 400, code="invalid_json")
+    _assert_error(post(chat, b""), 400)
+    _assert_error(post(chat, b"[1, 2]"), 400)
+    _assert_error(post(chat, {"model": "tiny_chat_llama"}), 400, param="messages")
+    _assert_error(post(chat, {"messages": []}), 400, param="messages")
+    _assert_error(post(chat, {"messages": "hello"}), 400, param="messages")
+    _assert_error(post(chat, {"messages": [{"content": "no role"}]}), 400)
+    _assert_error(post(chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, param="messages")
+    err = _assert_error(post(chat, {"model": "gpt-17", "messages": msgs}), 404, param="model", code="model_not_found")
+    assert "gpt-17" in err["message"]
+    _assert_error(post(chat, {"messages": msgs, "temperature": -0.5}), 400, param="temperature")
+    _assert_error(post(chat, {"messages": msgs, "temperature": "hot"}), 400, param="temperature")
+    _assert_error(post(chat, {"messages": msgs, "top_p": 1.5}), 400, param="top_p")
+    _assert_error(post(chat, {"messages": msgs, "max_tokens": 0}), 400, param="max_tokens")
+    _assert_error(post(chat, {"messages": msgs, "max_tokens": -3}), 400, param="max_tokens")
+    _assert_error(post(chat, {"messages": msgs, "max_tokens": "ten"}), 400, param="max_tokens")
+    _assert_error(post(chat, {"messages": msgs, "max_completion_tokens": 0}), 400, param="max_completion_tokens")
+    _assert_error(post(chat, {"messages": msgs, "n": 1.5}), 400, param="n")
+    _assert_error(post(chat, {"messages": msgs, "stream": "yes please"}), 400, param="stream")
+    _assert_error(post(chat, {"messages": msgs, "top_logprobs": 50, "logprobs": True}), 400, param="top_logprobs")
+    _assert_error(post(chat, {"messages": msgs, "presence_penalty": 3}), 400, param="presence_penalty")
+    # beyond the context: found by the scheduler, still a 400 (also for a stream, before it starts)
+    err = _assert_error(post(chat, {"messages": msgs, "max_tokens": MAX_SEQ_LEN * 4}), 400, param="max_tokens")
+    assert str(MAX_SEQ_LEN) in err["message"]
+    _assert_error(post(chat, {"messages": msgs, "max_tokens": MAX_SEQ_LEN * 4, "stream": True}), 400, param="max_tokens")
+    long_text = "word " * (MAX_SEQ_LEN + 50)
+    _assert_error(post(chat, {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}), 400)
+    _assert_error(post("/v1/completions", {"prompt": long_text}), 400)
+    _assert_error(post("/v1/completions", {"prompt": [7] * (MAX_SEQ_LEN + 1), "max_tokens": 1}), 400)
+    _assert_error(post("/v1/completions", {"prompt": [10**7], "max_tokens": 1}), 400, param="input_ids")
+    _assert_error(post("/v1/completions", {"prompt": ""}), 400, param="prompt")
+    _assert_error(post("/v1/completions", {"prompt": "hi", "logprobs": 99}), 400, param="logprobs")
+    _assert_error(post("/v1/completions", {"prompt": "hi", "echo": True}), 400)
+    _assert_error(post("/generate", {"sampling_params": {"max_new_tokens": 2}}), 400)
+    # 40 MB: refused by Content-Length before reading, and while streaming a chunked body
+    big = b'{"messages": [{"role": "user", "content": "' + b"x" * (40 << 20) + b'"}]}'
+    _assert_error(post(chat, big), 413, code="request_too_large")
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i : i + (1 << 20)]
+
+    _assert_error(httpx.post(url + chat, content=chunks(), headers=h, timeout=60), 413, code="request_too_large")
+    # authentication
+    _assert_error(post(chat, {"messages": msgs}, headers={"Content-Type": "application/json"}), 401, code="invalid_api_key")
+    _assert_error(post(chat, {"messages": msgs}, headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
+    _assert_error(httpx.get(url + "/v1/models"), 401)
+    import openai
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError):
+        server.openai().chat.completions.create(model="tiny_chat_llama", messages=msgs, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        server.openai().chat.completions.create(model="nope", messages=msgs)
+    # unknown routes and methods are JSON errors too
+    _assert_error(httpx.get(url + "/v1/nothing-here"), 404)
+    _assert_error(httpx.get(url + chat, headers=h), 405)
+    # after the barrage the server still answers, and nothing leaked
+    resp = server.openai().chat.completions.create(model="tiny_chat_llama", messages=msgs, max_tokens=3, temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+    assert httpx.get(url + "/health").status_code == 200
+    m = server.wait_idle()
+    assert m["minisgl_kv_cache_usage"] == 0.0
