@@ -150,6 +150,7 @@ def check_attention_case(
                         sampling_params=SamplingParams(), cache_handle=None))  # fmt: skip
     batch = Batch(reqs=reqs, phase="decode" if decode else "prefill")
     batch.out_loc = torch.cat([table[i, c : c + e] for i, (c, e) in enumerate(reqs_spec)])
+    backends = [b for b in backends if b != "flashinfer" or flashinfer_case(dtype, D, Hq // Hk, decode)]
     bks = _make_backends(backends, slots_total, Hq, Hk, D, page_size, dtype, device, table, kv)
 
     def run(bk: Any, dt: torch.dtype) -> torch.Tensor:
@@ -168,8 +169,6 @@ def check_attention_case(
     t_norm, t_max = _rel(torch_out, ref)
     tol = 2e-2 if dtype != torch.float32 else 2e-4
     for bname in backends:
-        if bname == "flashinfer" and not flashinfer_case(dtype, D, Hq // Hk, decode):
-            continue
         out = run(bks[bname], dtype)
         nan = bool(torch.isnan(out).any().item())
         n_ref, m_ref = _rel(out, ref)
@@ -475,8 +474,15 @@ def part_timing(device: torch.device, backend: str, bs_list: List[int], ctx_len:
     log(f"  engine built with graphs {engine.graph_runner.batch_sizes} in {time.perf_counter() - t0:.1f}s")
     try:
         mc = engine.config.model_config
-        # every weight is read once per step (a tied embedding: by the LM head; the lookup is tiny)
-        weight_bytes = sum(p.numel() * p.element_size() for p in {p.data_ptr(): p for p in engine.model.parameters()}.values())
+        # Bytes of weights read per decode step: every matrix once; the embedding lookup reads a few
+        # rows, so the table counts only when the LM head is tied to it (then the head reads it).
+        params = dict(engine.model.named_parameters())
+        unique = {p.data_ptr(): p for p in params.values()}
+        weight_bytes = sum(p.numel() * p.element_size() for p in unique.values())
+        emb = params.get("model.embed_tokens.weight")
+        head = params.get("lm_head.weight")
+        if emb is not None and (head is None or head.data_ptr() != emb.data_ptr()):
+            weight_bytes -= emb.numel() * emb.element_size()
         kv_per_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2
         engine.kv_cache.buffer.normal_()  # never time on zeros
         for row in range(max_bs):
@@ -539,7 +545,7 @@ def part_timing(device: torch.device, backend: str, bs_list: List[int], ctx_len:
             # (4) the attention kernel alone, one layer
             attn_us = time_attention_kernel(engine, batch)
             floor_ms = (weight_bytes + bs * ctx_len * kv_per_token) / bw * 1e3
-            row = dict(backend=backend, bs=bs, ctx=ctx_len, replay_ms=replay_ms, step_ms=step_ms, eager_ms=eager_ms,
+            row = dict(backend=backend, bs=bs, ctx=ctx_len, weight_gb=weight_bytes / 1e9, replay_ms=replay_ms, step_ms=step_ms, eager_ms=eager_ms,
                        attn_layer_us=attn_us, roofline_ms=floor_ms, copy_bw_gbs=bw / 1e9,
                        tok_s=bs / step_ms * 1e3)  # fmt: skip
             RESULTS["timing"].append(row)
