@@ -57,6 +57,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         )
         self.graph_wrappers: Dict[int, Any] = {}
         self._ones: torch.Tensor = torch.ones(0, dtype=torch.int32)
+        self._plan_done: Any = None
         try:  # one launch for K and V instead of three
             from minisgl.kernel.triton_attention import store_kv
 
@@ -94,6 +95,16 @@ class FlashInferAttnBackend(BaseAttnBackend):
         )  # fmt: skip
 
     def prepare_metadata(self, batch: Batch) -> None:
+        # plan() stages its int workspace in one pinned host buffer and copies it without
+        # blocking; with overlap scheduling, step N+1 is planned while step N may still be
+        # queued, so wait for the previous plan's copy before the buffer is overwritten.
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
+        self._prepare_metadata(batch)
+        self._plan_done = torch.cuda.Event()
+        self._plan_done.record()
+
+    def _prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
         bs = len(reqs)
         rows = [r.table_idx for r in reqs]
