@@ -1,0 +1,118 @@
+"""Loading weights must not hold a second full copy: building an Engine in bf16 from a ~100 MB
+bf16 safetensors checkpoint may raise peak RSS by at most ~1.5x the weight bytes (the weights
+themselves are 1x). Measured in a fresh interpreter so nothing else in the test run counts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TEST_DEVICE
+
+MAX_RATIO = 1.5
+
+_MEASURE = r"""
+import gc, json, sys
+import torch
+from minisgl.distributed import DistributedInfo
+from minisgl.engine import Engine, EngineConfig
+from minisgl.utils.hf import cached_load_hf_config
+
+big, tiny, device = sys.argv[1:4]
+
+def status_kb(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+def config(path):
+    return EngineConfig(model_path=path, tp_info=DistributedInfo(0, 1), dtype=torch.bfloat16, device=device,
+                        max_running_req=2, num_page_override=8, max_seq_len_override=64)
+
+# Warm up everything that is not weight loading: lazy imports, thread pools, config parsing.
+engine = Engine(config(tiny))
+engine.shutdown()
+del engine
+cached_load_hf_config(big)
+gc.collect()
+
+try:  # reset the high-water mark to the current RSS (Linux >= 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    reset = True
+except OSError:
+    reset = False
+rss_before, hwm_before = status_kb("VmRSS"), status_kb("VmHWM")
+
+engine = Engine(config(big))
+hwm_after, rss_after = status_kb("VmHWM"), status_kb("VmRSS")
+param_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+param_dtypes = sorted({str(p.dtype) for p in engine.model.parameters()})
+engine.shutdown()
+print(json.dumps(dict(reset=reset, rss_before=rss_before, hwm_before=hwm_before, hwm_after=hwm_after,
+                      rss_after=rss_after, param_bytes=param_bytes, param_dtypes=param_dtypes)))
+"""
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory) -> tuple[Path, int]:
+    """A random Llama of ~60M parameters saved in bf16 (~120 MB): (folder, weight bytes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(
+        "llama",
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    out = tmp_path_factory.mktemp("llama_bf16_100mb")
+    model.save_pretrained(out)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    return out, weight_bytes
+
+
+def test_bf16_load_peak_rss(bf16_checkpoint, tiny_model_dir):
+    path, weight_bytes = bf16_checkpoint
+    assert 90e6 < weight_bytes < 160e6
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+    on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    assert on_disk >= weight_bytes  # stored as bf16, not fp32
+
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(path), str(tiny_model_dir("llama")), TEST_DEVICE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    if TEST_DEVICE == "cpu":
+        assert m["param_bytes"] == weight_bytes and m["param_dtypes"] == ["torch.bfloat16"]
+    # Without a reset the high-water mark may predate the load; the warm-up keeps that small.
+    baseline = m["rss_before"] if m["reset"] else max(m["rss_before"], m["hwm_before"])
+    added = m["hwm_after"] - baseline
+    ratio = added / weight_bytes
+    assert ratio <= MAX_RATIO, (
+        f"building the engine raised peak RSS by {added / 1e6:.1f} MB = {ratio:.2f}x the "
+        f"{weight_bytes / 1e6:.1f} MB of bf16 weights (limit {MAX_RATIO}x); measurements: {m}"
+    )
+    if TEST_DEVICE == "cpu":
+        # and the weights really are resident afterwards (the measurement sees them)
+        assert m["rss_after"] - m["rss_before"] > 0.9 * weight_bytes
