@@ -47,6 +47,11 @@ class MoeConfig:
     num_stages: int = 3
 
 
+def smem_bytes(cfg: MoeConfig, elem_size: int = 2) -> int:
+    """Shared memory the gated (w13) GEMM's pipeline needs, roughly."""
+    return (cfg.block_m + 2 * cfg.block_n) * cfg.block_k * elem_size * cfg.num_stages
+
+
 def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeConfig:
     """Tile sizes by the average number of pairs per expert (decode: ~1, prefill: hundreds)."""
     per_expert = num_pairs / max(1, num_experts)
@@ -54,10 +59,12 @@ def default_config(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeC
         if per_expert <= 4:
             return MoeConfig(16, 64, 32, 1, 4, 2)
         return MoeConfig(64, 64, 32, 8, 4, 2)
+    # shared memory per stage of the gated GEMM: (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * 2 bytes;
+    # all of these stay under ~120 KB in total, well inside an H100/H200's 227 KB
     if per_expert <= 2:
         return MoeConfig(16, 64, 128, 1, 4, 3)
     if per_expert <= 16:
-        return MoeConfig(16, 128, 128, 1, 4, 3)
+        return MoeConfig(16, 128, 64, 1, 4, 3)
     if per_expert <= 64:
         return MoeConfig(32, 128, 64, 4, 4, 3)
     return MoeConfig(64, 128, 64, 8, 8, 3)
