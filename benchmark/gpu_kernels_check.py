@@ -388,8 +388,6 @@ def part_moe() -> None:
             best = g_tri if g_tri is not None else t_tri
             note += f" experts hit {hit}, weights {wbytes / 1e6:.0f} MB -> {wbytes / best / 1e9:.0f} GB/s"
             record("moe", f"T={tokens} H={H} E={E} k={K} I={I}", dtype, cmp, t_ref, t_tri, None, g_tri, note)
-            del x, tw, ti, got, ref
-        del w13, w2, w13_t, w2_t
         if DEV.type == "cuda":
             torch.cuda.empty_cache()
 
