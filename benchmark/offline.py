@@ -1,0 +1,313 @@
+"""Offline throughput: the mini-sglang / nano-vllm recipe, with HF transformers on the same requests.
+
+    python benchmark/offline.py                       # 2-core CPU: embedded SmolLM2-135M, bf16 where fast
+    python benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \\
+        --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset 64      # the full GPU run
+
+The recipe (random.seed(0)): N prompts of randint(100, max_input) token ids, each randint(0, 10000);
+then N max_tokens of randint(100, max_output); temperature 0.6, EOS ignored. One warm-up request,
+then throughput = total output tokens / wall time of one `LLM.generate` over all N requests.
+
+The peer (--peer hf, the default) runs Hugging Face transformers on the same model, dtype, device
+and requests (or the first --peer-subset of them), EOS ignored, same sampling:
+  * CUDA: transformers' continuous batching (`init_continuous_batching`, per-request max_new_tokens)
+    when the installed version has it, else batched `generate`.
+  * CPU (or no continuous batching): batched `generate` with left padding, --peer-batch requests at a
+    time; a batch runs to its longest max_tokens, but only each request's own max_tokens count as
+    output (the rest is the waste of static batching), so both figures are useful tokens per second.
+A config-only model folder (--dummy-weights) has no tokenizer and no weights: we run random weights
+(`use_dummy_weight=True`) and HF runs `from_config` random weights; only token ids are used.
+Prints both figures, the ratio, and one line of JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from random import randint, seed
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+
+def make_requests(num: int, max_input: int, max_output: int, vocab_size: int) -> Tuple[List[List[int]], List[int]]:
+    """The recipe, call for call (prompts first, then max_tokens), so N=256/1024/1024 reproduces
+    the published workload (133,966 output tokens)."""
+    if max_input < 100 or max_output < 100:
+        raise SystemExit("--max-input and --max-output must be >= 100 (the recipe draws lengths from [100, max])")
+    top = min(10000, vocab_size - 1)
+    seed(0)
+    prompts = [[randint(0, top) for _ in range(randint(100, max_input))] for _ in range(num)]
+    max_tokens = [randint(100, max_output) for _ in range(num)]
+    return prompts, max_tokens
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# minisgl
+# ---------------------------------------------------------------------------------------------
+
+
+def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: List[int]) -> Dict[str, Any]:
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    config: Dict[str, Any] = dict(
+        page_size=args.page_size,
+        max_running_req=args.max_running_requests,
+        attention_backend=args.attention_backend,
+        use_dummy_weight=args.dummy_weights,
+    )
+    if args.cuda_graph_max_bs is not None:
+        config["cuda_graph_max_bs"] = args.cuda_graph_max_bs
+    if args.max_extend_tokens is not None:
+        config["max_extend_tokens"] = args.max_extend_tokens
+    if args.num_pages is not None:
+        config["num_page_override"] = args.num_pages
+    longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
+    config["max_seq_len_override"] = max(longest, 128)
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, **config)
+    load_s = time.perf_counter() - t0
+    engine = llm.scheduler.engine
+    device = str(engine.device)
+    info = dict(
+        dtype=str(engine.dtype).replace("torch.", ""),
+        device=device,
+        attention_backend=engine.config.attention_backend,
+        kv_tokens=engine.num_pages * engine.config.page_size,
+        overlap=llm.scheduler.overlap,
+    )
+    params = [
+        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens
+    ]
+    try:
+        llm.generate([prompts[0][:100]], SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=16))
+        synchronize(device)
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        synchronize(device)
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    out_tokens = sum(r.completion_tokens for r in results)
+    assert out_tokens == sum(max_tokens), f"expected {sum(max_tokens)} output tokens, got {out_tokens}"
+    return dict(info, load_s=load_s, time_s=elapsed, output_tokens=out_tokens, tok_s=out_tokens / elapsed)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF transformers
+# ---------------------------------------------------------------------------------------------
+
+
+def _hf_model(args: argparse.Namespace, dtype: torch.dtype, device: str) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from minisgl.utils.hf import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    if args.dummy_weights:
+        cfg = AutoConfig.from_pretrained(path)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    return model.eval()
+
+
+def _gen_config(args: argparse.Namespace, max_new: int) -> Any:
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=args.temperature > 0,
+        temperature=args.temperature if args.temperature > 0 else None,
+        top_k=0,
+        top_p=1.0,
+        eos_token_id=None,
+        pad_token_id=0,
+        max_new_tokens=max_new,
+    )
+
+
+def _hf_generate_batched(model: Any, args: argparse.Namespace, prompts, max_tokens, device: str) -> Tuple[int, int]:
+    """Static batches with left padding; returns (useful output tokens, generated incl. padding rows)."""
+    useful = generated = 0
+    bs = args.peer_batch or len(prompts)
+    for start in range(0, len(prompts), bs):
+        chunk, ns = prompts[start : start + bs], max_tokens[start : start + bs]
+        width = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
+                generation_config=_gen_config(args, max(ns)),
+            )
+        new = out.shape[1] - width
+        assert new == max(ns), f"HF generated {new} tokens, expected {max(ns)} (EOS must be ignored)"
+        useful += sum(ns)
+        generated += new * len(chunk)
+    return useful, generated
+
+
+def _hf_continuous(model: Any, args: argparse.Namespace, prompts, max_tokens) -> int:
+    manager = model.init_continuous_batching(generation_config=_gen_config(args, max(max_tokens)))
+    manager.start()
+    try:
+        want = {}
+        for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+            rid = manager.add_request(list(p), request_id=f"r{i}", max_new_tokens=n)
+            want[rid] = n
+        out = 0
+        pending = set(want)
+        deadline = time.time() + 3600
+        while pending and time.time() < deadline:
+            res = manager.get_result(timeout=1.0)
+            if res is None:
+                if not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped before finishing")
+                continue
+            if res.is_finished() and res.request_id in pending:
+                if res.error:
+                    raise RuntimeError(f"HF continuous batching: {res.error}")
+                pending.discard(res.request_id)
+                out += len(res.generated_tokens)
+        if pending:
+            raise RuntimeError(f"HF continuous batching: {len(pending)} requests never finished")
+        return out
+    finally:
+        manager.stop(block=True)
+
+
+def run_hf(args: argparse.Namespace, prompts, max_tokens, dtype: torch.dtype, device: str) -> Dict[str, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    model = _hf_model(args, dtype, device)
+    load_s = time.perf_counter() - t0
+    use_cb = device.startswith("cuda") and hasattr(model, "init_continuous_batching") and not args.peer_static
+    method = "continuous batching (init_continuous_batching)" if use_cb else (
+        f"generate, static batches of {args.peer_batch or len(prompts)}, left padding"
+    )
+    # warm-up: one small request through the same path
+    warm = [prompts[0][:100]]
+    try:
+        if use_cb:
+            _hf_continuous(model, args, warm, [16])
+        else:
+            _hf_generate_batched(model, args, warm, [16], device)
+    except Exception as exc:  # continuous batching missing or broken in this version: say so, fall back
+        if not use_cb:
+            raise
+        print(f"[hf] continuous batching failed ({type(exc).__name__}: {exc}); falling back to batched generate")
+        use_cb = False
+        method = f"generate, static batches of {args.peer_batch or len(prompts)}, left padding (CB failed)"
+        _hf_generate_batched(model, args, warm, [16], device)
+    synchronize(device)
+    t0 = time.perf_counter()
+    if use_cb:
+        useful = generated = _hf_continuous(model, args, prompts, max_tokens)
+        assert useful == sum(max_tokens), f"HF produced {useful} tokens, expected {sum(max_tokens)}"
+    else:
+        useful, generated = _hf_generate_batched(model, args, prompts, max_tokens, device)
+    synchronize(device)
+    elapsed = time.perf_counter() - t0
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return dict(
+        version=transformers.__version__,
+        method=method,
+        requests=len(prompts),
+        load_s=load_s,
+        time_s=elapsed,
+        output_tokens=useful,
+        generated_tokens=generated,
+        tok_s=useful / elapsed,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: List[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF folder, .gguf file or config dir (default: the embedded SmolLM2-135M)")
+    ap.add_argument("--dummy-weights", action="store_true", help="random weights (a config-only folder is enough)")
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--max-input", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA and on CPUs with bf16 units, else fp32) | bf16 | fp16 | fp32")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
+    ap.add_argument("--max-extend-tokens", type=int, default=None, help="prefill token budget per step")
+    ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from free memory)")
+    ap.add_argument("--peer", choices=["hf", "none"], default="hf")
+    ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
+    ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")
+    ap.add_argument("--peer-static", action="store_true", help="HF batched generate even where continuous batching exists")
+    args = ap.parse_args(argv)
+
+    from minisgl.utils.hf import cached_load_hf_config
+
+    vocab = int(cached_load_hf_config(args.model).vocab_size)
+    prompts, max_tokens = make_requests(args.num_requests, args.max_input, args.max_output, vocab)
+    print(
+        f"workload: {len(prompts)} requests, prompt tokens {sum(map(len, prompts))} "
+        f"(len {min(map(len, prompts))}-{max(map(len, prompts))}), output tokens {sum(max_tokens)} "
+        f"(max_tokens {min(max_tokens)}-{max(max_tokens)}), temperature {args.temperature}, EOS ignored"
+    )
+
+    ours = run_minisgl(args, prompts, max_tokens)
+    print(
+        f"minisgl: {ours['output_tokens']} tokens in {ours['time_s']:.2f} s = {ours['tok_s']:.1f} output tok/s "
+        f"({ours['dtype']}, {ours['device']}, attention {ours['attention_backend']}, overlap {ours['overlap']})"
+    )
+    summary: Dict[str, Any] = dict(
+        bench="offline",
+        model=args.model or "embedded:SmolLM2-135M-Instruct",
+        dummy_weights=args.dummy_weights,
+        num_requests=args.num_requests,
+        max_input=args.max_input,
+        max_output=args.max_output,
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        host=platform.processor() or platform.machine(),
+        minisgl=ours,
+    )
+    if args.peer == "hf":
+        n = min(args.peer_subset or len(prompts), len(prompts))
+        dtype = getattr(torch, ours["dtype"])
+        peer = run_hf(args, prompts[:n], max_tokens[:n], dtype, ours["device"])
+        ratio = ours["tok_s"] / peer["tok_s"]
+        print(
+            f"hf transformers {peer['version']} ({peer['method']}, {n} requests): {peer['output_tokens']} tokens in "
+            f"{peer['time_s']:.2f} s = {peer['tok_s']:.1f} output tok/s"
+            + (f" ({peer['generated_tokens']} generated incl. padding to each batch's longest)"
+               if peer["generated_tokens"] != peer["output_tokens"] else "")
+        )
+        print(f"ratio minisgl / hf: {ratio:.2f}x")
+        summary.update(hf=peer, ratio=round(ratio, 3))
+    print(json.dumps(summary, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
