@@ -270,6 +270,19 @@ def test_mixed_batch_greedy_rows_match_hf(tiny_model_dir, hf_oracle):
     assert len(set(outs[1])) > 1
 
 
+def test_dummy_weights(tiny_model_dir, tmp_path):
+    """use_dummy_weight builds and runs without reading any weight file."""
+    path = tmp_path / "no_weights"
+    shutil.copytree(tiny_model_dir("qwen3_moe"), path)
+    (path / "model.safetensors").unlink()
+    ids = random_prompts([6], seed=10)[0]
+    with running_engine(path, use_dummy_weight=True) as engine:
+        PageAllocator(engine).allocate(0, len(ids) + 4)
+        out = run_generation(engine, [make_req(ids, 0, output_len=4)], 4)[0]
+        assert all(0 <= t < 256 for t in out)
+        assert all(not p.is_meta for p in engine.model.parameters())
+
+
 def test_kv_pool_and_page_table_layout(tiny_model_dir):
     # tiny llama: 3 layers, 2 kv heads, head_dim 16
     with running_engine(tiny_model_dir("llama"), page_size=4, max_running_req=3, max_seq_len=40, num_pages=50) as engine:

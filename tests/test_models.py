@@ -178,6 +178,19 @@ def test_llama3_rope_scaling_changes_the_answer(tiny_model_dir, hf_oracle, tmp_p
     assert (ours - unscaled).abs().max().item() > 100 * LOGIT_ATOL
 
 
+def test_sharded_checkpoint_matches_hf(hf_oracle, tmp_path):
+    """A checkpoint split over several safetensors files (with its index) loads the same."""
+    hf = hf_oracle("qwen2")
+    hf.model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) > 3 and (tmp_path / "model.safetensors.index.json").exists()
+    ids = random_prompts([10], seed=9)[0]
+    with running_engine(tmp_path) as engine:
+        PageAllocator(engine).allocate(0, len(ids) + 1)
+        ours = prefill_logits(engine, [make_req(ids, 0, output_len=1)])[0]
+    assert (ours - hf.logits(ids)[-1]).abs().max().item() < LOGIT_ATOL
+
+
 def test_model_config_from_hf(tiny_model_dir):
     def cfg(name):
         return ModelConfig.from_hf(cached_load_hf_config(str(tiny_model_dir(name))))
