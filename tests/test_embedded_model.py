@@ -77,6 +77,6 @@ def test_embedded_model_runs_in_bf16_with_page_size_4(embedded_model_dir, embedd
     ids = _chat_ids(embedded_tokenizer, QUESTIONS[0])
     with running_engine(embedded_model_dir, page_size=4, max_running_req=1, max_seq_len=64, dtype=torch.bfloat16) as engine:
         alloc = PageAllocator(engine)
-        alloc.allocate(0, len(ids) + 4)
-        out = run_generation(engine, [make_req(ids, 0, output_len=4)], 4)[0]
+        alloc.allocate(0, len(ids) + 10)
+        out = run_generation(engine, [make_req(ids, 0, output_len=10)], 10)[0]
     assert "Paris" in embedded_tokenizer.decode(out)
