@@ -74,7 +74,8 @@ def _rmsnorm_kernel(
     else:
         xf = x.to(tl.float32)
     var = tl.sum(xf * xf, axis=1) / N
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    # correctly rounded 1/sqrt (div_rn does not broadcast a scalar: give it a full tensor)
+    rstd = tl.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.sqrt_rn(var + eps))
     y = (xf * rstd[:, None]).to(Out.dtype.element_ty)  # hidden.to(input_dtype)
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     out = (w[None, :] * y.to(tl.float32)).to(Out.dtype.element_ty)  # weight * hidden
