@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The H200 benchmark run (device tool): fused-kernel checks, latency/roofline sweep, offline
+# throughput with HF on a subset. Logs and JSON land in $OUT.
+#   bash benchmark/h200_run.sh [parts...]   parts: kernels latency offline offline14b tests
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+parts=${*:-kernels latency offline}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+for part in $parts; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    kernels) timeout 240 python3 benchmark/gpu_kernels_check.py --budget-s 150 --out "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
+    latency) timeout 240 python3 benchmark/latency.py --model benchmark/models/qwen3-0.6b --dummy-weights \
+               --dtype bfloat16 --batch-sizes 1,8,16,32,64,128,192,256 --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" ;;
+    offline) timeout 420 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+               --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset ${PEER_SUBSET:-32} 2>&1 | tee "$OUT/offline.log" ;;
+    offline14b) timeout 420 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+               --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
+    tests) MINISGL_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
+               tests/test_llm.py tests/test_scheduler.py 2>&1 | tee "$OUT/tests_cuda.log" ;;
+  esac
+done
+echo "=== done $(date +%T)"
