@@ -61,10 +61,18 @@ def embedded_tokenizer(embedded_model_dir: str):
     return AutoTokenizer.from_pretrained(embedded_model_dir)
 
 
+# Modules whose tests each build and shut down their own engines; elsewhere (e.g. a module-scoped
+# LLM kept across tests) a global Context between tests is legitimate.
+_ENGINE_PER_TEST_MODULES = {"test_models", "test_engine", "test_embedded_model"}
+
+
 @pytest.fixture(autouse=True)
-def _no_leaked_engine():
-    """Every test must shut its engines down: a leaked global Context breaks the next Engine."""
+def _no_leaked_engine(request: pytest.FixtureRequest):
+    """Every test of these modules must shut its engines down: a leaked global Context breaks
+    the next Engine."""
     yield
+    if request.module.__name__ not in _ENGINE_PER_TEST_MODULES:
+        return
     leaked = minisgl.core._GLOBAL_CTX is not None
     minisgl.core.clear_global_ctx()
     assert not leaked, "test left a global Context set (an Engine was not shut down)"
