@@ -18,7 +18,6 @@ from typing import Any, Dict, List
 from minisgl.message import ErrorMsg, TokenizeMsg
 
 HELP = "commands: /reset (forget the conversation), /exit (quit); Ctrl-C stops an answer"
-MAX_ANSWER_TOKENS = 1024
 
 
 def run_shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
@@ -113,8 +112,11 @@ async def _shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
                 print(f"unknown command {line!r}; {HELP}", flush=True)
                 continue
             history.append({"role": "user", "content": line})
-            task = asyncio.create_task(_answer(frontend, history))
+            sampling = {"temperature": args.shell_temperature, "max_tokens": args.shell_max_tokens}
+            task = asyncio.create_task(_answer(frontend, history, sampling))
             answering[:] = [task]
+            # prompt_toolkit removes SIGINT handlers when a prompt ends: install ours again
+            loop.add_signal_handler(signal.SIGINT, on_sigint)
             try:
                 await asyncio.wait({task})
             except asyncio.CancelledError:  # the shell itself is stopping
@@ -142,12 +144,8 @@ async def _shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
     return 0
 
 
-async def _answer(frontend: Any, history: List[Dict[str, str]]) -> tuple[str | None, str | None]:
-    msg = TokenizeMsg(
-        uid=frontend.new_uid(),
-        messages=list(history),
-        sampling={"temperature": 0.0, "max_tokens": MAX_ANSWER_TOKENS},
-    )
+async def _answer(frontend: Any, history: List[Dict[str, str]], sampling: Dict[str, Any]) -> tuple[str | None, str | None]:
+    msg = TokenizeMsg(uid=frontend.new_uid(), messages=list(history), sampling=dict(sampling))
     try:
         stream = frontend.submit([msg])
     except RuntimeError as exc:

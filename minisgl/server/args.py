@@ -33,6 +33,8 @@ class ServerArgs:
     disable_overlap: bool = False
     api_key: str | None = None
     shell: bool = False
+    shell_temperature: float = 0.0
+    shell_max_tokens: int = 1024
     log_level: str = "info"
     max_request_bytes: int = 16 << 20
     ipc_dir: str = ""  # set by launch
@@ -169,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"), help="require 'Authorization: Bearer <key>' on /v1/* and /generate (env MINISGL_API_KEY)")
     server.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20, help="larger request bodies get 413")
     server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
+    server.add_argument("--shell-temperature", type=float, default=0.0, help="sampling temperature of --shell answers (0: greedy)")
+    server.add_argument("--shell-max-tokens", type=_positive_int, default=1024, help="longest --shell answer, in tokens")
     server.add_argument(
         "--log-level",
         default="info",

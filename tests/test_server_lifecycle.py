@@ -1,0 +1,142 @@
+"""The server's process tree: start-up, SIGTERM, a dying child, bad command lines."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List
+
+import httpx
+import pytest
+from test_server import REPO, ServerProcess, pids_alive, tiny_chat_model  # noqa: F401  (fixture)
+
+EXTRA = ("--dtype", "float32", "--max-seq-len", "256", "--num-pages", "2048")
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two servers, started together to overlap their start-up."""
+    logs = tmp_path_factory.mktemp("lifecycle")
+    servers = [ServerProcess(tiny_chat_model, *EXTRA, log_path=logs / f"server{i}.log") for i in range(2)]
+    try:
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _wait_exit(srv: ServerProcess, timeout: float) -> int:
+    try:
+        return srv.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"server still running {timeout} s later:\n{srv.log()[-3000:]}") from None
+
+
+def _wait_gone(pids: List[int], timeout: float = 10.0) -> List[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pids_alive(pids):
+        time.sleep(0.1)
+    return pids_alive(pids)
+
+
+def _child_named(srv: ServerProcess, prefix: str) -> int:
+    import psutil
+
+    for child in psutil.Process(srv.proc.pid).children(recursive=True):
+        if child.name().startswith(prefix):
+            return child.pid
+    raise AssertionError(f"no child process named {prefix}*")
+
+
+def test_sigterm_ends_every_process(two_servers: List[ServerProcess]) -> None:
+    srv = two_servers[0]
+    pids = srv.tree_pids()
+    assert len(pids) >= 3, pids  # API server, scheduler, tokenizer worker (+ multiprocessing's tracker)
+    _child_named(srv, "minisgl-sched")
+    _child_named(srv, "minisgl-tokeniz")
+    assert "minisgl ready" in srv.log()
+    # a stream in flight does not hold the shutdown up
+    events: List[str] = []
+
+    def stream() -> None:
+        body = {"prompt": "Go on and on", "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+        try:
+            with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=30) as resp:
+                for line in resp.iter_lines():
+                    events.append(line)
+        except httpx.HTTPError as exc:
+            events.append(f"error: {exc}")
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.05)
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    rc = _wait_exit(srv, 15)
+    elapsed = time.monotonic() - start
+    t.join(30)
+    assert rc == 0, srv.log()[-3000:]
+    assert elapsed < 10, elapsed
+    assert _wait_gone(pids) == [], f"processes left behind: {pids_alive(pids)}"
+    assert "SIGTERM received" in srv.log()
+
+
+def test_dead_scheduler_stops_the_server(two_servers: List[ServerProcess]) -> None:
+    srv = two_servers[1]
+    pids = srv.tree_pids()
+    sched = _child_named(srv, "minisgl-sched")
+    body = {"prompt": "Go on and on", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    results: Dict[str, Any] = {}
+
+    def request() -> None:
+        try:
+            results["resp"] = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=30)
+        except httpx.HTTPError as exc:
+            results["error"] = exc
+
+    t = threading.Thread(target=request)
+    t.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and srv.metrics().get("minisgl_num_running_requests", 0) == 0:
+        time.sleep(0.05)
+    import os
+
+    os.kill(sched, signal.SIGKILL)
+    rc = _wait_exit(srv, 20)
+    t.join(30)
+    log = srv.log()
+    assert rc == 1, log[-3000:]
+    assert f"the scheduler process (pid {sched}) was killed by SIGKILL" in log
+    assert _wait_gone(pids) == [], f"processes left behind: {pids_alive(pids)}"
+    # the request in flight was answered with an error, not left hanging
+    if "resp" in results:
+        assert results["resp"].status_code == 503, results["resp"].text
+        assert "scheduler" in results["resp"].json()["error"]["message"]
+
+
+def test_bad_model_path_fails_fast() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", "/nonexistent/model", "--port", "1"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "/nonexistent/model" in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_help_documents_every_option() -> None:
+    proc = subprocess.run([sys.executable, "-m", "minisgl", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    for flag in (
+        "--model", "--host", "--port", "--dtype", "--device", "--tp", "--attention-backend", "--cache",
+        "--max-running-requests", "--page-size", "--max-prefill-length", "--memory-ratio", "--num-pages",
+        "--max-seq-len", "--api-key", "--shell", "--log-level",
+    ):  # fmt: skip
+        assert flag in proc.stdout, flag
+    assert "127.0.0.1" in proc.stdout and "1919" in proc.stdout

@@ -1,0 +1,245 @@
+"""Server building blocks without a server: messages, detokenization, stop strings, request
+models, CLI arguments, and the scheduler loop's handling of bad requests."""
+
+from __future__ import annotations
+
+import random
+from typing import Any, List
+
+import pytest
+import zmq
+from test_server import tiny_chat_model  # noqa: F401  (fixture)
+
+from minisgl.message import (
+    AbortMsg,
+    AbortReq,
+    ErrorMsg,
+    ExitMsg,
+    FlushCacheMsg,
+    ReplyBatchMsg,
+    ReplyMsg,
+    StatsMsg,
+    TokenBatchMsg,
+    TokenizeMsg,
+    TokenOut,
+    UserMsg,
+    decode_msg,
+    encode_msg,
+)
+from minisgl.tokenizer import IncrementalDetokenizer, StopMatcher
+
+MULTILINGUAL = [
+    "你好，世界！今天天气很好。",
+    "Emoji: 😀👍🏽👨‍👩‍👧‍👦🇫🇷 done",
+    "naïve café — Ünïcödé ß ø",
+    "こんにちは、元気ですか？ 안녕하세요",
+    "mixed 中文 and English 🎉 together",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir: str) -> Any:
+    from minisgl.utils.hf import load_tokenizer
+
+    return load_tokenizer(embedded_model_dir)
+
+
+def test_messages_round_trip() -> None:
+    msgs = [
+        TokenizeMsg(1, text="你好", sampling={"temperature": 0.5, "max_tokens": None}, stop=["\n"], want_logprobs=True),
+        TokenizeMsg(2, messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"x": 1}),
+        TokenizeMsg(3, input_ids=[1, 2, 3]),
+        AbortReq(4),
+        UserMsg(5, [1, 2], {"top_k": 3}, True),
+        AbortMsg(6),
+        FlushCacheMsg(),
+        ExitMsg(),
+        TokenBatchMsg([TokenOut(7, 11, True, "stop", -0.25, [[11, -0.25], [12, -2.0]], 3, 1), TokenOut(8, None, True, "abort")]),
+        StatsMsg(1, 2, 3, 100, 90, 5, 10, 4, 7, 1, 12.5, 0.1, 0.4),
+        ErrorMsg(9, "bad", 400, "temperature", "invalid_value"),
+        ReplyBatchMsg([ReplyMsg(10, "😀", 1, True, "stop", 3, 4, 0, [["a", -0.1, [["a", -0.1]], 5]], "\n", [5])]),
+    ]
+    for msg in msgs:
+        assert decode_msg(encode_msg(msg)) == msg
+
+
+def test_unknown_messages_are_refused() -> None:
+    import msgpack
+
+    with pytest.raises(TypeError):
+        encode_msg(object())
+    with pytest.raises(ValueError, match="unknown message type"):
+        decode_msg(msgpack.packb({"__m": "Nope", "f": []}))
+
+
+@pytest.mark.parametrize("text", MULTILINGUAL)
+def test_incremental_detokenization_is_utf8_safe(tokenizer: Any, text: str) -> None:
+    ids = tokenizer(text).input_ids
+    assert len(ids) > 3
+    # one token at a time
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([t]) for t in ids] + [detok.flush()]
+    assert all("\ufffd" not in d for d in deltas), deltas
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    # random chunk sizes
+    rng = random.Random(0)
+    for _ in range(5):
+        detok = IncrementalDetokenizer(tokenizer)
+        out, i = [], 0
+        while i < len(ids):
+            k = rng.randint(1, 3)
+            out.append(detok.add(ids[i : i + k]))
+            i += k
+        out.append(detok.flush())
+        assert "".join(out) == text and all("\ufffd" not in d for d in out)
+
+
+def test_detokenizer_special_tokens_and_truncated_characters(tokenizer: Any) -> None:
+    ids = tokenizer("Hi").input_ids + [tokenizer.eos_token_id] + tokenizer(" there").input_ids
+    detok = IncrementalDetokenizer(tokenizer)
+    text = "".join(detok.add([t]) for t in ids) + detok.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True) == "Hi there"
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    assert "".join(detok.add([t]) for t in ids) + detok.flush() == tokenizer.decode(ids)
+    # a character cut off by the end of the generation is flushed as decoded (with U+FFFD)
+    emoji_ids = tokenizer("😀").input_ids
+    assert len(emoji_ids) > 1
+    detok = IncrementalDetokenizer(tokenizer)
+    held = [detok.add([t]) for t in emoji_ids[:-1]]
+    assert held == [""] * len(held)
+    assert detok.flush() == tokenizer.decode(emoji_ids[:-1])
+
+
+def _run_stops(stops: List[str], deltas: List[str]) -> tuple[List[str], str | None]:
+    m = StopMatcher(stops)
+    out = []
+    for i, d in enumerate(deltas):
+        text, matched = m.feed(d, final=i == len(deltas) - 1)
+        out.append(text)
+        if matched is not None:
+            return out, matched
+    return out, None
+
+
+def test_stop_strings() -> None:
+    # a stop string split over deltas: nothing of it is ever released
+    out, matched = _run_stops(["STOP"], ["Hello S", "TO", "P and more"])
+    assert "".join(out) == "Hello " and matched == "STOP"
+    assert out == ["Hello ", "", ""]
+    # a held partial match is released once it cannot complete
+    out, matched = _run_stops(["STOP"], ["Hello ST", "ILL going", "!"])
+    assert out == ["Hello ", "STILL going", "!"] and matched is None
+    # the earliest match wins among several stop strings
+    out, matched = _run_stops(["world", "lo"], ["Hello world"])
+    assert "".join(out) == "Hel" and matched == "lo"
+    # at the end everything left is released
+    out, matched = _run_stops(["STOP"], ["abc ST"])
+    assert out == ["abc ST"] and matched is None
+    # no stops: text passes through
+    assert _run_stops([], ["a", "b"]) == (["a", "b"], None)
+
+
+def test_request_models() -> None:
+    from pydantic import ValidationError
+
+    from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    req = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "seed": 5, "n": 2, "top_k": 0}
+    )
+    assert req.messages[0].to_template() == {"role": "user", "content": "ab"}
+    s0, s1 = req.sampling_dict(None, None, 0), req.sampling_dict(None, None, 1)
+    assert (s0["seed"], s1["seed"]) == (5, 6) and s0["top_k"] == -1 and s0["temperature"] == 1.0
+    assert CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
+    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, {"messages": "x"}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate(bad)
+    # the SamplingParams fields the scheduler builds from the dict exist
+    from minisgl.core import SamplingParams
+
+    SamplingParams(**{**s0, "max_tokens": 4}).validate()
+
+
+def test_cli_arguments(tiny_chat_model: str) -> None:
+    import torch
+
+    from minisgl.server.args import parse_args
+
+    args = parse_args([])
+    assert (args.host, args.port, args.model, args.tp, args.cache) == ("127.0.0.1", 1919, None, 1, "radix")
+    assert args.model_name == "SmolLM2-135M-Instruct"
+    args = parse_args(
+        ["--model", tiny_chat_model, "--dtype", "float32", "--cache", "naive", "--max-prefill-length", "128",
+         "--num-pages", "64", "--max-seq-len", "100", "--page-size", "4", "--max-running-requests", "3", "--memory-ratio", "0.5"]
+    )  # fmt: skip
+    args.model_path = tiny_chat_model
+    cfg = args.scheduler_config()
+    assert cfg.dtype == torch.float32 and cfg.cache_type == "naive" and cfg.max_extend_tokens == 128
+    assert (cfg.num_page_override, cfg.max_seq_len_override, cfg.page_size, cfg.max_running_req) == (64, 100, 4, 3)
+    assert cfg.memory_ratio == 0.5 and cfg.tp_info.size == 1
+    for bad in (["--port", "x"], ["--memory-ratio", "2"], ["--page-size", "0"], ["--cache", "lru"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_scheduler_loop_answers_bad_requests(tiny_chat_model: str) -> None:
+    """Bad requests get an ErrorMsg each; the loop keeps serving the good ones."""
+    import torch
+
+    from minisgl.distributed import DistributedInfo
+    from minisgl.scheduler import Scheduler, SchedulerConfig
+    from minisgl.scheduler.process import SchedulerLoop
+
+    sched = Scheduler(
+        SchedulerConfig(
+            model_path=tiny_chat_model, tp_info=DistributedInfo(0, 1), dtype=torch.float32,
+            max_seq_len_override=64, num_page_override=256, max_running_req=8,
+        )
+    )  # fmt: skip
+    ctx = zmq.Context()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    a.bind("inproc://sched-test")
+    b.connect("inproc://sched-test")
+    try:
+        loop = SchedulerLoop(sched, recv_sock=a, send_sock=b)
+        good = {"temperature": 0.0, "max_tokens": 5}
+        msgs = [
+            UserMsg(1, [1, 2, 3], {**good, "temperature": -1.0}),
+            UserMsg(2, [1, 2, 3], {**good, "no_such_field": 1}),
+            UserMsg(3, [], good),
+            UserMsg(4, [10**9], good),
+            UserMsg(5, list(range(100)), good),  # longer than the context
+            UserMsg(6, [1, 2, 3], {**good, "max_tokens": 100}, max_tokens_explicit=True),
+            UserMsg(7, [1, 2, 3], good),
+            UserMsg(7, [1, 2, 3], good),  # duplicate uid
+            UserMsg(8, [4, 5, 6], {**good, "max_tokens": None}),  # None: up to the context
+            UserMsg(9, [4, 5, 6], {**good, "max_tokens": 50}),
+            AbortMsg(9),
+            AbortMsg(12345),  # unknown: ignored
+        ]
+        for msg in msgs:
+            loop.handle(msg)
+        while sched.has_work():
+            loop.step()
+        sched.check_invariants()
+        received = []
+        while a.poll(0):
+            received.append(decode_msg(a.recv()))
+        errors = {m.uid: m for m in received if isinstance(m, ErrorMsg)}
+        assert sorted(errors) == [1, 2, 3, 4, 5, 6, 7]
+        assert errors[1].param == "temperature" and errors[1].status == 400
+        assert errors[5].code == errors[6].code == "context_length_exceeded"
+        assert errors[6].param == "max_tokens"
+        assert "already in use" in errors[7].message
+        tokens = [o for m in received if isinstance(m, TokenBatchMsg) for o in m.outputs]
+        finals = {o.uid: o for o in tokens if o.finished}
+        assert finals[7].finish_reason == "length" and sum(o.uid == 7 for o in tokens) == 5
+        assert finals[8].finish_reason in ("length", "stop")
+        assert sum(o.uid == 8 for o in tokens if o.token_id is not None) <= 64 - 3
+        assert finals[9].finish_reason == "abort" and loop.aborted == 1
+    finally:
+        a.close(0)
+        b.close(0)
+        ctx.term()
+        sched.shutdown()
