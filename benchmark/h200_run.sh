@@ -13,11 +13,11 @@ for part in $parts; do
     kernels) timeout 240 python3 benchmark/gpu_kernels_check.py --budget-s 150 --out "$OUT" 2>&1 | tee "$OUT/kernels.log" ;;
     latency) timeout 240 python3 benchmark/latency.py --model benchmark/models/qwen3-0.6b --dummy-weights \
                --dtype bfloat16 --batch-sizes 1,8,16,32,64,128,192,256 --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" ;;
-    offline) timeout 420 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+    offline) timeout 240 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset ${PEER_SUBSET:-32} 2>&1 | tee "$OUT/offline.log" ;;
-    offline14b) timeout 420 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+    offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
-    tests) MINISGL_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
+    tests) MINISGL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
                tests/test_llm.py tests/test_scheduler.py 2>&1 | tee "$OUT/tests_cuda.log" ;;
   esac
 done

@@ -25,7 +25,7 @@ from minisgl.engine.sample import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
-from minisgl.utils.device import create_stream, make_device_tensor, stream_context
+from minisgl.utils.device import create_stream, make_device_tensor, record_stream, stream_context
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
@@ -291,6 +291,9 @@ class Scheduler:
         with stream_context(self.stream):
             rows_t = make_device_tensor(rows, torch.int64, self.device)
             pos_t = make_device_tensor(positions, torch.int64, self.device)
+        # staged on the scheduler stream, read on the engine stream (after the forward, too)
+        record_stream(rows_t, engine.stream)
+        record_stream(pos_t, engine.stream)
         args = engine.sampler.prepare(batch)
         engine.stream.wait_stream(self.stream)
         with stream_context(engine.stream):

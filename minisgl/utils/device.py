@@ -77,6 +77,13 @@ def stream_context(stream: Any) -> Any:
     return torch.cuda.stream(stream)
 
 
+def record_stream(tensor: torch.Tensor, stream: Any) -> None:
+    """Tell the caching allocator that `tensor`, allocated on another stream, is used on `stream`,
+    so its memory is not handed out again before `stream` is done with it."""
+    if not isinstance(stream, NullStream) and tensor.is_cuda:
+        tensor.record_stream(stream)
+
+
 def pin(device: torch.device) -> bool:
     """Whether host staging tensors should be pinned: only useful for async H2D/D2H on CUDA."""
     return is_cuda(device)
