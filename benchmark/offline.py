@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -92,15 +93,15 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
     try:
         llm.generate([prompts[0][:100]], SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=16))
         synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         results = llm.generate(prompts, params, use_tqdm=False)
         synchronize(device)
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     finally:
         llm.shutdown()
     out_tokens = sum(r.completion_tokens for r in results)
     assert out_tokens == sum(max_tokens), f"expected {sum(max_tokens)} output tokens, got {out_tokens}"
-    return dict(info, load_s=load_s, time_s=elapsed, output_tokens=out_tokens, tok_s=out_tokens / elapsed)
+    return dict(info, load_s=load_s, time_s=elapsed, cpu_s=cpu_s, output_tokens=out_tokens, tok_s=out_tokens / elapsed)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,14 +218,14 @@ def run_hf(args: argparse.Namespace, prompts, max_tokens, dtype: torch.dtype, de
         method = f"generate, static batches of {args.peer_batch or len(prompts)}, left padding (CB failed)"
         _hf_generate_batched(model, args, warm, [16], device)
     synchronize(device)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if use_cb:
         useful = generated = _hf_continuous(model, args, prompts, max_tokens)
         assert useful == sum(max_tokens), f"HF produced {useful} tokens, expected {sum(max_tokens)}"
     else:
         useful, generated = _hf_generate_batched(model, args, prompts, max_tokens, device)
     synchronize(device)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -234,6 +235,7 @@ def run_hf(args: argparse.Namespace, prompts, max_tokens, dtype: torch.dtype, de
         requests=len(prompts),
         load_s=load_s,
         time_s=elapsed,
+        cpu_s=cpu_s,
         output_tokens=useful,
         generated_tokens=generated,
         tok_s=useful / elapsed,
@@ -275,9 +277,11 @@ def main(argv: List[str] | None = None) -> int:
         f"(max_tokens {min(max_tokens)}-{max(max_tokens)}), temperature {args.temperature}, EOS ignored"
     )
 
+    # the CPU dev machine is shared: the load average says how much of it this run really had
+    load_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     ours = run_minisgl(args, prompts, max_tokens)
     print(
-        f"minisgl: {ours['output_tokens']} tokens in {ours['time_s']:.2f} s = {ours['tok_s']:.1f} output tok/s "
+        f"minisgl: {ours['output_tokens']} tokens in {ours['time_s']:.2f} s ({ours['cpu_s']:.0f} CPU s) = {ours['tok_s']:.1f} output tok/s "
         f"({ours['dtype']}, {ours['device']}, attention {ours['attention_backend']}, overlap {ours['overlap']})"
     )
     summary: Dict[str, Any] = dict(
@@ -290,6 +294,7 @@ def main(argv: List[str] | None = None) -> int:
         torch=torch.__version__,
         threads=torch.get_num_threads(),
         host=platform.processor() or platform.machine(),
+        loadavg_start=load_start,
         minisgl=ours,
     )
     if args.peer == "hf":
@@ -299,12 +304,13 @@ def main(argv: List[str] | None = None) -> int:
         ratio = ours["tok_s"] / peer["tok_s"]
         print(
             f"hf transformers {peer['version']} ({peer['method']}, {n} requests): {peer['output_tokens']} tokens in "
-            f"{peer['time_s']:.2f} s = {peer['tok_s']:.1f} output tok/s"
+            f"{peer['time_s']:.2f} s ({peer['cpu_s']:.0f} CPU s) = {peer['tok_s']:.1f} output tok/s"
             + (f" ({peer['generated_tokens']} generated incl. padding to each batch's longest)"
                if peer["generated_tokens"] != peer["output_tokens"] else "")
         )
         print(f"ratio minisgl / hf: {ratio:.2f}x")
         summary.update(hf=peer, ratio=round(ratio, 3))
+    summary["loadavg_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     print(json.dumps(summary, default=str))
     return 0
 
