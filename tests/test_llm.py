@@ -475,3 +475,27 @@ def test_logprobs_match_hf_log_softmax(tiny_dir, oracle):
                 assert abs(lp - float(logp[j, tid])) < 1e-4, (i, j, r, tid)
             if sp.is_greedy and not sp.has_penalties and top:
                 assert top[0][0] == t or abs(top[0][1] - res.logprobs[j]) < 1e-4
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_exception_inside_generate_leaves_llm_usable(tiny_dir, refs, overlap):
+    """An error (or Ctrl-C) in the middle of generate() aborts the pending requests, frees their
+    pages and rows, and the next generate() gives the same tokens as a fresh LLM."""
+    prompts, max_tokens = PROMPTS[:8], MAX_TOKENS[:8]
+    with running_llm(tiny_dir, enable_overlap=overlap) as llm:
+        forward = llm.scheduler.engine.forward_batch
+        calls = [0]
+
+        def failing(batch, args):
+            calls[0] += 1
+            if calls[0] == 4:
+                raise KeyboardInterrupt
+            return forward(batch, args)
+
+        llm.scheduler.engine.forward_batch = failing  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, _params(max_tokens))
+        assert not llm.scheduler.has_work()
+        llm.scheduler.check_invariants()
+        results = llm.generate(prompts, _params(max_tokens))
+        check_workload(results, refs, prompts, max_tokens, "after an interrupted generate")
