@@ -140,3 +140,18 @@ def test_help_documents_every_option() -> None:
     ):  # fmt: skip
         assert flag in proc.stdout, flag
     assert "127.0.0.1" in proc.stdout and "1919" in proc.stdout
+
+
+def test_worker_failing_at_start_up_is_reported(tiny_chat_model: str, tmp_path) -> None:  # noqa: F811
+    import shutil
+    from pathlib import Path
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(Path(tiny_chat_model) / "config.json", broken / "config.json")  # no weights, no tokenizer
+    proc = subprocess.run(
+        [sys.executable, "-m", "minisgl", "--model", str(broken), "--port", "1", "--dtype", "float32", "--num-pages", "64"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "start-up failed" in proc.stderr and "failed to start" in proc.stderr, proc.stderr[-3000:]

@@ -266,7 +266,7 @@ def create_app(args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metri
         if not prompts:
             raise APIError(400, "no prompt given", param="text")
         stops = [sp.stop] if isinstance(sp.stop, str) else [s for s in (sp.stop or []) if s]
-        k = sp_k = body.top_logprobs_num if body.return_logprob else None
+        k = body.top_logprobs_num if body.return_logprob else None
         msgs = []
         for prompt in prompts:
             for i in range(sp.n):
@@ -282,7 +282,7 @@ def create_app(args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metri
                     "presence_penalty": sp.presence_penalty,
                     "frequency_penalty": sp.frequency_penalty,
                     "repetition_penalty": sp.repetition_penalty,
-                    "logprobs": sp_k,
+                    "logprobs": k,
                 }
                 msgs.append(
                     TokenizeMsg(

@@ -73,10 +73,10 @@ def _tokenizer_main(args: ServerArgs, ready_conn: Any) -> None:
     run_tokenizer_worker(args, ready_conn)
 
 
-def start_children(args: ServerArgs) -> tuple[List[Child], Dict[str, Any]]:
-    """Spawn the workers and wait until each is ready. Returns the children and their info."""
+def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
+    """Spawn the workers (appending each to `children` at once, so that the caller can stop them
+    whatever happens next) and wait until each is ready. Returns what each reported."""
     ctx = mp.get_context("spawn")
-    children: List[Child] = []
     targets: List[tuple[str, Callable[..., None]]] = [
         ("scheduler", _scheduler_main),
         ("tokenizer", _tokenizer_main),
@@ -117,7 +117,7 @@ def start_children(args: ServerArgs) -> tuple[List[Child], Dict[str, Any]]:
                 raise StartupError(f"the {dead.name} process (pid {dead.process.pid}) {describe_exit(dead.process.exitcode)} during start-up")
         if waiting:
             logger.debug("still waiting for: %s", ", ".join(c.name for c in waiting.values()))
-    return children, info
+    return info
 
 
 def stop_children(children: List[Child]) -> None:
@@ -270,7 +270,7 @@ def launch(args: ServerArgs) -> int:
             return 2
         args.ipc_dir = ipc_dir
         try:
-            children, info = start_children(args)
+            info = start_children(args, children)
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
             return 1

@@ -76,11 +76,6 @@ class SamplingFields(_Base):
         }
 
 
-class TextPart(_Base):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: Union[str, List[Dict[str, Any]], None] = None

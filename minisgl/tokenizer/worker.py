@@ -126,8 +126,8 @@ class TokenizerWorker:
         text, matched = state.stop.feed(delta, final=out.finished)
         logprobs = None
         if state.want_logprobs and out.token_id is not None and out.logprob is not None:
-            tops = [[self._piece(int(t)), float(lp)] for t, lp in (out.top_logprobs or [])]
-            logprobs = [[self._piece(out.token_id), out.logprob, tops, out.token_id]]
+            tops = [[self._piece(int(t)), _finite(lp)] for t, lp in (out.top_logprobs or [])]
+            logprobs = [[self._piece(out.token_id), _finite(out.logprob), tops, out.token_id]]
         reply = ReplyMsg(
             uid=out.uid,
             text=text,
@@ -180,6 +180,12 @@ class TokenizerWorker:
                         self.states.pop(uid, None)
                         self._to_api(ErrorMsg(uid, "internal error in the tokenizer worker", 500))
             self.flush_replies()
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf/NaN: clamp like vLLM does."""
+    value = float(logprob)
+    return value if value > -9999.0 else -9999.0  # also maps NaN (all comparisons false)
 
 
 def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
