@@ -15,6 +15,11 @@ for part in $parts; do
                --dtype bfloat16 --batch-sizes 1,8,16,32,64,128,192,256 --out "$OUT/latency.json" 2>&1 | tee "$OUT/latency.log" ;;
     offline) timeout 240 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset ${PEER_SUBSET:-32} 2>&1 | tee "$OUT/offline.log" ;;
+    variants) for v in "" "--max-extend-tokens 16384" "--page-size 16"; do
+               timeout 100 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+               --model benchmark/models/qwen3-0.6b --dummy-weights --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/variants.log"; done
+             MINISGL_DISABLE_OVERLAP_SCHEDULING=1 timeout 100 python3 benchmark/offline.py --num-requests 256 --max-input 1024 \
+               --max-output 1024 --model benchmark/models/qwen3-0.6b --dummy-weights --peer none 2>&1 | tail -2 | tee -a "$OUT/variants.log" ;;
     offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \

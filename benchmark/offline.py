@@ -93,10 +93,19 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
     try:
         llm.generate([prompts[0][:100]], SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=16))
         synchronize(device)
+        before = llm.scheduler.stats()
         t0, c0 = time.perf_counter(), time.process_time()
         results = llm.generate(prompts, params, use_tqdm=False)
         synchronize(device)
         elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
+        after = llm.scheduler.stats()
+        # where the time went: steps of each kind, host scheduling time, time blocked on the device
+        info.update(
+            prefill_steps=after.prefill_steps - before.prefill_steps,
+            decode_steps=after.decode_steps - before.decode_steps,
+            host_s=round(after.host_s - before.host_s, 3),
+            wait_s=round(after.wait_s - before.wait_s, 3),
+        )
     finally:
         llm.shutdown()
     out_tokens = sum(r.completion_tokens for r in results)

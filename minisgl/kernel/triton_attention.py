@@ -270,7 +270,7 @@ def decode_attention(
     Hk = k_cache.shape[1]
     group = Hq // Hk
     S = mid_o.shape[2]
-    block_d = triton.next_power_of_2(D)
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs an inner dim >= 16
     fp32 = q.dtype == torch.float32
     if block_n is None:
         block_n = decode_tile(B, q.dtype)
@@ -322,7 +322,7 @@ def extend_attention(
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
-    block_d = triton.next_power_of_2(D)
+    block_d = max(16, triton.next_power_of_2(D))  # tl.dot needs an inner dim >= 16
     fp32 = q.dtype == torch.float32
     if config is not None:
         block_m, block_n, warps, stages = config

@@ -13,6 +13,7 @@ of requests that finished are released only after the step that may still use th
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Set
@@ -51,6 +52,10 @@ class SchedulerStats:
     prompt_tokens: int
     cache_hit_tokens: int
     generated_tokens: int
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    host_s: float = 0.0  # scheduling + launching (host time the device may hide with overlap)
+    wait_s: float = 0.0  # waiting for the device's results
 
     @property
     def kv_usage(self) -> float:
@@ -95,6 +100,8 @@ class Scheduler:
         self._last_phase = "decode"
         self._early: List[TokenOutput] = []  # outputs produced outside a step (aborts)
         self._prompt_tokens = self._hit_tokens = self._generated = 0
+        self._steps = {"prefill": 0, "decode": 0}
+        self._host_s = self._wait_s = 0.0
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, req: UserRequest) -> None:
@@ -141,8 +148,12 @@ class Scheduler:
     def step(self) -> List[TokenOutput]:
         """Schedule and launch one batch; return the tokens of the batch that completed."""
         outputs, self._early = self._early, []
+        start = time.perf_counter()
         batch = self._schedule()
         launched = self._launch(batch) if batch is not None else None
+        self._host_s += time.perf_counter() - start
+        if batch is not None:
+            self._steps[batch.phase] += 1
         must_sync = launched is not None and _needs_host_history(launched.batch)
         if self.overlap and not must_sync:
             if self._in_flight is not None:
@@ -325,7 +336,9 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------
     def _process(self, flight: _InFlight) -> List[TokenOutput]:
+        start = time.perf_counter()
         flight.output.copy_done_event.synchronize()
+        self._wait_s += time.perf_counter() - start
         self._release_deferred()  # every step before this one has completed
         tokens = flight.output.next_tokens_cpu.tolist()
         lp = flight.output.logprobs
@@ -389,6 +402,10 @@ class Scheduler:
             prompt_tokens=self._prompt_tokens,
             cache_hit_tokens=self._hit_tokens,
             generated_tokens=self._generated,
+            prefill_steps=self._steps["prefill"],
+            decode_steps=self._steps["decode"],
+            host_s=self._host_s,
+            wait_s=self._wait_s,
         )
 
     def check_invariants(self) -> None:
