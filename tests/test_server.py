@@ -216,7 +216,7 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
+def _server_process(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = ServerProcess(
         tiny_chat_model,
@@ -226,15 +226,21 @@ def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
         api_key=API_KEY,
     )  # fmt: skip
     try:
-        srv.wait_ready()
         yield srv
     finally:
         srv.stop()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_chat_model: str) -> Dict[str, Any]:
-    """Greedy outputs of LLM.generate on the same checkpoint (built and shut down here)."""
+def server(_server_process: ServerProcess, reference: Dict[str, Any]) -> ServerProcess:
+    """The running server (the reference outputs are computed while it starts)."""
+    return _server_process.wait_ready()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_chat_model: str, _server_process: ServerProcess) -> Dict[str, Any]:
+    """Greedy outputs of LLM.generate on the same checkpoint (built and shut down here), computed
+    while the server process starts."""
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
