@@ -20,10 +20,12 @@ for part in $parts; do
                --model benchmark/models/qwen3-0.6b --dummy-weights --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/variants.log"; done
              MINISGL_DISABLE_OVERLAP_SCHEDULING=1 timeout 100 python3 benchmark/offline.py --num-requests 256 --max-input 1024 \
                --max-output 1024 --model benchmark/models/qwen3-0.6b --dummy-weights --peer none 2>&1 | tail -2 | tee -a "$OUT/variants.log" ;;
+    profile) timeout 120 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+               --model benchmark/models/qwen3-0.6b --dummy-weights --peer none --profile 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
     offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
-               tests/test_llm.py tests/test_scheduler.py 2>&1 | tee "$OUT/tests_cuda.log" ;;
+               tests/test_llm.py tests/test_scheduler.py -k "not embedded" 2>&1 | tee "$OUT/tests_cuda.log" ;;
   esac
 done
 echo "=== done $(date +%T)"

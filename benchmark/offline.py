@@ -95,7 +95,15 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         synchronize(device)
         before = llm.scheduler.stats()
         t0, c0 = time.perf_counter(), time.process_time()
-        results = llm.generate(prompts, params, use_tqdm=False)
+        if args.profile:  # host-side profile of the timed run (slows it down; for finding hot spots)
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            results = prof.runcall(llm.generate, prompts, params, use_tqdm=False)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+        else:
+            results = llm.generate(prompts, params, use_tqdm=False)
         synchronize(device)
         elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         after = llm.scheduler.stats()
@@ -273,6 +281,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the timed run and print the top functions")
     ap.add_argument("--peer-static", action="store_true", help="HF batched generate even where continuous batching exists")
     args = ap.parse_args(argv)
 

@@ -20,7 +20,7 @@ class UserRequest:
     sampling_params: SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenOutput:
     """One generated token (or a final notice) for one request."""
 

@@ -75,6 +75,7 @@ class Scheduler:
         self.overlap = config.overlap
         self.device = self.engine.device
         self.page_size = config.page_size
+        self.alloc_ahead = max(0, 16 - self.page_size)  # decode tokens of pages allocated ahead
         self.max_seq_len = self.engine.max_seq_len
         self.vocab_size = self.engine.config.model_config.vocab_size
         self.allocator = PageAllocator(self.engine.num_pages)
@@ -286,9 +287,14 @@ class Scheduler:
     def _launch(self, batch: Batch) -> _InFlight:
         engine = self.engine
         ps = self.page_size
+        ahead = self.alloc_ahead
         for req in batch.reqs:
             if req.device_len > len(req.pages) * ps:  # type: ignore[attr-defined]
-                self._alloc_pages(req, req.device_len)  # type: ignore[arg-type]
+                # Allocate a few steps ahead (within the request's reservation, so nobody else
+                # loses pages): with page_size 1 a decode step would otherwise allocate, and
+                # write the page table, for every request every step.
+                upto = min(req.device_len + ahead, req.max_device_len) if batch.is_decode else req.device_len
+                self._alloc_pages(req, upto)  # type: ignore[arg-type]
         self._flush_writes()
         engine.graph_runner.pad_batch(batch)
         if batch.is_decode:
