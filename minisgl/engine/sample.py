@@ -9,7 +9,7 @@ token while the mass before it is < p, so the best token always survives).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -62,6 +62,8 @@ class Sampler:
     vocab_size: int
 
     def __post_init__(self) -> None:
+        # Resolved once: a failing import retried every step costs milliseconds of host time.
+        self._flashinfer = _load_flashinfer_sampler() if self.device.type == "cuda" else None
         self._cache_key: Tuple[int, ...] | None = None
         self._cache_args: BatchSamplingArgs | None = None
         self._cache_params: List[object] = []
@@ -139,14 +141,18 @@ class Sampler:
             logits = args.penalties.apply(logits)
         if args.temperatures is None:
             return torch.argmax(logits, dim=-1)
-        if logits.is_cuda and args.min_p is None and args.seeded_rows is None:
-            try:
-                from minisgl.engine.sample_flashinfer import sample_flashinfer
-
-                return sample_flashinfer(logits.float(), args.temperatures, args.top_k, args.top_p)
-            except ImportError:
-                pass
+        if self._flashinfer is not None and args.min_p is None and args.seeded_rows is None:
+            return self._flashinfer(logits.float(), args.temperatures, args.top_k, args.top_p)
         return sample_torch(logits.float(), args.temperatures, args.top_k, args.top_p, args.min_p, args.seeded_rows)
+
+
+def _load_flashinfer_sampler() -> Any:
+    try:
+        from minisgl.engine.sample_flashinfer import sample_flashinfer
+
+        return sample_flashinfer
+    except ImportError:
+        return None
 
 
 def _step_seed(seed: int, position: int) -> int:
@@ -175,11 +181,11 @@ def sample_torch(
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass ranked ahead of each token
             sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
-    if not seeded_rows:
-        return torch.multinomial(probs, num_samples=1).squeeze(1)
-    # Exponential race: argmax(p / E), E ~ Exp(1), draws from p; seeded rows use their own noise.
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, like torch.multinomial, but
+    # without its host synchronisation; seeded rows draw their noise from their own generator.
     noise = torch.empty_like(probs).exponential_()
-    for row, step_seed in seeded_rows:
+    for row, step_seed in seeded_rows or ():
         gen = torch.Generator(device=probs.device).manual_seed(step_seed)
         noise[row].exponential_(generator=gen)
-    return torch.argmax(probs / noise, dim=-1)
+    # An exact 0 draw would turn a filtered token's 0/0 into NaN, which argmax picks.
+    return torch.argmax(probs / noise.clamp_min_(1e-20), dim=-1)

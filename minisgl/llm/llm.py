@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from minisgl.core import SamplingParams
@@ -65,7 +66,7 @@ class LLM:
         if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
             ids = self.tokenizer.apply_chat_template(list(prompt), tokenize=True, add_generation_prompt=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if _is_token_list(prompt):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty")
             return list(prompt)
@@ -170,7 +171,15 @@ class LLM:
 
 
 def _is_token_list(prompt: Any) -> bool:
-    return isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    """A list of Python ints (not bools, not floats); checked in C, prompts can be long."""
+    if not isinstance(prompt, (list, tuple)):
+        return False
+    if not prompt:
+        return True
+    try:
+        return np.asarray(prompt).dtype.kind in "iu"
+    except (ValueError, TypeError):  # ragged or mixed content
+        return False
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

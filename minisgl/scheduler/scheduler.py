@@ -111,9 +111,9 @@ class Scheduler:
             raise ValueError(f"request uid {req.uid} is already in use")
         if len(req.input_ids) == 0:
             raise ValueError("prompt is empty: input_ids must hold at least one token")
-        bad = [t for t in req.input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids must be in [0, {self.vocab_size}), got {bad[0]}")
+        low, high = min(req.input_ids), max(req.input_ids)
+        if low < 0 or high >= self.vocab_size:
+            raise ValueError(f"input_ids must be in [0, {self.vocab_size}), got {low if low < 0 else high}")
         req.sampling_params.validate()
         if len(req.input_ids) >= self.max_seq_len:
             raise ValueError(
