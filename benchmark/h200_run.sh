@@ -22,6 +22,9 @@ for part in $parts; do
                --max-output 1024 --model benchmark/models/qwen3-0.6b --dummy-weights --peer none 2>&1 | tail -2 | tee -a "$OUT/variants.log" ;;
     profile) timeout 120 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-0.6b --dummy-weights --peer none --profile 2>&1 | grep -v Warn | tee "$OUT/profile.log" ;;
+    final) for v in "" "--max-extend-tokens 16384 --page-size 16"; do
+               timeout 100 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+               --model benchmark/models/qwen3-0.6b --dummy-weights --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/final.log"; done ;;
     offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
