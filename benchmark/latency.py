@@ -49,7 +49,12 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def weight_bytes(engine: Engine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    """Bytes of weights a decode step reads: each storage once (a tied LM head shares the
+    embedding's)."""
+    seen = {}
+    for p in engine.model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

@@ -105,7 +105,10 @@ def dummy_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, se
     """Random weights with the right shapes, for benchmarks that need no checkpoint."""
     gen = torch.Generator(device=device).manual_seed(seed)
     out: Dict[str, torch.Tensor] = {}
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     for name, param in model.named_parameters():
+        if tied and name == "lm_head.weight":
+            continue  # load_state_dict ties it to the embedding, as a real checkpoint would
         if name.endswith("norm.weight"):
             out[name] = torch.ones(param.shape, device=device, dtype=dtype)
         else:
