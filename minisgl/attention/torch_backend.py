@@ -34,6 +34,12 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 
 class TorchAttnBackend(BaseAttnBackend):
+    @property
+    def _compute_dtype(self) -> torch.dtype:
+        # CPU SDPA in bf16/fp16 is several times slower than in fp32 (measured 4.4 vs 0.6 ms for
+        # a 16-request decode), so CPU attends in fp32 on gathered (contiguous) keys.
+        return torch.float32 if self.device.type == "cpu" else self.kv_cache.dtype
+
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
         ext = [r.extend_len for r in reqs]
@@ -62,9 +68,10 @@ class TorchAttnBackend(BaseAttnBackend):
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         meta: TorchAttnMetadata = batch.attn_metadata
+        cast = self._compute_dtype
         if meta.decode_slots is not None:
-            keys = k_cache[meta.decode_slots].transpose(1, 2)  # [B, Hk, S, D]
-            values = v_cache[meta.decode_slots].transpose(1, 2)
+            keys = k_cache[meta.decode_slots].to(cast).transpose(1, 2)  # [B, Hk, S, D]
+            values = v_cache[meta.decode_slots].to(cast).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
             )
@@ -72,8 +79,8 @@ class TorchAttnBackend(BaseAttnBackend):
         out = torch.empty_like(q)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
-            ki = k_cache[s.slots].transpose(0, 1)  # [Hk, S, D]
-            vi = v_cache[s.slots].transpose(0, 1)
+            ki = k_cache[s.slots].to(cast).transpose(0, 1)  # [Hk, S, D]
+            vi = v_cache[s.slots].to(cast).transpose(0, 1)
             oi = F.scaled_dot_product_attention(
                 qi.to(ki.dtype), ki, vi, attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True
             )

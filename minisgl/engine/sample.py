@@ -181,11 +181,13 @@ def sample_torch(
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass ranked ahead of each token
             sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, like torch.multinomial, but
-    # without its host synchronisation; seeded rows draw their noise from their own generator.
-    noise = torch.empty_like(probs).exponential_()
+    # Inverse-CDF draw: one uniform per row (cheap on CPU, whose RNG is slow, and free of
+    # torch.multinomial's host sync on CUDA); seeded rows take their uniform from their own
+    # generator. A zero-probability token never wins: its CDF entry equals its predecessor's.
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand(probs.shape[0], 1, device=probs.device)
     for row, step_seed in seeded_rows or ():
         gen = torch.Generator(device=probs.device).manual_seed(step_seed)
-        noise[row].exponential_(generator=gen)
-    # An exact 0 draw would turn a filtered token's 0/0 into NaN, which argmax picks.
-    return torch.argmax(probs / noise.clamp_min_(1e-20), dim=-1)
+        u[row] = torch.rand(1, generator=gen, device=probs.device)
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    return picked.clamp_max_(probs.shape[1] - 1)
