@@ -92,7 +92,10 @@ def test_dead_scheduler_stops_the_server(two_servers: List[ServerProcess]) -> No
     srv = two_servers[1]
     pids = srv.tree_pids()
     sched = _child_named(srv, "minisgl-sched")
-    body = {"prompt": "Go on and on", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    # n=64 choices of 200 tokens in a 2048-page pool: admission reserves each choice's pages, so
+    # at most ~10 run at once and the request needs thousands of steps; the kill below lands
+    # while it is in flight however fast the engine is.
+    body = {"prompt": "Go on and on", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "n": 64}
     results: Dict[str, Any] = {}
 
     def request() -> None:
