@@ -225,7 +225,7 @@ def _guess_param(message: str) -> str | None:
 
 def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
     """Entry point of the scheduler process (multiprocessing spawn target)."""
-    from minisgl.server.process_utils import IpcAddrs, setup_child_process
+    from minisgl.server.process_utils import IpcAddrs, fail_startup, push_socket, setup_child_process
 
     parent = setup_child_process(f"minisgl-sched{rank}", args.log_level)
     try:
@@ -234,20 +234,13 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         config = args.scheduler_config(rank)
         scheduler = Scheduler(config)
     except BaseException as exc:
-        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
-        try:
-            ready_conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        raise SystemExit(1)
+        fail_startup(ready_conn, "scheduler", exc)
 
     addrs = IpcAddrs.in_dir(args.ipc_dir)
     ctx = zmq.Context()
     recv_sock = ctx.socket(zmq.PULL)
     recv_sock.bind(addrs.scheduler)
-    send_sock = ctx.socket(zmq.PUSH)
-    send_sock.setsockopt(zmq.SNDHWM, 0)
-    send_sock.connect(addrs.tokenizer)
+    send_sock = push_socket(ctx, addrs.tokenizer)
     info = {
         "max_seq_len": scheduler.max_seq_len,
         "num_pages": scheduler.allocator.num_pages,

@@ -12,7 +12,9 @@ import logging
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 _PR_SET_NAME = 15
 _PR_SET_PDEATHSIG = 1
@@ -57,6 +59,26 @@ def setup_child_process(name: str, log_level: str) -> int:
         os._exit(1)
     configure_logging(log_level)
     return parent
+
+
+def fail_startup(ready_conn: Any, what: str, exc: BaseException) -> NoReturn:
+    """Log why a child could not start, tell the parent (which reports it), and exit 1."""
+    logging.getLogger("minisgl").error("%s failed to start:\n%s", what, traceback.format_exc())
+    try:
+        ready_conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    except OSError:
+        pass
+    raise SystemExit(1)
+
+
+def push_socket(ctx: Any, addr: str) -> Any:
+    """A PUSH socket connected to `addr` that never drops messages (no send high-water mark)."""
+    import zmq
+
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(addr)
+    return sock
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -190,7 +190,7 @@ def _finite(logprob: float) -> float:
 
 def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     """Entry point of the tokenizer worker process (multiprocessing spawn target)."""
-    from minisgl.server.process_utils import IpcAddrs, setup_child_process
+    from minisgl.server.process_utils import IpcAddrs, fail_startup, push_socket, setup_child_process
 
     parent = setup_child_process("minisgl-tokenizer", args.log_level)
     try:
@@ -198,22 +198,13 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
 
         tokenizer = load_tokenizer(args.model_path)
     except BaseException as exc:
-        logger.error("tokenizer worker failed to start:\n%s", traceback.format_exc())
-        try:
-            ready_conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        except OSError:
-            pass
-        raise SystemExit(1)
+        fail_startup(ready_conn, "tokenizer worker", exc)
     addrs = IpcAddrs.in_dir(args.ipc_dir)
     ctx = zmq.Context()
     recv_sock = ctx.socket(zmq.PULL)
     recv_sock.bind(addrs.tokenizer)
-    to_scheduler = ctx.socket(zmq.PUSH)
-    to_scheduler.setsockopt(zmq.SNDHWM, 0)
-    to_scheduler.connect(addrs.scheduler)
-    to_api = ctx.socket(zmq.PUSH)
-    to_api.setsockopt(zmq.SNDHWM, 0)
-    to_api.connect(addrs.api)
+    to_scheduler = push_socket(ctx, addrs.scheduler)
+    to_api = push_socket(ctx, addrs.api)
     ready_conn.send(("ready", {"has_chat_template": getattr(tokenizer, "chat_template", None) is not None}))
     ready_conn.close()
     logger.info("tokenizer worker ready")
