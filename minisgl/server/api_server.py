@@ -557,21 +557,12 @@ def _stream_error(msg: ErrorMsg) -> str:
 async def _chat_stream(
     stream: RequestStream, first: Tuple[int, Any], rid: str, model: str, include_usage: bool, want_lp: bool
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    out = _ChunkWriter(rid, "chat.completion.chunk", model, include_usage)
     results = [_Result() for _ in stream.uids]
     started = [False] * len(results)
 
     def chunk(index: int, delta: Dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
-        obj: Dict[str, Any] = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}],
-        }
-        if include_usage:
-            obj["usage"] = None
-        return _data(obj)
+        return out.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra})
 
     async for index, msg in _events(stream, first):
         if isinstance(msg, ErrorMsg):
@@ -588,29 +579,36 @@ async def _chat_stream(
             yield chunk(index, {}, msg.finish_reason, stop_reason=msg.matched_stop)
     else:
         if include_usage:
-            usage = _usage(results, len(results))
-            yield _data({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage})
+            yield out.usage(_usage(results, len(results)))
     yield "data: [DONE]\n\n"
+
+
+class _ChunkWriter:
+    """SSE `data:` lines of one streamed response: every chunk shares id, object, created, model."""
+
+    def __init__(self, rid: str, obj: str, model: str, include_usage: bool) -> None:
+        self.head = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+        self.include_usage = include_usage
+
+    def choice(self, choice: Dict[str, Any]) -> str:
+        obj: Dict[str, Any] = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            obj["usage"] = None  # OpenAI sends usage: null on every chunk but the last
+        return _data(obj)
+
+    def usage(self, usage: Dict[str, Any]) -> str:
+        return _data({**self.head, "choices": [], "usage": usage})
 
 
 async def _completion_stream(
     stream: RequestStream, first: Tuple[int, Any], rid: str, model: str, include_usage: bool, n: int, want_lp: bool
 ) -> AsyncIterator[str]:
-    created = int(time.time())
+    out = _ChunkWriter(rid, "text_completion", model, include_usage)
     results = [_Result() for _ in stream.uids]
     offsets = [0] * len(results)
 
     def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
-        obj: Dict[str, Any] = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra}],
-        }
-        if include_usage:
-            obj["usage"] = None
-        return _data(obj)
+        return out.choice({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra})
 
     async for index, msg in _events(stream, first):
         if isinstance(msg, ErrorMsg):
@@ -625,8 +623,7 @@ async def _completion_stream(
             yield chunk(index, msg.text, msg.finish_reason if msg.finished else None, lp, **extra)
     else:
         if include_usage:
-            usage = _usage(results, n)
-            yield _data({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage})
+            yield out.usage(_usage(results, n))
     yield "data: [DONE]\n\n"
 
 
