@@ -102,6 +102,7 @@ class Scheduler:
         self._early: List[TokenOutput] = []  # outputs produced outside a step (aborts)
         self._prompt_tokens = self._hit_tokens = self._generated = 0
         self._steps = {"prefill": 0, "decode": 0}
+        self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
         self._host_s = self._wait_s = 0.0
 
     # ---- requests ----------------------------------------------------------------------------
@@ -155,7 +156,9 @@ class Scheduler:
         self._host_s += time.perf_counter() - start
         if batch is not None:
             self._steps[batch.phase] += 1
-        must_sync = launched is not None and _needs_host_history(launched.batch)
+        # Penalties read every generated token on the host, so while any admitted request uses
+        # them the loop runs synchronously (a counter, not a per-step scan of the batch).
+        must_sync = launched is not None and self._num_penalized > 0
         if self.overlap and not must_sync:
             if self._in_flight is not None:
                 outputs += self._process(self._in_flight)
@@ -223,6 +226,7 @@ class Scheduler:
             if not user.sampling_params.ignore_eos:
                 req.stop_ids |= self.eos_ids
             self.active[req.uid] = req
+            self._num_penalized += user.sampling_params.has_penalties
             self._prompt_tokens += prompt_len
             self._hit_tokens += req.cached_len
             self._write_prompt(req)
@@ -395,6 +399,7 @@ class Scheduler:
         req.reserved_pages = 0
         req.pages = []
         self.free_rows.append(req.table_idx)
+        self._num_penalized -= req.sampling_params.has_penalties
         del self.active[req.uid]
 
     # ---- introspection -----------------------------------------------------------------------
@@ -426,6 +431,7 @@ class Scheduler:
         assert len(self.free_rows) == self.config.max_running_req, "a table row leaked"
         assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
+        assert self._num_penalized == 0, "a finished request is still counted as using penalties"
 
     def reset_prefix_cache(self) -> int:
         """Drop every unpinned cached page; returns how many were freed."""
@@ -435,11 +441,6 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _needs_host_history(batch: Batch) -> bool:
-    """Penalties read every generated token on the host: such steps cannot run one step ahead."""
-    return any(r.sampling_params.has_penalties for r in batch.reqs)
 
 
 def _generation_eos(model_path: str) -> Set[int]:
