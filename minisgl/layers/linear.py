@@ -8,7 +8,7 @@ one all-reduce per block.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +100,3 @@ class RowParallelLinear(_Linear):
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
-
-def merge_dict(parts: Sequence[Any], shards: Dict[Any, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([shards[p] for p in parts], dim=0)

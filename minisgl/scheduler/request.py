@@ -86,10 +86,6 @@ class SchedReq(Req):
         return self.cached_len >= self.prompt_len
 
     @property
-    def in_prefill(self) -> bool:
-        return self.device_len <= self.prompt_len and not self.prefill_done
-
-    @property
     def num_output(self) -> int:
         return len(self._ids) - self.prompt_len
 
