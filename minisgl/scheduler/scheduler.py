@@ -22,7 +22,6 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.engine import Engine, ForwardOutput
-from minisgl.engine.sample import BatchSamplingArgs
 from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
