@@ -13,7 +13,7 @@ from typing import Any, List, Tuple
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, SamplingParams
 from minisgl.utils.device import make_device_tensor
 
 MIN_T = 1e-6
@@ -77,15 +77,14 @@ class Sampler:
         key = tuple(map(id, params))
         if key == self._cache_key and self._cache_args is not None:
             return self._cache_args
-        args = self._prepare(batch)
+        args = self._prepare(batch, params)
         cacheable = args.seeded_rows is None and args.penalties is None
         # holding `params` keeps their ids from being reused by new objects while cached
         self._cache_key, self._cache_args, self._cache_params = (key, args, params) if cacheable else (None, None, [])
         return args
 
-    def _prepare(self, batch: Batch) -> BatchSamplingArgs:
-        params = [r.sampling_params for r in batch.reqs]
-        penalties = self._prepare_penalties(batch) if any(p.has_penalties for p in params) else None
+    def _prepare(self, batch: Batch, params: List[SamplingParams]) -> BatchSamplingArgs:
+        penalties = self._prepare_penalties(batch, params) if any(p.has_penalties for p in params) else None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         logprobs_k = max(wanted) if wanted else None
         if all(p.is_greedy for p in params):
@@ -109,7 +108,7 @@ class Sampler:
         temps = make_device_tensor(ts, torch.float32, self.device)
         return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k)
 
-    def _prepare_penalties(self, batch: Batch) -> Penalties:
+    def _prepare_penalties(self, batch: Batch, params: List[SamplingParams]) -> Penalties:
         rows: List[int] = []
         tokens: List[int] = []
         counts: List[float] = []
@@ -125,7 +124,6 @@ class Sampler:
             rows += [i] * len(seen)
             tokens += list(seen.keys())
             counts += [float(c) for c in seen.values()]
-        params = [r.sampling_params for r in batch.reqs]
         dev = self.device
         return Penalties(
             rows=make_device_tensor(rows, torch.int64, dev),
@@ -180,10 +178,16 @@ def sample_torch(
             sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
             before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass ranked ahead of each token
             sorted_probs = sorted_probs.masked_fill(before >= top_p.unsqueeze(1), 0.0)
+        # Back to vocabulary order before drawing: a row's draw must not depend on whether
+        # another row in the batch made the batch take this sorted path (seeded requests).
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
-    # Inverse-CDF draw: one uniform per row (cheap on CPU, whose RNG is slow, and free of
-    # torch.multinomial's host sync on CUDA); seeded rows take their uniform from their own
-    # generator. A zero-probability token never wins: its CDF entry equals its predecessor's.
+    return _draw(probs, seeded_rows)
+
+
+def _draw(probs: torch.Tensor, seeded_rows: List[Tuple[int, int]] | None) -> torch.Tensor:
+    """Inverse-CDF draw: one uniform per row (cheap on CPU, whose RNG is slow, and free of
+    torch.multinomial's host sync on CUDA); seeded rows take their uniform from their own
+    generator. A zero-probability entry never wins: its CDF value equals its predecessor's."""
     cdf = probs.cumsum(dim=-1)
     u = torch.rand(probs.shape[0], 1, device=probs.device)
     for row, step_seed in seeded_rows or ():
