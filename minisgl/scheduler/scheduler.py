@@ -324,15 +324,15 @@ class Scheduler:
             output = engine.forward_batch(batch, args)
             # after complete_one: a request emits a real token once its whole prompt has KV
             emits = [r.prefill_done for r in batch.reqs]  # type: ignore[attr-defined]
-            if batch.is_decode:  # each request fed one token at p and sampled the one at p + 1
-                n = batch.size
-                self.token_pool[rows_t[:n], pos_t[:n] + 1] = output.next_tokens_gpu
-            elif any(emits):
-                keep = [i for i, e in enumerate(emits) if e]
-                idx_rows = make_device_tensor([batch.reqs[i].table_idx for i in keep], torch.int64, self.device)
-                idx_pos = make_device_tensor([batch.reqs[i].device_len - 1 for i in keep], torch.int64, self.device)
-                keep_t = make_device_tensor(keep, torch.int64, self.device)
-                self.token_pool[idx_rows, idx_pos] = output.next_tokens_gpu[keep_t]
+            # Each request's last fed token sits at (row, p); its sample belongs at (row, p + 1).
+            n = batch.size
+            last = slice(0, n) if batch.is_decode else batch.attn_metadata.last_indices[:n]
+            rows_w, pos_w = rows_t[last], pos_t[last] + 1
+            tokens = output.next_tokens_gpu
+            if not all(emits):  # a mid-prompt chunk's sample is discarded: keep the prompt token
+                keep = make_device_tensor(emits, torch.bool, self.device)
+                tokens = torch.where(keep, tokens, self.token_pool[rows_w, pos_w])
+            self.token_pool[rows_w, pos_w] = tokens
         if batch.is_prefill:  # bookkeeping the next schedule depends on
             for req, real in zip(batch.reqs, emits):
                 assert isinstance(req, SchedReq)
