@@ -1,7 +1,7 @@
 """GPU check of the fused Triton ops and the Triton MoE backend against their torch references,
 with timings (one process, one device call).
 
-  PYTHONPATH=. python3 benchmark/gpu_kernels_check.py [--parts moe,norm,silu,rotary,graph]
+  PYTHONPATH=. python3 benchmark/gpu_kernels_check.py [--parts moe,norm,silu,rotary,prologue,graph]
                                                       [--budget-s 170] [--out DIR]
   PYTHONPATH=. python3 benchmark/gpu_kernels_check.py --parts moe_tune   # tile sweep, not default
   TRITON_INTERPRET=1 python3 benchmark/gpu_kernels_check.py --smoke       # tiny shapes, CPU ok
@@ -12,6 +12,8 @@ norm:     RMSNorm and fused add+RMSNorm (hidden 1024 and 5120; per-head q_norm o
 silu:     SiLU-and-mul (I 768, 3072, 17408).
 rotary:   RotaryEmbedding.forward (Qwen3-0.6B / 14B head layouts, strided q/k views, int32 and
           int64 positions) against its torch path.
+prologue: the fused attention prologue (split qkv, q/k RMSNorm, rotary, K/V store into pool
+          slots) against the torch ops it replaces (Qwen3-0.6B/14B and a no-norm layout).
 moe:      TritonMoeBackend vs TorchMoeBackend on a Qwen3-30B-A3B-shaped layer (hidden 2048,
           128 experts, top-8, moe_intermediate 768), tokens 1..4096. bf16: both are compared
           with a float32 evaluation of the same bf16 weights; the Triton error must not exceed
@@ -330,6 +332,52 @@ def part_rotary() -> None:
                        time_graph(tfn) if graph else None, time_graph(ffn) if graph else None)  # fmt: skip
 
 
+def part_prologue() -> None:
+    """The fused attention prologue (q/k norm + rotary + K/V store) against the torch ops it replaces."""
+    from minisgl.layers.norm import rms_norm_torch
+
+    gen = new_gen(3)
+    set_rope_device(DEV)
+    d, max_pos = SHAPES["head_dim"], SHAPES["max_pos"]
+    rope = RotaryEmbedding(RotaryConfig(d, d, max_pos, 1000000.0))
+    for dtype in DTYPES:
+        for hq, hk, norm in ((16, 8, True), (40, 8, True), (32, 8, False)):
+            for tokens in SHAPES["head_tokens"]:
+                if time_left() < 25:
+                    log("  (budget: skipping remaining prologue cases)")
+                    return
+                slots = 2 * tokens + 7
+                qkv = torch.randn(tokens, (hq + 2 * hk) * d, device=DEV, dtype=dtype, generator=gen)
+                qw = (torch.rand(d, device=DEV, generator=gen) + 0.5).to(dtype) if norm else None
+                kw = (torch.rand(d, device=DEV, generator=gen) + 0.5).to(dtype) if norm else None
+                pos = torch.randint(0, max_pos, (tokens,), device=DEV, dtype=torch.int32, generator=gen)
+                loc = torch.randperm(slots, device=DEV, generator=gen)[:tokens].to(torch.int32)
+                kc = torch.zeros(slots, hk, d, device=DEV, dtype=dtype)
+                vc = torch.zeros_like(kc)
+                rkc, rvc = torch.zeros_like(kc), torch.zeros_like(kc)
+
+                def fused() -> torch.Tensor:
+                    return triton_ops().attention_prologue(  # type: ignore[union-attr]
+                        qkv, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, d)
+
+                def reference() -> torch.Tensor:
+                    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+                    q, k, v = q.view(tokens, hq, d), k.view(tokens, hk, d), v.view(tokens, hk, d)
+                    if norm:
+                        q, k = rms_norm_torch(q, qw, 1e-6), rms_norm_torch(k, kw, 1e-6)
+                    q, k = rope.forward_torch(pos, q, k)
+                    rkc.index_copy_(0, loc.long(), k)
+                    rvc.index_copy_(0, loc.long(), v)
+                    return q
+
+                got, want = fused(), reference()
+                cmp = compare(torch.cat([got.flatten(), kc.flatten(), vc.flatten()]),
+                              torch.cat([want.flatten(), rkc.flatten(), rvc.flatten()]), dtype)  # fmt: skip
+                graph = tokens <= 256
+                record("prologue", f"{hq}/{hk}x{d} norm={norm} T={tokens}", dtype, cmp, time_eager(reference),
+                       time_eager(fused), time_graph(reference) if graph else None, time_graph(fused) if graph else None)  # fmt: skip
+
+
 def _moe_inputs(tokens: int, hidden: int, experts: int, top_k: int, dtype: torch.dtype, gen: torch.Generator):
     x = torch.randn(tokens, hidden, device=DEV, dtype=dtype, generator=gen)
     logits = torch.randn(tokens, experts, device=DEV, generator=gen) * 2
@@ -500,10 +548,10 @@ def part_moe_tune() -> None:
 
 
 PARTS: Dict[str, Callable[[], None]] = {
-    "norm": part_norm, "silu": part_silu, "rotary": part_rotary, "moe": part_moe, "graph": part_graph,
+    "norm": part_norm, "silu": part_silu, "rotary": part_rotary, "prologue": part_prologue, "moe": part_moe, "graph": part_graph,
     "moe_tune": part_moe_tune,
 }  # fmt: skip
-DEFAULT_PARTS = "moe,norm,silu,rotary,graph"
+DEFAULT_PARTS = "moe,norm,silu,rotary,prologue,graph"
 
 
 def main() -> int:

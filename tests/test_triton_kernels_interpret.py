@@ -107,6 +107,30 @@ CHECKS = textwrap.dedent(
                 rq, rk = rope.forward_torch(pos, q, k)
                 check(f"rotary D={head_dim} rot={rot} Hq={hq} Hk={hk} {pdt}".replace("torch.", ""), torch.cat([gq.flatten(), gk.flatten()]), torch.cat([rq.flatten(), rk.flatten()]), dtype)
 
+        # attention prologue: q/k norm + rotary + K/V store in one kernel vs the torch ops
+        for head_dim, hq, hk, norm in ((32, 4, 2, True), (16, 20, 4, False), (64, 2, 2, True)):
+            rope = RotaryEmbedding(RotaryConfig(head_dim, head_dim, 128, 10000.0))
+            t, slots = 6, 20
+            wide = torch.randn(t, (hq + 2 * hk) * head_dim + 8, dtype=dtype)
+            qkv = wide[:, : (hq + 2 * hk) * head_dim]  # a strided row, as a sliced projection output
+            qw = (torch.rand(head_dim) + 0.5).to(dtype) if norm else None
+            kw = (torch.rand(head_dim) + 0.5).to(dtype) if norm else None
+            pos = torch.randint(0, 128, (t,), dtype=torch.int32)
+            loc = torch.randperm(slots)[:t].to(torch.int32)
+            kc, vc = torch.zeros(slots, hk, head_dim, dtype=dtype), torch.zeros(slots, hk, head_dim, dtype=dtype)
+            got_q = K.attention_prologue(qkv, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, head_dim)
+            q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+            q, k, v = q.reshape(t, hq, head_dim), k.reshape(t, hk, head_dim), v.reshape(t, hk, head_dim)
+            if norm:
+                q, k = rms_norm_torch(q, qw, 1e-6), rms_norm_torch(k, kw, 1e-6)
+            rq, rk = rope.forward_torch(pos, q, k)
+            rkc, rvc = torch.zeros_like(kc), torch.zeros_like(vc)
+            rkc[loc.long()], rvc[loc.long()] = rk, v
+            name = f"attention prologue D={head_dim} Hq={hq} Hk={hk} norm={norm}"
+            check(name + " (q)", got_q, rq, dtype)
+            check(name + " (k cache)", kc, rkc, dtype)
+            check(name + " (v cache)", vc, rvc, dtype)
+
         # MoE: every routing layout the align step must handle
         ref = TorchMoeBackend()
         for tokens, hidden, inter, experts, top_k, label in (
@@ -201,6 +225,11 @@ COMPILE = textwrap.dedent(
            **i32("n_q_heads", "n_k_heads", "sqt", "sqh", "skt", "skh", "sqot", "sqoh", "skot", "skoh", "s_cos")}
     build(K._rope_kernel, sig, dict(HALF=64, ROT=128, HEAD_DIM=128, BLOCK_H=16, BLOCK_HALF=64, BLOCK_REST=0), 8)
     build(K._rope_kernel, sig, dict(HALF=32, ROT=64, HEAD_DIM=128, BLOCK_H=8, BLOCK_HALF=32, BLOCK_REST=64))
+    sig = {"QKV": "*bf16", "Pos": "*i32", "QW": "*bf16", "KW": "*bf16", "Cos": "*fp32", "Sin": "*fp32", "QOut": "*bf16",
+           "KCache": "*bf16", "VCache": "*bf16", "Loc": "*i32", "eps": "fp32",
+           **i32("n_q_heads", "n_kv_heads", "s_qkv", "s_qo", "s_kc", "s_vc", "s_cos")}
+    for norm in (True, False):
+        build(K._attn_prologue_kernel, sig, dict(HALF=64, HEAD_DIM=128, HAS_NORM=norm, BLOCK_H=16, BLOCK_HALF=64), 8)
     build(M._count_kernel, {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32("num_pairs", "max_rows")}, {"BLOCK": 1024})
     build(M._segment_kernel, {"Counts": "*i32", "Total": "*i32", **i32("num_experts")}, {"BLOCK_M": 16, "BLOCK_E": 128})
     build(M._scatter_kernel, {"Ids": "*i64", "Cursor": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", **i32("num_pairs")},

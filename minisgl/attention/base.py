@@ -1,8 +1,11 @@
 """The attention backend interface.
 
 A backend owns the per-step metadata (`prepare_metadata`, host side, before the forward) and
-the per-layer compute (`forward`, which also stores the step's K/V into the pool at
-`batch.out_loc`). Backends that support CUDA graphs also implement the capture/replay hooks.
+the per-layer compute: `store_kv` writes the step's K/V into the pool at `batch.out_loc`, and
+`attend` runs attention over the pool. `forward` does both; the attention layer calls `attend`
+alone when a fused kernel already normalised, rotated and stored K/V (CUDA, see
+`minisgl.layers.attention`). Backends that support CUDA graphs also implement the capture/replay
+hooks.
 """
 
 from __future__ import annotations
@@ -37,9 +40,18 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None: ...
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hk, D] (this step's tokens). Returns [T, Hq, D]."""
+        self.store_kv(k, v, layer_id, batch)
+        return self.attend(q, layer_id, batch)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
+        """Write this step's K/V (each [T, Hk, D]) into the pool slots `batch.out_loc`."""
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D]."""
 
     # ---- CUDA graph hooks (decode only) ------------------------------------------------------
     supports_cuda_graph: bool = False

@@ -127,9 +127,11 @@ class FlashInferAttnBackend(BaseAttnBackend):
         batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper)
 
     # ---- compute -------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
+        self._store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        self._store_kv(k_cache, v_cache, k, v, batch.out_loc)
         k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)  # [slots, page=1, Hk, D]
         meta: FlashInferAttnMetadata = batch.attn_metadata
         q = q.contiguous().to(self.dtype)

@@ -64,8 +64,7 @@ class TorchAttnBackend(BaseAttnBackend):
             start += n
         batch.attn_metadata = TorchAttnMetadata(last, prefill=seqs)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         meta: TorchAttnMetadata = batch.attn_metadata
         cast = self._compute_dtype

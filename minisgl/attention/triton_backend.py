@@ -101,9 +101,11 @@ class TritonAttnBackend(BaseAttnBackend):
         )  # fmt: skip
 
     # ---- compute -------------------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
+        store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        store_kv(k_cache, v_cache, k, v, batch.out_loc)
         meta: TritonAttnMetadata = batch.attn_metadata
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

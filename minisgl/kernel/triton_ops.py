@@ -249,3 +249,124 @@ def apply_rotary(
         num_warps=_num_warps(block_h * block_half * 2),
     )  # fmt: skip
     return q_out, k_out
+
+
+# ---- the attention prologue: q/k norm + rotary + KV store ----------------------------------------
+
+
+@triton.jit
+def _prologue_heads(
+    X, Out, t_out, heads, hmask, sxh, so_h, w1, w2, c, s, half_offs, half_mask, eps,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROTATE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    mask = hmask[:, None] & half_mask[None, :]
+    xb = X + heads[:, None].to(tl.int64) * sxh
+    ob = Out + t_out + heads[:, None].to(tl.int64) * so_h
+    x1 = tl.load(xb + half_offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(xb + HALF + half_offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    dt = Out.dtype.element_ty
+    if ROTATE:  # q or k; v passes through unchanged
+        if HAS_NORM:  # per-head RMSNorm, rounded where layers/norm.py rounds
+            var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+            rstd = tl.div_rn(tl.full([BLOCK_H], 1.0, tl.float32), tl.sqrt_rn(var + eps))
+            x1 = (w1[None, :] * (x1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x2 = (w2[None, :] * (x2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        # rotate-half rotary, rounded where layers/rotary.py rounds
+        a1 = (x1 * c[None, :]).to(dt).to(tl.float32)
+        b1 = (x2 * s[None, :]).to(dt).to(tl.float32)
+        a2 = (x2 * c[None, :]).to(dt).to(tl.float32)
+        b2 = (x1 * s[None, :]).to(dt).to(tl.float32)
+        x1 = a1 - b1
+        x2 = a2 + b2
+    tl.store(ob + half_offs[None, :], x1.to(Out.dtype.element_ty), mask=mask)
+    tl.store(ob + HALF + half_offs[None, :], x2.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _attn_prologue_kernel(
+    QKV, Pos, QW, KW, Cos, Sin, QOut, KCache, VCache, Loc,
+    n_q_heads, n_kv_heads, s_qkv, s_qo, s_kc, s_vc, s_cos, eps,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):  # fmt: skip
+    # program (t, hb): head block hb of token t, over [q blocks | k blocks | v blocks]
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    n_qb = tl.cdiv(n_q_heads, BLOCK_H)
+    n_kb = tl.cdiv(n_kv_heads, BLOCK_H)
+    half_offs = tl.arange(0, BLOCK_HALF)
+    half_mask = half_offs < HALF
+    dt = QOut.dtype.element_ty
+    pos = tl.load(Pos + t).to(tl.int64)
+    # the cos/sin table is float32; the reference casts it to the model dtype first
+    c = tl.load(Cos + pos * s_cos + half_offs, mask=half_mask, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(Sin + pos * s_cos + half_offs, mask=half_mask, other=0.0).to(dt).to(tl.float32)
+    row = QKV + t * s_qkv
+    if hb < n_qb:
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        w1 = c
+        w2 = c
+        if HAS_NORM:
+            w1 = tl.load(QW + half_offs, mask=half_mask, other=0.0).to(tl.float32)
+            w2 = tl.load(QW + HALF + half_offs, mask=half_mask, other=0.0).to(tl.float32)
+        _prologue_heads(row, QOut, t * s_qo, heads, heads < n_q_heads, HEAD_DIM, HEAD_DIM, w1, w2, c, s,
+                        half_offs, half_mask, eps, HALF, HEAD_DIM, HAS_NORM, True, BLOCK_H)  # fmt: skip
+    else:
+        slot = tl.load(Loc + t).to(tl.int64)
+        if hb < n_qb + n_kb:
+            heads = (hb - n_qb) * BLOCK_H + tl.arange(0, BLOCK_H)
+            w1 = c
+            w2 = c
+            if HAS_NORM:
+                w1 = tl.load(KW + half_offs, mask=half_mask, other=0.0).to(tl.float32)
+                w2 = tl.load(KW + HALF + half_offs, mask=half_mask, other=0.0).to(tl.float32)
+            _prologue_heads(row + n_q_heads * HEAD_DIM, KCache, slot * s_kc, heads, heads < n_kv_heads,
+                            HEAD_DIM, HEAD_DIM, w1, w2, c, s, half_offs, half_mask, eps,
+                            HALF, HEAD_DIM, HAS_NORM, True, BLOCK_H)  # fmt: skip
+        else:
+            heads = (hb - n_qb - n_kb) * BLOCK_H + tl.arange(0, BLOCK_H)
+            _prologue_heads(row + (n_q_heads + n_kv_heads) * HEAD_DIM, VCache, slot * s_vc, heads,
+                            heads < n_kv_heads, HEAD_DIM, HEAD_DIM, c, c, c, s, half_offs, half_mask, eps,
+                            HALF, HEAD_DIM, False, False, BLOCK_H)  # fmt: skip
+
+
+def attention_prologue(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """One kernel for what runs between the QKV projection and attention: split qkv [T, (Hq + 2Hk) D],
+    per-head RMSNorm of q and k (Qwen3; skipped when the weights are None), rotary over the whole
+    head (rotate-half layout, float32 cos/sin tables), and K/V stored into the pool slots `out_loc`
+    of k_cache/v_cache [slots, Hk, D]. Returns q [T, Hq, D]; same rounding as the torch path."""
+    T = qkv.shape[0]
+    assert qkv.stride(-1) == 1 and head_dim % 2 == 0
+    assert k_cache.stride(1) == head_dim and v_cache.stride(1) == head_dim
+    q_out = torch.empty((T, num_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q_out
+    half = head_dim // 2
+    block_h = min(16, triton.next_power_of_2(max(num_q_heads, num_kv_heads)))
+    block_half = triton.next_power_of_2(half)
+    has_norm = q_norm_weight is not None and k_norm_weight is not None
+    n_blocks = triton.cdiv(num_q_heads, block_h) + 2 * triton.cdiv(num_kv_heads, block_h)
+    _attn_prologue_kernel[(T, n_blocks)](
+        qkv, positions, q_norm_weight if has_norm else cos, k_norm_weight if has_norm else cos, cos, sin,
+        q_out, k_cache, v_cache, out_loc,
+        num_q_heads, num_kv_heads, qkv.stride(0), q_out.stride(0), k_cache.stride(0), v_cache.stride(0),
+        cos.stride(0), eps,
+        HALF=half, HEAD_DIM=head_dim, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        num_warps=_num_warps(block_h * block_half * 2),
+    )  # fmt: skip
+    return q_out

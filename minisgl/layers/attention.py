@@ -1,5 +1,9 @@
 """The attention layer: split qkv, optional per-head q/k norm (Qwen3), rotary, then the backend
-(which also stores this step's K/V into the paged pool)."""
+(which also stores this step's K/V into the paged pool).
+
+On CUDA (Triton available, full-width rotary, KV pool in the model dtype) all of that up to the
+attention itself is one fused kernel, `triton_ops.attention_prologue`: a decode step of a small
+model is bound by its kernel count, and this turns four to six kernels per layer into one."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.kernel.fused import triton_ops, use_fused
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 
@@ -31,9 +36,27 @@ class AttentionLayer(nn.Module):
         # their state-dict names match the checkpoint's (self_attn.q_norm.weight).
         self._qk_norm = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
 
+    def _can_fuse(self, qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
+        if not use_fused(qkv) or self.rotary.rotary_dim != self.head_dim or self.rotary.cos.device != qkv.device:
+            return False
+        if cache_dtype != qkv.dtype:
+            return False
+        return self._qk_norm is None or all(n.weight.dtype == qkv.dtype for n in self._qk_norm)
+
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         batch = ctx.batch
+        backend, kv = ctx.attn_backend, ctx.kv_cache
+        assert backend is not None and kv is not None
+        if self._can_fuse(qkv, kv.dtype):
+            norm = self._qk_norm
+            q = triton_ops().attention_prologue(  # type: ignore[union-attr]
+                qkv, batch.positions, norm[0].weight if norm else None, norm[1].weight if norm else None,
+                norm[0].eps if norm else 0.0, self.rotary.cos, self.rotary.sin,
+                kv.k_cache(self.layer_id), kv.v_cache(self.layer_id), batch.out_loc,
+                self.num_q_heads, self.num_kv_heads, self.head_dim,
+            )  # fmt: skip
+            return backend.attend(q, self.layer_id, batch).reshape(-1, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_q_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -41,6 +64,5 @@ class AttentionLayer(nn.Module):
         if self._qk_norm is not None:
             q, k = self._qk_norm[0](q), self._qk_norm[1](k)
         q, k = self.rotary(batch.positions, q, k)
-        assert ctx.attn_backend is not None
-        o = ctx.attn_backend.forward(q, k, v, self.layer_id, batch)
+        o = backend.forward(q, k, v, self.layer_id, batch)
         return o.reshape(-1, self.q_size)
