@@ -107,6 +107,15 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         synchronize(device)
         elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         after = llm.scheduler.stats()
+        if args.trace:  # a second run of the same requests under the profiler (CUDA only)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from gpu_timeline import format_summary, traced
+
+            t1 = time.perf_counter()
+            _, timeline = traced(lambda: llm.generate(prompts, params, use_tqdm=False), args.trace_file)
+            timeline["traced_wall_ms"] = round((time.perf_counter() - t1) * 1e3, 1)
+            print(format_summary(timeline))
+            info["timeline"] = timeline
         # where the time went: steps of each kind, host scheduling time, time blocked on the device
         info.update(
             prefill_steps=after.prefill_steps - before.prefill_steps,
@@ -282,6 +291,9 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed run and print the top functions")
+    ap.add_argument("--trace", action="store_true",
+                    help="CUDA: rerun the requests under torch.profiler and summarise the device timeline")
+    ap.add_argument("--trace-file", default=None, help="with --trace: also keep the chrome trace here")
     ap.add_argument("--peer-static", action="store_true", help="HF batched generate even where continuous batching exists")
     args = ap.parse_args(argv)
 
