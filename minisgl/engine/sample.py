@@ -4,6 +4,12 @@ All-greedy batches take an argmax. Mixed batches give greedy requests a tiny tem
 (softmax becomes one-hot), so one code path serves the whole batch. Order of filters: min-p on
 the full tempered distribution, then top-k, then top-p over the renormalised remainder (keep a
 token while the mass before it is < p, so the best token always survives).
+
+On CUDA with triton (and MINISGL_FUSED_OPS not 0) every draw outside FlashInfer is a Gumbel-max
+draw (minisgl/kernel/triton_sampling.py): argmax(logits / T + Gumbel noise) over the tokens the
+filters keep, one read of the logits and no softmax when nobody filters; each row's noise comes
+from its own seed (random, or the request's per-step seed), so a seeded request draws the same
+token whichever path its batch takes. CPU draws by inverse CDF from one uniform per row.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any, List, Tuple
 import torch
 
 from minisgl.core import Batch, SamplingParams
+from minisgl.kernel.fused import use_fused
 from minisgl.utils.device import make_device_tensor
 
 MIN_T = 1e-6
@@ -139,9 +146,18 @@ class Sampler:
             logits = args.penalties.apply(logits)
         if args.temperatures is None:
             return torch.argmax(logits, dim=-1)
+        filters = args.top_k is not None or args.top_p is not None or args.min_p is not None
+        gumbel = use_fused(logits)
+        if gumbel and not filters:
+            return _gumbel_draw(logits, args.temperatures, args.seeded_rows)
         if self._flashinfer is not None and args.min_p is None and args.seeded_rows is None:
             return self._flashinfer(logits.float(), args.temperatures, args.top_k, args.top_p)
-        return sample_torch(logits.float(), args.temperatures, args.top_k, args.top_p, args.min_p, args.seeded_rows)
+        probs = filtered_probs(logits.float(), args.temperatures, args.top_k, args.top_p, args.min_p)
+        if gumbel:
+            # Same noise and scores as the unfiltered path, the filtered-out tokens at -inf: a seeded
+            # row without filters draws exactly what it would in a batch that nobody filters.
+            return _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
+        return _draw(probs, args.seeded_rows)
 
 
 def _load_flashinfer_sampler() -> Any:
@@ -157,6 +173,20 @@ def _step_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % (1 << 63)
 
 
+def _gumbel_draw(
+    logits: torch.Tensor, temperatures: torch.Tensor, seeded_rows: List[Tuple[int, int]] | None
+) -> torch.Tensor:
+    """Gumbel-max draw on CUDA: fresh random seeds from torch's generator (honours manual_seed,
+    no host sync), then the seeded requests' step seeds written over theirs in one copy."""
+    from minisgl.kernel.triton_sampling import gumbel_sample
+
+    seeds = torch.randint(0, 2**62, (logits.shape[0],), dtype=torch.int64, device=logits.device)
+    if seeded_rows:
+        rows_and_seeds = make_device_tensor(list(zip(*seeded_rows)), torch.int64, logits.device)
+        seeds.index_put_((rows_and_seeds[0],), rows_and_seeds[1])
+    return gumbel_sample(logits, temperatures, seeds)
+
+
 def sample_torch(
     logits: torch.Tensor,
     temperatures: torch.Tensor,
@@ -165,6 +195,18 @@ def sample_torch(
     min_p: torch.Tensor | None = None,
     seeded_rows: List[Tuple[int, int]] | None = None,
 ) -> torch.Tensor:
+    """The torch sampler: filters, then an inverse-CDF draw (CPU; the CUDA reference)."""
+    return _draw(filtered_probs(logits, temperatures, top_k, top_p, min_p), seeded_rows)
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """softmax(logits / T) with min-p, top-k and top-p applied (dropped tokens at 0, not renormalised)."""
     probs = torch.softmax(logits / temperatures.unsqueeze(1), dim=-1)
     if min_p is not None:
         threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
@@ -181,7 +223,7 @@ def sample_torch(
         # Back to vocabulary order before drawing: a row's draw must not depend on whether
         # another row in the batch made the batch take this sorted path (seeded requests).
         probs = torch.zeros_like(probs).scatter_(1, sorted_idx, sorted_probs)
-    return _draw(probs, seeded_rows)
+    return probs
 
 
 def _draw(probs: torch.Tensor, seeded_rows: List[Tuple[int, int]] | None) -> torch.Tensor:
