@@ -2,7 +2,7 @@
 # The H200 benchmark run (device tool): fused-kernel checks, latency/roofline sweep, offline
 # throughput with HF on a subset. Logs and JSON land in $OUT.
 #   bash benchmark/h200_run.sh [parts...]   parts: kernels latency offline offline14b tests variants
-#                                            profile final trace extend sampling flashinfer
+#                                            profile final trace extend sampling flashinfer repeat
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,6 +27,7 @@ for part in $parts; do
     final) for v in "" "--max-extend-tokens 16384 --page-size 16"; do
                timeout 100 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-0.6b --dummy-weights --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/final.log"; done ;;
+    repeat) timeout 150 python3 benchmark/offline.py $RECIPE --peer none --repeat 3 ${EXTRA:-} 2>&1 | grep -v Warn | tail -3 | tee -a "$OUT/repeat.log" ;;
     trace) timeout 200 python3 benchmark/offline.py $RECIPE --peer none --trace 2>&1 | grep -v Warn | tee "$OUT/trace.log" ;;
     extend) for v in "--max-extend-tokens 8192" "--max-extend-tokens 32768" ""; do
                timeout 100 python3 benchmark/offline.py $RECIPE --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/extend.log"; done ;;
@@ -34,7 +35,7 @@ for part in $parts; do
     flashinfer) # needs the carried wheels (.whl): JIT builds take ~2 min the first time
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
              PYTHONPATH=/tmp/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws timeout 420 python3 benchmark/offline.py \
-               $RECIPE --peer none --attention-backend flashinfer 2>&1 | grep -v Warn | tee "$OUT/flashinfer.log" ;;
+               $RECIPE --peer none --repeat 2 --attention-backend flashinfer 2>&1 | grep -v Warn | tee "$OUT/flashinfer.log" ;;
     offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \

@@ -107,6 +107,15 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         synchronize(device)
         elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         after = llm.scheduler.stats()
+        repeats = []
+        for _ in range(args.repeat - 1):  # the headline stays the first run; repeats show warm-up effects
+            t1 = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            synchronize(device)
+            repeats.append(round(sum(max_tokens) / (time.perf_counter() - t1), 1))
+        if repeats:
+            print(f"repeated runs in the same process (tok/s): {repeats}")
+            info["repeat_tok_s"] = repeats
         if args.trace:  # a second run of the same requests under the profiler (CUDA only)
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             from gpu_timeline import format_summary, traced
@@ -291,6 +300,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed run and print the top functions")
+    ap.add_argument("--repeat", type=int, default=1, help="run the timed requests this many times (first is reported)")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: rerun the requests under torch.profiler and summarise the device timeline")
     ap.add_argument("--trace-file", default=None, help="with --trace: also keep the chrome trace here")

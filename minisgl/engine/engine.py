@@ -166,6 +166,7 @@ class Engine:
         if model_config.is_moe:
             self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device)
         self.sampler = Sampler(self.device, model_config.vocab_size)
+        self.sampler.warmup(config.max_running_req, self.dtype)
 
         # ---- dummy request and CUDA graphs
         self.dummy_req = Req(

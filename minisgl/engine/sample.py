@@ -75,6 +75,14 @@ class Sampler:
         self._cache_args: BatchSamplingArgs | None = None
         self._cache_params: List[object] = []
 
+    def warmup(self, max_batch: int, dtype: torch.dtype) -> None:
+        """CUDA: compile the Gumbel kernels for every batch size now, not mid-run."""
+        probe = torch.empty(0, device=self.device)
+        if use_fused(probe):
+            from minisgl.kernel.triton_sampling import warmup
+
+            warmup(max_batch, self.vocab_size, dtype, self.device)
+
     def prepare(self, batch: Batch) -> BatchSamplingArgs:
         """Host side, before the forward: turn per-request params into device tensors.
 

@@ -195,3 +195,27 @@ def gumbel_sample(
         best_val, best_idx, out, n_rows, n_chunks, ROWS=reduce_rows, BLOCK=block, num_warps=1
     )
     return out
+
+
+def _variant(n_rows: int, n_tiles: int) -> Tuple[int, int, int, int]:
+    """What a launch over n_rows rows compiles for: (rows, tiles) per program, the reduce block and
+    the chunk count's specialisation (Triton specialises int arguments on == 1 and % 16)."""
+    block_rows, tiles = _launch_split(n_rows, n_tiles)
+    n_chunks = triton.cdiv(n_tiles, tiles)
+    return block_rows, tiles, triton.next_power_of_2(n_chunks), 1 if n_chunks == 1 else 16 if n_chunks % 16 == 0 else 0
+
+
+def warmup(max_rows: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Launch every kernel variant a batch of 1..max_rows rows can pick, so that none is compiled
+    (or loaded from Triton's disk cache, tens of ms each) in the middle of serving as the batch
+    grows and shrinks. Returns the number of variants."""
+    n_tiles = triton.cdiv(vocab_size, TILE)
+    firsts: dict = {}
+    for n in range(1, max_rows + 1):
+        firsts.setdefault(_variant(n, n_tiles), n)
+    logits = torch.zeros(max_rows, vocab_size, dtype=dtype, device=device)
+    temps = torch.ones(max_rows, dtype=torch.float32, device=device)
+    seeds = torch.zeros(max_rows, dtype=torch.int64, device=device)
+    for n in firsts.values():
+        gumbel_sample(logits[:n], temps[:n], seeds[:n])
+    return len(firsts)
