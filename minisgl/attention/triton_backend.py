@@ -2,7 +2,7 @@
 prefix, any page size, GQA. Needs only torch + triton; the default on CUDA without FlashInfer.
 
 Per-step metadata is one small int64 tensor copied to the device once (rows, lengths, split
-counts, last indices as its rows), so a decode step costs one host-to-device copy. For CUDA
+counts, the decode kernel's start order, last indices as its rows), so a decode step costs one host-to-device copy. For CUDA
 graphs the backend keeps static copies of that tensor and of the split-K scratch, sized for the
 largest captured batch; replay copies the step's metadata into them.
 """
@@ -33,6 +33,7 @@ class TritonAttnMetadata(BaseAttnMetadata):
     seq_lens: torch.Tensor  # [B] device_len
     # decode
     num_splits: torch.Tensor | None = None  # [B] KV chunks per request (<= grid_splits)
+    order: torch.Tensor | None = None  # [B] batch rows by decreasing length: the kernel's start order
     grid_splits: int = 1
     mid_o: torch.Tensor | None = None  # [B, Hq, grid_splits, D] float32
     mid_lse: torch.Tensor | None = None  # [B, Hq, grid_splits] float32
@@ -79,12 +80,13 @@ class TritonAttnBackend(BaseAttnBackend):
         seq_lens = [r.device_len for r in reqs]
         if batch.is_decode:
             grid = self.grid_splits(bs)
+            order = sorted(range(bs), key=seq_lens.__getitem__, reverse=True)  # longest first
             packed = make_device_tensor(
-                [rows, seq_lens, self._num_splits(seq_lens, grid), list(range(bs))], torch.int64, self.device
+                [rows, seq_lens, self._num_splits(seq_lens, grid), order, list(range(bs))], torch.int64, self.device
             )
             batch.attn_metadata = TritonAttnMetadata(
-                last_indices=packed[3], rows=packed[0], seq_lens=packed[1], num_splits=packed[2],
-                grid_splits=grid, packed=packed,
+                last_indices=packed[4], rows=packed[0], seq_lens=packed[1], num_splits=packed[2],
+                order=packed[3], grid_splits=grid, packed=packed,
             )  # fmt: skip
             return
         ext = [r.extend_len for r in reqs]
@@ -116,7 +118,7 @@ class TritonAttnBackend(BaseAttnBackend):
                 meta.mid_lse = torch.empty((B, Hq, meta.grid_splits), dtype=torch.float32, device=q.device)
             decode_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits,
-                meta.mid_o, meta.mid_lse, out, self.sm_scale,
+                meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order,
             )  # fmt: skip
             return out
         assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
@@ -131,8 +133,9 @@ class TritonAttnBackend(BaseAttnBackend):
         max_bs = max(bs_list)
         max_grid = max(self.grid_splits(bs) for bs in bs_list)
         Hq, D = self.num_qo_heads, self.head_dim
-        packed = torch.zeros((4, max_bs), dtype=torch.int64, device=self.device)
-        packed[3] = torch.arange(max_bs, device=self.device)
+        packed = torch.zeros((5, max_bs), dtype=torch.int64, device=self.device)
+        packed[3] = torch.arange(max_bs, device=self.device)  # order (replay overwrites it)
+        packed[4] = torch.arange(max_bs, device=self.device)  # last_indices: static
         self._graph_buffers = {
             "packed": packed,
             "mid_o": torch.empty((max_bs, Hq, max_grid, D), dtype=torch.float32, device=self.device),
@@ -147,8 +150,9 @@ class TritonAttnBackend(BaseAttnBackend):
         packed[0].fill_(batch.padded_reqs[0].table_idx)  # the dummy request: one token on the dummy page
         packed[1].fill_(1)
         packed[2].fill_(1)
+        packed[3].copy_(packed[4])
         batch.attn_metadata = TritonAttnMetadata(
-            last_indices=packed[3], rows=packed[0], seq_lens=packed[1], num_splits=packed[2],
+            last_indices=packed[4], rows=packed[0], seq_lens=packed[1], num_splits=packed[2], order=packed[3],
             grid_splits=grid, mid_o=buf["mid_o"][:bs, :, :grid], mid_lse=buf["mid_lse"][:bs, :, :grid],
             packed=packed,
         )  # fmt: skip
@@ -158,4 +162,4 @@ class TritonAttnBackend(BaseAttnBackend):
         bs = batch.padded_size
         assert meta.packed is not None and meta.num_splits is not None, "prepare_metadata(batch) first"
         assert meta.grid_splits == self.grid_splits(bs), "metadata was prepared for another batch size"
-        self._graph_buffers["packed"][:3, :bs].copy_(meta.packed[:3])
+        self._graph_buffers["packed"][:4, :bs].copy_(meta.packed[:4])

@@ -40,6 +40,7 @@ def _decode_partial_kernel(
     Rows,
     SeqLens,
     NumSplits,
+    Order,
     MidO,
     MidLse,
     qk_scale,
@@ -62,9 +63,17 @@ def _decode_partial_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    # Heads vary fastest in the grid and requests come in `Order` (longest first): programs start
+    # in grid order, so the longest sequences start first and the short ones fill the tail
+    # (longest-processing-time-first; with mixed lengths a long request started last would
+    # otherwise leave most SMs idle at the end of the kernel).
+    kvh = tl.program_id(0)
+    if HAS_ORDER:
+        b = tl.load(Order + tl.program_id(1)).to(tl.int32)
+    else:
+        b = tl.program_id(1)
     split = tl.program_id(2)
     n_split = tl.load(NumSplits + b).to(tl.int32)
     if split < n_split:
@@ -262,8 +271,10 @@ def decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    order: torch.Tensor | None = None,
 ) -> None:
     """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
+    order: [B] the batch rows in the order their programs should start (longest first), or None;
     mid_o: [B, Hq, S, D] float32, mid_lse: [B, Hq, S] float32 (S = the grid's split bound).
     With S == 1 the first stage writes `out` directly and the scratch is not touched."""
     B, Hq, D = q.shape
@@ -279,8 +290,8 @@ def decode_attention(
     direct = S == 1
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
-    _decode_partial_kernel[(B, Hk, S)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, dst, mid_lse,
+    _decode_partial_kernel[(Hk, B, S)](
+        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
@@ -288,7 +299,7 @@ def decode_attention(
         *dst_strides,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct,
+        BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if direct:
