@@ -96,6 +96,7 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         # The warm-up prompt is a prefix of request 0: drop it, so the timed run prefills every token.
         llm.scheduler.reset_prefix_cache()
         before = llm.scheduler.stats()
+        compiles = _log_triton_compiles() if args.log_compiles else None
         t0, c0 = time.perf_counter(), time.process_time()
         if args.profile:  # host-side profile of the timed run (slows it down; for finding hot spots)
             import cProfile
@@ -109,6 +110,11 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         synchronize(device)
         elapsed, cpu_s = time.perf_counter() - t0, time.process_time() - c0
         after = llm.scheduler.stats()
+        if compiles is not None:
+            print(f"Triton kernels specialised during the timed run: {len(compiles)}")
+            for line in compiles:
+                print("  " + line)
+            info["timed_run_compiles"] = compiles
         repeats = []
         for _ in range(args.repeat - 1):  # the headline stays the first run; repeats show warm-up effects
             llm.scheduler.reset_prefix_cache()  # else the repeat hits the cached prompts and skips prefill
@@ -141,6 +147,21 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
     out_tokens = sum(r.completion_tokens for r in results)
     assert out_tokens == sum(max_tokens), f"expected {sum(max_tokens)} output tokens, got {out_tokens}"
     return dict(info, load_s=load_s, time_s=elapsed, cpu_s=cpu_s, output_tokens=out_tokens, tok_s=out_tokens / elapsed)
+
+
+def _log_triton_compiles() -> List[str]:
+    """Record every Triton kernel specialisation built (or loaded from the disk cache) from now on:
+    one in the timed run is a stall the engine's warm-up should have paid."""
+    import triton
+
+    seen: List[str] = []
+
+    def hook(*, repr: str, **_: Any) -> None:
+        seen.append(repr[:300])
+        return None
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    return seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +325,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")
     ap.add_argument("--profile", action="store_true", help="cProfile the timed run and print the top functions")
+    ap.add_argument("--log-compiles", action="store_true", help="list Triton kernels compiled during the timed run")
     ap.add_argument("--repeat", type=int, default=1, help="run the timed requests this many times (first is reported)")
     ap.add_argument("--trace", action="store_true",
                     help="CUDA: rerun the requests under torch.profiler and summarise the device timeline")
