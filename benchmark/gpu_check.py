@@ -583,24 +583,11 @@ def time_attention_kernel(engine: Any, batch: Batch) -> float:
     return s.elapsed_time(e) / 100 * 1e3
 
 
-def _patch_interpreter_scalars() -> None:
-    """Triton's interpreter (3.6) turns a scalar it loaded into a one-element array and converts it
-    with int(), which numpy 2 refuses for arrays of rank > 0 (`range(start, end, BLOCK)` over loaded
-    bounds fails). Convert through .item() instead; the GPU path is untouched."""
-    import triton.runtime.interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patched(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
-
-    interp._patch_lang_tensor = patched
-
-
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        _patch_interpreter_scalars()
+        from minisgl.kernel.interpreter import patch_interpreter
+
+        patch_interpreter()
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="kernels,engine,timing")
     ap.add_argument("--backends", default="auto", help="comma list of GPU backends to check; auto = importable ones")

@@ -48,6 +48,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from minisgl.kernel.fused import set_fused_ops_enabled, triton_ops, use_fused  # noqa: E402
+from minisgl.kernel.interpreter import patch_interpreter  # noqa: E402
 from minisgl.layers.activation import silu_and_mul, silu_and_mul_torch  # noqa: E402
 from minisgl.layers.norm import RMSNorm, rms_norm, rms_norm_torch  # noqa: E402
 from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding, set_rope_device  # noqa: E402
@@ -219,24 +220,6 @@ def f_rope(rope: RotaryEmbedding, pos: torch.Tensor, q: torch.Tensor, k: torch.T
     if q.is_cuda:
         return rope(pos, q, k)
     return triton_ops().apply_rotary(pos, q, k, rope.cos, rope.sin, rope.rotary_dim)  # type: ignore[union-attr]
-
-
-def _interpreter_round_to_nearest() -> None:
-    """Triton's interpreter truncates float32 -> bfloat16; the GPU (and torch) round to nearest
-    even. Make the interpreter round too, so --smoke bf16 numbers mean what they mean on a GPU."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    truncating = interp._convert_float
-
-    def convert(data, src, dst, rounding_mode):  # type: ignore[no-untyped-def]
-        if src == tl.float32 and dst == tl.bfloat16 and rounding_mode in (None, "rtne"):
-            arr = np.ascontiguousarray(data).view(np.float32)
-            return torch.from_numpy(arr).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return truncating(data, src, dst, rounding_mode)
-
-    interp._convert_float = convert
 
 
 def new_gen(seed: int) -> torch.Generator:
@@ -571,7 +554,7 @@ def main() -> int:
             log("gpu_kernels_check --smoke without CUDA needs TRITON_INTERPRET=1")
             return 2
         DEV = torch.device("cpu")
-        _interpreter_round_to_nearest()
+        patch_interpreter()
     elif not torch.cuda.is_available():
         log("gpu_kernels_check: CUDA is not available; this script checks the Triton kernels on a GPU "
             "(on CPU run tests/test_triton_kernels_interpret.py, which uses Triton's interpreter)")  # fmt: skip

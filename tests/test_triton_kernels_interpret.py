@@ -28,22 +28,10 @@ CHECKS = textwrap.dedent(
     r"""
     import os, sys
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import numpy as np
     import torch
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
+    from minisgl.kernel.interpreter import patch_interpreter
 
-    # The interpreter converts float32 -> bfloat16 by truncation; the GPU rounds to nearest even
-    # (as torch does). Round to nearest here too, so bf16 results can be held to the GPU's rounding.
-    _truncating = interp._convert_float
-
-    def _convert_float(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16 and rounding_mode in (None, "rtne"):
-            arr = np.ascontiguousarray(data).view(np.float32)
-            return torch.from_numpy(arr).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return _truncating(data, src, dst, rounding_mode)
-
-    interp._convert_float = _convert_float
+    patch_interpreter()  # bf16 rounds to nearest like the GPU; numpy-2 scalar conversion
 
     from minisgl.kernel import triton_ops as K
     from minisgl.layers.activation import silu_and_mul_torch

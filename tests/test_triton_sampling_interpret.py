@@ -30,21 +30,10 @@ CHECKS = textwrap.dedent(
     r"""
     import os, sys
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import numpy as np
     import torch
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
+    from minisgl.kernel.interpreter import patch_interpreter
 
-    # The interpreter truncates float32 -> bfloat16; the GPU (and torch) round to nearest even.
-    _truncating = interp._convert_float
-
-    def _convert_float(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16 and rounding_mode in (None, "rtne"):
-            arr = np.ascontiguousarray(data).view(np.float32)
-            return torch.from_numpy(arr).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-        return _truncating(data, src, dst, rounding_mode)
-
-    interp._convert_float = _convert_float
+    patch_interpreter()  # bf16 rounds to nearest like the GPU; numpy-2 scalar conversion
 
     import minisgl.engine.sample as S
     import minisgl.kernel.triton_sampling as K
