@@ -2,9 +2,9 @@
 prefix, any page size, GQA. Needs only torch + triton; the default on CUDA without FlashInfer.
 
 Per-step metadata is one small int64 tensor copied to the device once (rows, lengths, split
-counts, the decode kernel's start order, last indices as its rows), so a decode step costs one host-to-device copy. For CUDA
-graphs the backend keeps static copies of that tensor and of the split-K scratch, sized for the
-largest captured batch; replay copies the step's metadata into them.
+counts, the decode kernel's start order, last indices as its rows), so a decode step costs one
+host-to-device copy. For CUDA graphs the backend keeps static copies of that tensor and of the
+split-K scratch, sized for the largest captured batch; replay copies the step's metadata into them.
 """
 
 from __future__ import annotations
