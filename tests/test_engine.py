@@ -309,6 +309,17 @@ def test_kv_pool_and_page_table_layout(tiny_model_dir):
         assert get_global_ctx() is engine.ctx and engine.ctx.kv_cache is engine.kv_cache
 
 
+def test_warmup_prefill_touches_only_the_dummy_page(tiny_model_dir):
+    """The init-time warm-up prefill (which compiles the prefill kernels before the first request)
+    writes K/V to the dummy slot only: real pages and the page table stay as they were."""
+    with running_engine(tiny_model_dir("llama"), page_size=4, max_running_req=3, max_seq_len=40, num_pages=50) as engine:
+        dummy_slot = 50 * 4
+        pool = engine.kv_cache.buffer
+        assert pool[:, :, dummy_slot].abs().sum() > 0  # the warm-up ran and stored K/V there
+        assert not pool[:, :, :dummy_slot].any() and not pool[:, :, dummy_slot + 1 :].any()
+        assert not engine.page_table[:3].any() and (engine.page_table[3] == dummy_slot).all()
+
+
 def test_engine_built_and_shut_down_twice(tiny_model_dir, hf_oracle):
     ids = random_prompts([12], seed=5)[0]
 

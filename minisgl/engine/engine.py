@@ -15,7 +15,7 @@ from typing import Any, NamedTuple, Tuple
 import torch
 
 from minisgl.attention.base import create_attention_backend, resolve_attention_backend
-from minisgl.core import Batch, Context, Req, clear_global_ctx, set_global_ctx
+from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
 from minisgl.distributed import destroy_process_group, init_process_group, set_tp_info
 from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
@@ -26,7 +26,7 @@ from minisgl.layers.rotary import clear_rope_cache, set_rope_device
 from minisgl.models import create_model
 from minisgl.models.weight import dummy_weights, load_weights
 from minisgl.moe import create_moe_backend
-from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream
+from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import align_up, div_even, gib
@@ -105,6 +105,9 @@ def _token_logprobs(
         top_vals[:, :k].to("cpu", non_blocking=True),
         top_ids[:, :k].to("cpu", non_blocking=True),
     )
+
+
+WARMUP_PREFILL_TOKENS = 16
 
 
 class Engine:
@@ -191,8 +194,35 @@ class Engine:
             vocab_size=model_config.vocab_size,
             dummy_req=self.dummy_req,
         )
+        self._warmup_prefill()
 
     # ---- init helpers ------------------------------------------------------------------------
+    def _warmup_prefill(self, num_tokens: int = WARMUP_PREFILL_TOKENS) -> None:
+        """Run one small prefill on the dummy request's row, so the prefill path's kernels (Triton
+        extend attention and friends) are compiled, or loaded from Triton's cache, now: otherwise
+        a server's first request pays about a second of JIT on a fresh machine. Every K/V it writes
+        lands on the dummy page; nothing else in the pool or the page table changes."""
+        n = min(num_tokens, self.max_seq_len)
+        row = self.dummy_req.table_idx
+        req = Req(
+            input_ids=torch.zeros(n, dtype=torch.int32),
+            table_idx=row,
+            cached_len=0,
+            output_len=1,
+            uid=-2,
+            sampling_params=SamplingParams(temperature=0.0),
+            cache_handle=None,
+        )
+        batch = Batch(reqs=[req], phase="prefill")
+        self.graph_runner.pad_batch(batch)
+        with stream_context(self.stream):
+            batch.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
+            batch.positions = torch.arange(n, dtype=torch.int32, device=self.device)
+            batch.out_loc = self.page_table[row, :n].clone()
+            self.attn_backend.prepare_metadata(batch)
+            self.forward_batch(batch, self.sampler.prepare(batch))
+        synchronize(self.device)
+
     def _init_communication(self, config: EngineConfig) -> Any:
         if config.tp_info.size == 1:
             return None
