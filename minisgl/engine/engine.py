@@ -218,7 +218,7 @@ class Engine:
         with stream_context(self.stream):
             batch.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
             batch.positions = torch.arange(n, dtype=torch.int32, device=self.device)
-            batch.out_loc = self.page_table[row, :n].clone()
+            batch.out_loc = self.page_table[row, :n]  # the dummy slot, n times
             self.attn_backend.prepare_metadata(batch)
             self.forward_batch(batch, self.sampler.prepare(batch))
         synchronize(self.device)

@@ -20,7 +20,7 @@ from typing import Any, List, Tuple
 import torch
 
 from minisgl.core import Batch, SamplingParams
-from minisgl.kernel.fused import use_fused
+from minisgl.kernel.fused import use_fused, use_fused_on
 from minisgl.utils.device import make_device_tensor
 
 MIN_T = 1e-6
@@ -77,8 +77,7 @@ class Sampler:
 
     def warmup(self, max_batch: int, dtype: torch.dtype) -> None:
         """CUDA: compile the Gumbel kernels for every batch size now, not mid-run."""
-        probe = torch.empty(0, device=self.device)
-        if use_fused(probe):
+        if use_fused_on(self.device):
             from minisgl.kernel.triton_sampling import warmup
 
             warmup(max_batch, self.vocab_size, dtype, self.device)

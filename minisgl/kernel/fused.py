@@ -39,5 +39,10 @@ def triton_ops() -> ModuleType | None:
     return _state["module"]
 
 
+def use_fused_on(device: torch.device) -> bool:
+    """Whether tensors on `device` take the Triton kernels (for decisions made before any tensor exists)."""
+    return device.type == "cuda" and _state["enabled"] and triton_ops() is not None
+
+
 def use_fused(x: torch.Tensor) -> bool:
     return x.is_cuda and _state["enabled"] and triton_ops() is not None
