@@ -1,4 +1,5 @@
-"""The engine's plain data: sampling parameters, requests, batches, and the forward Context."""
+"""The engine's plain data: requests, batches and the forward Context (and `SamplingParams`,
+which lives in the torch-free `minisgl.sampling_params` and is re-exported here)."""
 
 from __future__ import annotations
 
@@ -8,61 +9,14 @@ from typing import TYPE_CHECKING, Any, Iterator, List, Literal
 
 import torch
 
+from minisgl.sampling_params import SamplingParams
+
+__all__ = ["SamplingParams", "Req", "Batch", "Context", "get_global_ctx", "set_global_ctx", "clear_global_ctx"]
+
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
     from minisgl.kvcache.pool import KVCachePool
     from minisgl.moe.base import BaseMoeBackend
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings. The defaults are greedy decoding."""
-
-    temperature: float = 0.0
-    top_k: int = -1  # -1: no top-k filter
-    top_p: float = 1.0
-    min_p: float = 0.0
-    max_tokens: int = 1024
-    ignore_eos: bool = False
-    stop_token_ids: List[int] = field(default_factory=list)
-    seed: int | None = None
-    # OpenAI-style penalties on tokens generated so far; HF-style repetition penalty on all tokens.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    # Return the chosen token's logprob and this many top alternatives (None: no logprobs).
-    logprobs: int | None = None
-
-    def validate(self) -> None:
-        """Raise ValueError naming the first field outside its allowed range."""
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
 
 
 class Req:

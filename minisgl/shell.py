@@ -16,6 +16,7 @@ import threading
 from typing import Any, Dict, List
 
 from minisgl.message import ErrorMsg, TokenizeMsg
+from minisgl.sampling_params import SamplingParams
 
 HELP = "commands: /reset (forget the conversation), /exit (quit); Ctrl-C stops an answer"
 
@@ -112,7 +113,7 @@ async def _shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
                 print(f"unknown command {line!r}; {HELP}", flush=True)
                 continue
             history.append({"role": "user", "content": line})
-            sampling = {"temperature": args.shell_temperature, "max_tokens": args.shell_max_tokens}
+            sampling = SamplingParams(temperature=args.shell_temperature, max_tokens=args.shell_max_tokens)
             task = asyncio.create_task(_answer(frontend, history, sampling))
             answering[:] = [task]
             # prompt_toolkit removes SIGINT handlers when a prompt ends: install ours again
@@ -144,11 +145,11 @@ async def _shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
     return 0
 
 
-async def _answer(frontend: Any, history: List[Dict[str, str]], sampling: Dict[str, Any]) -> tuple[str | None, str | None]:
-    msg = TokenizeMsg(uid=frontend.new_uid(), messages=list(history), sampling=dict(sampling))
+async def _answer(frontend: Any, history: List[Dict[str, str]], sampling: SamplingParams) -> tuple[str | None, str | None]:
+    msg = TokenizeMsg(uid=frontend.new_uid(), messages=list(history), sampling=sampling)
     try:
         stream = frontend.submit([msg])
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # Unavailable or Overloaded
         return None, str(exc)
     parts: List[str] = []
     try:

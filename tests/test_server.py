@@ -172,6 +172,17 @@ class ServerProcess:
             time.sleep(0.1)
         raise AssertionError(f"server not idle after {timeout} s: {m}")
 
+    def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> Dict[str, float]:
+        """Poll /metrics until `name` reaches `value` (scheduler numbers arrive asynchronously)."""
+        deadline = time.monotonic() + timeout
+        m: Dict[str, float] = {}
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if m.get(name, 0.0) >= value:
+                return m
+            time.sleep(0.1)
+        raise AssertionError(f"{name} did not reach {value} after {timeout} s: {m.get(name)}")
+
 
 def parse_metrics(text: str) -> Dict[str, float]:
     out: Dict[str, float] = {}
@@ -284,7 +295,9 @@ def test_models_health_and_auth(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/health").json() == {"status": "ok"}
     models = server.openai().models.list()
     assert [m.id for m in models.data] == ["tiny_chat_llama"]
-    info = httpx.get(server.base_url + "/server_info").json()
+    # with an API key, every route but /health and /metrics needs it (/server_info shows the model path)
+    assert httpx.get(server.base_url + "/server_info").status_code == 401
+    info = httpx.get(server.base_url + "/server_info", headers=server.headers()).json()
     assert info["scheduler"]["max_seq_len"] == MAX_SEQ_LEN and info["scheduler"]["dtype"] == "float32"
     m = server.metrics()
     assert m["minisgl_kv_cache_usage"] == 0.0 and m["minisgl_kv_pages_total"] == 16384
@@ -472,6 +485,7 @@ def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
                 seen += 1
                 if seen == 3:
                     break  # leave mid-stream: closing the response closes the connection
+    server.wait_metric("minisgl_aborted_requests_total", before + 1)
     m = server.wait_idle()
     assert m["minisgl_aborted_requests_total"] == before + 1
     assert m["minisgl_kv_cache_usage"] == 0.0
@@ -486,6 +500,7 @@ def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
     t = threading.Thread(target=give_up)
     t.start()
     t.join()
+    server.wait_metric("minisgl_aborted_requests_total", before + 2)
     m = server.wait_idle()
     assert m["minisgl_aborted_requests_total"] == before + 2
     assert m["minisgl_kv_cache_usage"] == 0.0
@@ -544,7 +559,7 @@ def test_bad_inputs_get_openai_errors(server: ServerProcess) -> None:
     _assert_error(post(chat, {"messages": [{"role": "user", "content": long_text}], "max_tokens": 4}), 400)
     _assert_error(post("/v1/completions", {"prompt": long_text}), 400)
     _assert_error(post("/v1/completions", {"prompt": [7] * (MAX_SEQ_LEN + 1), "max_tokens": 1}), 400)
-    _assert_error(post("/v1/completions", {"prompt": [10**7], "max_tokens": 1}), 400, param="input_ids")
+    _assert_error(post("/v1/completions", {"prompt": [10**7], "max_tokens": 1}), 400, param="prompt")
     _assert_error(post("/v1/completions", {"prompt": ""}), 400, param="prompt")
     _assert_error(post("/v1/completions", {"prompt": "hi", "logprobs": 99}), 400, param="logprobs")
     _assert_error(post("/v1/completions", {"prompt": "hi", "echo": True}), 400)

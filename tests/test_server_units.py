@@ -4,6 +4,7 @@ models, CLI arguments, and the scheduler loop's handling of bad requests."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any, List
 
 import pytest
@@ -15,6 +16,7 @@ from minisgl.message import (
     AbortReq,
     ErrorMsg,
     ExitMsg,
+    FlushCacheDone,
     FlushCacheMsg,
     ReplyBatchMsg,
     ReplyMsg,
@@ -26,6 +28,7 @@ from minisgl.message import (
     decode_msg,
     encode_msg,
 )
+from minisgl.sampling_params import SamplingParams
 from minisgl.tokenizer import IncrementalDetokenizer, StopMatcher
 
 MULTILINGUAL = [
@@ -46,13 +49,14 @@ def tokenizer(embedded_model_dir: str) -> Any:
 
 def test_messages_round_trip() -> None:
     msgs = [
-        TokenizeMsg(1, text="你好", sampling={"temperature": 0.5, "max_tokens": None}, stop=["\n"], want_logprobs=True),
+        TokenizeMsg(1, text="你好", sampling=SamplingParams(temperature=0.5, max_tokens=None, seed=-(2**63)), stop=["\n"], want_logprobs=True),
         TokenizeMsg(2, messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"x": 1}),
         TokenizeMsg(3, input_ids=[1, 2, 3]),
         AbortReq(4),
-        UserMsg(5, [1, 2], {"top_k": 3}, True),
+        UserMsg(5, [1, 2], SamplingParams(top_k=3, stop_token_ids=[7, 8]), True),
         AbortMsg(6),
-        FlushCacheMsg(),
+        FlushCacheMsg(3),
+        FlushCacheDone(3, False, 0),
         ExitMsg(),
         TokenBatchMsg([TokenOut(7, 11, True, "stop", -0.25, [[11, -0.25], [12, -2.0]], 3, 1), TokenOut(8, None, True, "abort")]),
         StatsMsg(1, 2, 3, 100, 90, 5, 10, 4, 7, 1, 12.5, 0.1, 0.4),
@@ -61,6 +65,7 @@ def test_messages_round_trip() -> None:
     ]
     for msg in msgs:
         assert decode_msg(encode_msg(msg)) == msg
+    assert isinstance(decode_msg(encode_msg(msgs[0])).sampling, SamplingParams)
 
 
 def test_unknown_messages_are_refused() -> None:
@@ -142,23 +147,25 @@ def test_stop_strings() -> None:
 def test_request_models() -> None:
     from pydantic import ValidationError
 
+    from minisgl.sampling_params import SamplingParams
+
     from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
 
     req = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "seed": 5, "n": 2, "top_k": 0}
     )
     assert req.messages[0].to_template() == {"role": "user", "content": "ab"}
-    s0, s1 = req.sampling_dict(None, None, 0), req.sampling_dict(None, None, 1)
-    assert (s0["seed"], s1["seed"]) == (5, 6) and s0["top_k"] == -1 and s0["temperature"] == 1.0
+    params = req.sampling_params(None, None)
+    s0, s1 = params.for_choice(0), params.for_choice(1)
+    assert (s0.seed, s1.seed) == (5, 6) and s0.top_k == -1 and s0.temperature == 1.0 and s0.max_tokens is None
+    # the seed of choice i wraps within int64
+    assert SamplingParams(seed=2**63 - 1).for_choice(1).seed == -(2**63)
     assert CompletionRequest.model_validate({"prompt": [[1, 2], [3]]}).prompts() == [[1, 2], [3]]
     assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompts() == [[1, 2]]
     for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "x"}], "top_p": 0}, {"messages": "x"}):
         with pytest.raises(ValidationError):
             ChatCompletionRequest.model_validate(bad)
-    # the SamplingParams fields the scheduler builds from the dict exist
-    from minisgl.core import SamplingParams
-
-    SamplingParams(**{**s0, "max_tokens": 4}).validate()
+    s0.validate(vocab_size=100, max_seq_len=64)
 
 
 def test_cli_arguments(tiny_chat_model: str) -> None:
@@ -203,18 +210,18 @@ def test_scheduler_loop_answers_bad_requests(tiny_chat_model: str) -> None:
     b.connect("inproc://sched-test")
     try:
         loop = SchedulerLoop(sched, recv_sock=a, send_sock=b)
-        good = {"temperature": 0.0, "max_tokens": 5}
+        good = SamplingParams(temperature=0.0, max_tokens=5)
         msgs = [
-            UserMsg(1, [1, 2, 3], {**good, "temperature": -1.0}),
-            UserMsg(2, [1, 2, 3], {**good, "no_such_field": 1}),
+            UserMsg(1, [1, 2, 3], replace(good, temperature=-1.0)),
+            UserMsg(2, [1, 2, 3], replace(good, top_k=10**12)),  # beyond the vocabulary
             UserMsg(3, [], good),
             UserMsg(4, [10**9], good),
             UserMsg(5, list(range(100)), good),  # longer than the context
-            UserMsg(6, [1, 2, 3], {**good, "max_tokens": 100}, max_tokens_explicit=True),
+            UserMsg(6, [1, 2, 3], replace(good, max_tokens=100), max_tokens_explicit=True),
             UserMsg(7, [1, 2, 3], good),
             UserMsg(7, [1, 2, 3], good),  # duplicate uid
-            UserMsg(8, [4, 5, 6], {**good, "max_tokens": None}),  # None: up to the context
-            UserMsg(9, [4, 5, 6], {**good, "max_tokens": 50}),
+            UserMsg(8, [4, 5, 6], replace(good, max_tokens=None)),  # None: up to the context
+            UserMsg(9, [4, 5, 6], replace(good, max_tokens=50)),
             AbortMsg(9),
             AbortMsg(12345),  # unknown: ignored
         ]
@@ -229,6 +236,7 @@ def test_scheduler_loop_answers_bad_requests(tiny_chat_model: str) -> None:
         errors = {m.uid: m for m in received if isinstance(m, ErrorMsg)}
         assert sorted(errors) == [1, 2, 3, 4, 5, 6, 7]
         assert errors[1].param == "temperature" and errors[1].status == 400
+        assert errors[2].param == "top_k" and errors[3].param == errors[4].param == "input_ids"
         assert errors[5].code == errors[6].code == "context_length_exceeded"
         assert errors[6].param == "max_tokens"
         assert "already in use" in errors[7].message

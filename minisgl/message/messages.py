@@ -1,7 +1,8 @@
 """The messages themselves. Each is a plain dataclass registered for msgpack transport.
 
-Sampling parameters travel as a dict of `minisgl.core.SamplingParams` fields, so that this module
-(and the API server) never imports torch; the scheduler process builds the SamplingParams.
+Sampling parameters travel typed: `minisgl.sampling_params.SamplingParams` (torch-free) is
+registered here, so a request's parameters are validated once, in the API server, and arrive in the
+scheduler as the same dataclass.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Union
 
 from minisgl.message.serialize import register_message
+from minisgl.sampling_params import SamplingParams
+
+register_message(SamplingParams)
 
 # ---- API server -> tokenizer worker -------------------------------------------------------------
 
@@ -23,7 +27,7 @@ class TokenizeMsg:
     text: str | None = None
     messages: List[Dict[str, Any]] | None = None
     input_ids: List[int] | None = None
-    sampling: Dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # validated by the API server
     max_tokens_explicit: bool = False  # the client asked for max_tokens: reject, never clip
     stop: List[str] = field(default_factory=list)  # stop strings, matched on detokenized text
     want_logprobs: bool = False
@@ -47,7 +51,7 @@ class AbortReq:
 class UserMsg:
     uid: int
     input_ids: List[int]
-    sampling: Dict[str, Any]
+    sampling: SamplingParams
     max_tokens_explicit: bool = False
 
 
@@ -60,7 +64,9 @@ class AbortMsg:
 @register_message
 @dataclass
 class FlushCacheMsg:
-    """Drop every unpinned page of the prefix cache."""
+    """Drop every unpinned page of the prefix cache; answered with a FlushCacheDone for `uid`."""
+
+    uid: int = 0
 
 
 @register_message
@@ -85,6 +91,17 @@ class TokenOut:
     top_logprobs: List[List[Union[int, float]]] | None = None  # [[token_id, logprob], ...]
     prompt_tokens: int = 0
     cached_tokens: int = 0
+
+
+@register_message
+@dataclass
+class FlushCacheDone:
+    """The answer to FlushCacheMsg `uid`: `flushed` is False while requests are running (the cache
+    holds their prefixes), and then nothing was dropped."""
+
+    uid: int
+    flushed: bool
+    freed_pages: int = 0
 
 
 @register_message
@@ -163,6 +180,7 @@ Message = Union[
     UserMsg,
     AbortMsg,
     FlushCacheMsg,
+    FlushCacheDone,
     ExitMsg,
     TokenBatchMsg,
     StatsMsg,

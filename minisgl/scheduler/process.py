@@ -3,9 +3,11 @@
 Loop: drain every message waiting on the socket (new requests, aborts), run one `Scheduler.step()`
 if there is work, and push the step's token outputs to the detokenizer. When there is no work
 the loop blocks on the socket (waking once a second to check that the parent still lives), so an
-idle server uses no CPU. A bad request gets an ErrorMsg back and never stops the loop; an error
-inside a step is fatal (the scheduler's state can no longer be trusted): every waiting client gets
-a 500 and the process exits non-zero, which the server notices and reports.
+idle server uses no CPU. A bad request gets an ErrorMsg (400) back and never stops the loop. A
+step that raises ends only the requests it touched (`StepFailed`: 500 for each, pages freed) and
+the loop goes on; only an error that means the engine is broken (`is_fatal`: out of memory, a
+CUDA error), or failures in MAX_CONSECUTIVE_FAILED_STEPS steps in a row, stop the process: every
+waiting client gets a 500 and the process exits non-zero, which the server notices and reports.
 
 Not imported by `minisgl.scheduler`: the engine stays importable without pyzmq/msgpack.
 """
@@ -22,6 +24,7 @@ from minisgl.message import (
     AbortMsg,
     ErrorMsg,
     ExitMsg,
+    FlushCacheDone,
     FlushCacheMsg,
     StatsMsg,
     TokenBatchMsg,
@@ -36,15 +39,16 @@ logger = init_logger(__name__)
 
 STATS_INTERVAL_S = 0.5
 IDLE_POLL_MS = 1000
+MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 class SchedulerLoop:
     def __init__(self, scheduler: Any, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: int | None = None) -> None:
-        from minisgl.core import SamplingParams
-        from minisgl.scheduler import UserRequest
+        from minisgl.scheduler import StepFailed, UserRequest
 
-        self._SamplingParams = SamplingParams
         self._UserRequest = UserRequest
+        self._StepFailed = StepFailed
+        self._failed_steps = 0
         self.scheduler = scheduler
         self.recv_sock = recv_sock
         self.send_sock = send_sock
@@ -71,47 +75,25 @@ class SchedulerLoop:
                 self.aborted += 1
                 logger.debug("aborted request %d", msg.uid)
         elif isinstance(msg, FlushCacheMsg):
-            if not self.scheduler.has_work():
-                logger.info("prefix cache flushed: %d pages freed", self.scheduler.reset_prefix_cache())
+            # Only an idle scheduler flushes: running requests hold pinned prefixes.
+            busy = self.scheduler.has_work()
+            freed = 0 if busy else self.scheduler.reset_prefix_cache()
+            if not busy:
+                logger.info("prefix cache flushed: %d pages freed", freed)
+            self._send(FlushCacheDone(msg.uid, not busy, freed))
         elif isinstance(msg, ExitMsg):
             self._running = False
         else:
             logger.warning("scheduler ignores a message of type %s", type(msg).__name__)
 
     def _add(self, msg: UserMsg) -> None:
+        from minisgl.sampling_params import InvalidRequest
+
         try:
-            sampling = dict(msg.sampling)
-            prompt_len = len(msg.input_ids)
-            if prompt_len >= self.max_seq_len:
-                self._error(
-                    msg.uid,
-                    f"This model's maximum context length is {self.max_seq_len} tokens, but the prompt has "
-                    f"{prompt_len} tokens (at least one token must be left for the output). "
-                    "Shorten the prompt.",
-                    code="context_length_exceeded",
-                )
-                return
-            max_tokens = sampling.get("max_tokens")
-            if max_tokens is None:
-                sampling["max_tokens"] = self.max_seq_len - prompt_len
-            elif msg.max_tokens_explicit and isinstance(max_tokens, int) and prompt_len + max_tokens > self.max_seq_len:
-                self._error(
-                    msg.uid,
-                    f"This model's maximum context length is {self.max_seq_len} tokens. However, you requested "
-                    f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
-                    "Reduce the prompt or max_tokens.",
-                    param="max_tokens",
-                    code="context_length_exceeded",
-                )
-                return
-            try:
-                params = self._SamplingParams(**sampling)
-            except TypeError as exc:
-                self._error(msg.uid, f"bad sampling parameters: {exc}")
-                return
-            self.scheduler.add_request(self._UserRequest(msg.uid, list(msg.input_ids), params))
-        except ValueError as exc:
-            self._error(msg.uid, str(exc), param=_guess_param(str(exc)))
+            req = self._UserRequest(msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit)
+            self.scheduler.add_request(req)  # validates: the same checks as the API server's
+        except InvalidRequest as exc:
+            self._error(msg.uid, exc.message, exc.status, exc.param, exc.code)
         except Exception as exc:  # never let one request take the scheduler down
             logger.error("request %d rejected by an internal error:\n%s", msg.uid, traceback.format_exc())
             self._error(msg.uid, f"internal error while adding the request: {type(exc).__name__}: {exc}", status=500)
@@ -183,13 +165,20 @@ class SchedulerLoop:
     def step(self) -> None:
         try:
             outputs = self.scheduler.step()
+        except self._StepFailed as exc:
+            self._failed_steps += 1
+            logger.error("a scheduler step failed; ending requests %s:\n%s", exc.uids, _format_cause(exc))
+            for uid in exc.uids:
+                self._error(uid, "internal error while running the request (see the server log)", status=500)
+            if self._failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+                self._fail_everyone(f"{self._failed_steps} scheduler steps failed in a row")
+                raise
+            outputs = exc.outputs
         except Exception:
-            tb = traceback.format_exc()
-            logger.error("scheduler step failed; the scheduler stops:\n%s", tb)
-            uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting}
-            for uid in uids:
-                self._error(uid, "internal error in the scheduler (see the server log)", status=500)
+            self._fail_everyone(traceback.format_exc())
             raise
+        else:
+            self._failed_steps = 0
         if outputs:
             self._send(
                 TokenBatchMsg(
@@ -209,18 +198,16 @@ class SchedulerLoop:
                 )
             )
 
+    def _fail_everyone(self, reason: str) -> None:
+        logger.error("the scheduler stops: %s", reason)
+        uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting}
+        for uid in uids:
+            self._error(uid, "internal error in the scheduler (see the server log)", status=500)
 
-def _guess_param(message: str) -> str | None:
-    head = message.split(" ", 1)[0]
-    known = {
-        "temperature", "top_k", "top_p", "min_p", "max_tokens", "presence_penalty", "frequency_penalty",
-        "repetition_penalty", "logprobs", "stop_token_ids", "input_ids",
-    }  # fmt: skip
-    if head in known:
-        return head
-    if message.startswith("prompt"):
-        return "prompt"
-    return None
+
+def _format_cause(exc: BaseException) -> str:
+    cause = exc.__cause__ or exc
+    return "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
 
 
 def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:

@@ -18,6 +18,8 @@ class UserRequest:
     uid: int
     input_ids: List[int]
     sampling_params: SamplingParams
+    # The client set max_tokens: beyond the context it is refused, not clipped (as OpenAI).
+    strict_max_tokens: bool = False
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class SchedReq(Req):
         self.finished = False
         self.finish_reason: str | None = None
         self.stop_ids: set[int] = set()
+        self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache
 
     # Token ids live in a Python list: appending one per step must not copy the whole sequence.
     @property  # type: ignore[override]

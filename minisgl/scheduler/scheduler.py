@@ -23,6 +23,7 @@ import torch
 from minisgl.core import Batch
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, create_cache_manager
+from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
 from minisgl.utils.device import create_stream, make_device_tensor, record_stream, stream_context
@@ -31,6 +32,29 @@ from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
 
 logger = init_logger(__name__)
+
+
+class StepFailed(RuntimeError):
+    """`Scheduler.step()` raised; the requests in `uids` were ended (finish reason "error") and
+    their resources released. `outputs` are the step's results that were ready before the error
+    (abort notices); `__cause__` is the original exception."""
+
+    def __init__(self, uids: List[int], outputs: List[TokenOutput], cause: BaseException) -> None:
+        super().__init__(f"a scheduler step failed ({type(cause).__name__}: {cause}); requests ended: {uids}")
+        self.uids = uids
+        self.outputs = outputs
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Errors after which the engine cannot be trusted: no memory, or the device reported an
+    error (a CUDA error poisons the context: every later kernel fails too)."""
+    if isinstance(exc, MemoryError) or isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(s in text for s in ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "device-side assert"))
 
 
 @dataclass
@@ -103,23 +127,18 @@ class Scheduler:
         self._steps = {"prefill": 0, "decode": 0}
         self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
         self._host_s = self._wait_s = 0.0
+        self._step_batches: List[Batch] = []  # what the current step scheduled (for _recover)
+        self._processing: _InFlight | None = None  # the step whose results are being read
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, req: UserRequest) -> None:
-        """Raise ValueError naming what is wrong with the request (nothing is changed)."""
+        """Raise InvalidRequest (a ValueError) naming what is wrong with the request (nothing is
+        changed). The same checks as the API server's, so the offline API and the server agree."""
         if req.uid in self._queued_uids or req.uid in self.active:
-            raise ValueError(f"request uid {req.uid} is already in use")
-        if len(req.input_ids) == 0:
-            raise ValueError("prompt is empty: input_ids must hold at least one token")
-        low, high = min(req.input_ids), max(req.input_ids)
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(f"input_ids must be in [0, {self.vocab_size}), got {low if low < 0 else high}")
-        req.sampling_params.validate()
-        if len(req.input_ids) >= self.max_seq_len:
-            raise ValueError(
-                f"prompt has {len(req.input_ids)} tokens but the context is {self.max_seq_len} tokens "
-                "(prompt + at least one generated token must fit)"
-            )
+            raise InvalidRequest(f"request uid {req.uid} is already in use")
+        check_token_ids(req.input_ids, self.vocab_size, "input_ids")
+        req.sampling_params.validate(self.vocab_size, self.max_seq_len)
+        check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
 
     def add_request(self, req: UserRequest) -> None:
         self.validate(req)
@@ -147,10 +166,28 @@ class Scheduler:
     # ---- the loop ----------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> List[TokenOutput]:
-        """Schedule and launch one batch; return the tokens of the batch that completed."""
+        """Schedule and launch one batch; return the tokens of the batch that completed.
+
+        If the step raises, the requests it touched are ended (their pages freed, none of their
+        KV kept in the prefix cache) and `StepFailed` names them; the scheduler stays consistent
+        and the next step serves everyone else. Errors that mean the engine itself is broken
+        (out of memory, a CUDA error) propagate unchanged: see `is_fatal`."""
         outputs, self._early = self._early, []
+        self._step_batches = []
+        try:
+            return outputs + self._step()
+        except Exception as exc:
+            if is_fatal(exc):
+                raise
+            failed = self._recover()
+            raise StepFailed(failed, outputs, exc) from exc
+
+    def _step(self) -> List[TokenOutput]:
+        outputs: List[TokenOutput] = []
         start = time.perf_counter()
         batch = self._schedule()
+        if batch is not None:
+            self._step_batches.append(batch)
         launched = self._launch(batch) if batch is not None else None
         self._host_s += time.perf_counter() - start
         if batch is not None:
@@ -171,6 +208,32 @@ class Scheduler:
         if self._in_flight is None:
             self._release_deferred()
         return outputs
+
+    def _recover(self) -> List[int]:
+        """After a failed step: end every request of the batch it scheduled (and of the batch it
+        was processing, if that failed), and release what they and earlier finished requests
+        hold. A batch still in flight that did not fail is kept: its results are valid."""
+        # Nothing may still write to the pages we free. A device that cannot even synchronize
+        # is broken: that error propagates.
+        self.stream.synchronize()
+        self.engine.stream.synchronize()
+        batches = list(self._step_batches)
+        if self._processing is not None:
+            batches.append(self._processing.batch)
+            if self._in_flight is self._processing:
+                self._in_flight = None
+            self._processing = None
+        self._pt_writes.clear()
+        self._tp_writes.clear()
+        failed: List[int] = []
+        for batch in batches:
+            for req in batch.reqs:
+                if isinstance(req, SchedReq) and not req.finished and self.active.get(req.uid) is req:
+                    self._finish(req, "error")
+                    req.kv_trusted = False
+                    failed.append(req.uid)
+        self._release_deferred()  # safe: the device is idle
+        return failed
 
     def run_until_idle(self) -> List[TokenOutput]:
         out: List[TokenOutput] = []
@@ -210,7 +273,7 @@ class Scheduler:
         while self.waiting and budget > 0 and self.free_rows:
             user = self.waiting[0]
             prompt_len = len(user.input_ids)
-            output_len = min(user.sampling_params.max_tokens, self.max_seq_len - prompt_len)
+            output_len = check_context(prompt_len, user.sampling_params.max_tokens, self.max_seq_len, strict=False)
             match = self.cache.match_prefix(user.input_ids[: prompt_len - 1])
             need = div_ceil(prompt_len + output_len, self.page_size) - match.num_pages
             if need > self._available_pages():
@@ -345,6 +408,12 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------
     def _process(self, flight: _InFlight) -> List[TokenOutput]:
+        self._processing = flight
+        outputs = self._process_flight(flight)
+        self._processing = None
+        return outputs
+
+    def _process_flight(self, flight: _InFlight) -> List[TokenOutput]:
         start = time.perf_counter()
         flight.output.copy_done_event.synchronize()
         self._wait_s += time.perf_counter() - start
@@ -386,8 +455,9 @@ class Scheduler:
         self._deferred = []
 
     def _release(self, req: SchedReq) -> None:
-        """Return a finished request's row and pages; its full pages go to the prefix cache."""
-        known = min(req.cached_len, len(req.token_ids))  # tokens whose KV is in the pool
+        """Return a finished request's row and pages; its full pages go to the prefix cache
+        (after a failed step only the prefix it found there: its own KV cannot be trusted)."""
+        known = min(req.cached_len, len(req.token_ids)) if req.kv_trusted else req.num_cached_prompt
         full = min(known // self.page_size, len(req.pages))
         ids = req.token_ids[: full * self.page_size]
         to_free, _ = self.cache.insert(ids, req.pages[:full])

@@ -37,6 +37,8 @@ class ServerArgs:
     shell_max_tokens: int = 1024
     log_level: str = "info"
     max_request_bytes: int = 16 << 20
+    max_prompt_bytes: int | None = None  # None: 32 bytes per context token (at least 64 KiB)
+    max_queued_requests: int = 1024
     ipc_dir: str = ""  # set by launch
 
     @property
@@ -94,6 +96,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
     return value
 
 
@@ -168,8 +180,20 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
-    server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"), help="require 'Authorization: Bearer <key>' on /v1/* and /generate (env MINISGL_API_KEY)")
+    server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"), help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (env MINISGL_API_KEY)")
     server.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20, help="larger request bodies get 413")
+    server.add_argument(
+        "--max-prompt-bytes",
+        type=_positive_int,
+        default=None,
+        help="longer prompts (UTF-8 bytes) get 400 before they are tokenized (default: 32 per context token, at least 64 KiB)",
+    )
+    server.add_argument(
+        "--max-queued-requests",
+        type=_nonnegative_int,
+        default=1024,
+        help="requests that may wait beyond --max-running-requests; more get 503 with Retry-After",
+    )
     server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
     server.add_argument("--shell-temperature", type=float, default=0.0, help="sampling temperature of --shell answers (0: greedy)")
     server.add_argument("--shell-max-tokens", type=_positive_int, default=1024, help="longest --shell answer, in tokens")

@@ -2,6 +2,11 @@
 
 Used by the HTTP server and by the shell. One asyncio task reads every message from the tokenizer
 worker and routes it by uid to the `RequestStream` waiting for it.
+
+Admission is bounded: at most `max_pending` choices (scheduler requests) may be in flight, i.e.
+running or queued; beyond that `submit` raises `Overloaded` (HTTP 503 with Retry-After) instead of
+letting the queues grow without bound. Messages are encoded before anything is registered, and
+sent without blocking the event loop: a full ZeroMQ queue (a stuck worker) is `Overloaded` too.
 """
 
 from __future__ import annotations
@@ -14,12 +19,37 @@ from typing import Any, Dict, List, Tuple
 import zmq
 import zmq.asyncio
 
-from minisgl.message import AbortReq, ErrorMsg, FlushCacheMsg, ReplyBatchMsg, ReplyMsg, StatsMsg, TokenizeMsg, decode_msg, encode_msg
+from minisgl.message import (
+    AbortReq,
+    ErrorMsg,
+    FlushCacheDone,
+    FlushCacheMsg,
+    ReplyBatchMsg,
+    ReplyMsg,
+    StatsMsg,
+    TokenizeMsg,
+    decode_msg,
+    encode_msg,
+)
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.process_utils import IpcAddrs
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
+
+SEND_HWM = 100_000  # messages queued towards the tokenizer worker before sends fail
+
+
+class Unavailable(RuntimeError):
+    """A worker died: the server takes no more requests."""
+
+
+class Overloaded(RuntimeError):
+    """Too many requests in flight: try again later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 Event = Tuple[int, Any]  # (choice index, ReplyMsg | ErrorMsg)
 
@@ -79,21 +109,23 @@ class RequestStream:
 
 
 class Frontend:
-    def __init__(self, addrs: IpcAddrs, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, addrs: IpcAddrs, metrics: ServerMetrics | None = None, max_pending: int | None = None) -> None:
         self.addrs = addrs
         self.metrics = metrics
+        self.max_pending = max_pending  # choices in flight at most (None: unbounded)
         self.stats: StatsMsg | None = None
         self.failure: str | None = None  # set when a worker died: new requests get 503
         self._uids = itertools.count(1)
         self._streams: Dict[int, RequestStream] = {}
         self._sync_ctx = zmq.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
+        self._push.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._push.setsockopt(zmq.LINGER, 0)
         self._push.connect(addrs.tokenizer)
         self._actx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
+        self._flushes: Dict[int, asyncio.Future[FlushCacheDone]] = {}
 
     async def start(self) -> None:
         self._actx = zmq.asyncio.Context()
@@ -122,18 +154,38 @@ class Frontend:
 
     def submit(self, msgs: List[TokenizeMsg]) -> RequestStream:
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise Unavailable(self.failure)
+        if self.max_pending is not None and len(self._streams) + len(msgs) > self.max_pending:
+            raise Overloaded(
+                f"the server is at capacity ({len(self._streams)} requests in flight, at most {self.max_pending}: "
+                "--max-running-requests + --max-queued-requests); retry later"
+            )
+        frames = [encode_msg(m) for m in msgs]  # before registering: a failure leaves nothing behind
         stream = RequestStream(self, [m.uid for m in msgs])
         for uid in stream.uids:
             self._streams[uid] = stream
-        for msg in msgs:
-            self._send(msg)
+        try:
+            for frame in frames:
+                self._push.send(frame, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            stream.abort()
+            raise Overloaded("the tokenizer worker is not keeping up; retry later") from None
         if self.metrics is not None:
-            self.metrics.in_flight.set(len(self._streams))
+            self.metrics.in_flight.set(self.num_in_flight)
         return stream
 
-    def flush_cache(self) -> None:
-        self._send(FlushCacheMsg())
+    async def flush_cache(self, timeout_s: float = 30.0) -> FlushCacheDone:
+        """Ask the scheduler to drop its unpinned prefix cache; it refuses while busy."""
+        if self.failure is not None:
+            raise Unavailable(self.failure)
+        uid = self.new_uid()
+        future: asyncio.Future[FlushCacheDone] = asyncio.get_running_loop().create_future()
+        self._flushes[uid] = future
+        try:
+            self._send(FlushCacheMsg(uid))
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self._flushes.pop(uid, None)
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """A worker died: end every waiting request with an error."""
@@ -146,7 +198,10 @@ class Frontend:
         return len({id(s) for s in self._streams.values()})
 
     def _send(self, msg: Any) -> None:
-        self._push.send(encode_msg(msg), copy=False)
+        try:
+            self._push.send(encode_msg(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            logger.error("dropped a %s: the queue to the tokenizer worker is full", type(msg).__name__)
 
     def _forget(self, stream: RequestStream) -> None:
         for uid in stream.uids:
@@ -174,6 +229,10 @@ class Frontend:
                 stream = self._streams.get(msg.uid)
                 if stream is not None:
                     stream._deliver(msg.uid, msg)
+            elif isinstance(msg, FlushCacheDone):
+                future = self._flushes.get(msg.uid)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             elif isinstance(msg, StatsMsg):
                 self.stats = msg
                 if self.metrics is not None:

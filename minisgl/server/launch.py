@@ -21,6 +21,7 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -35,6 +36,10 @@ from minisgl.utils.logger import init_logger
 logger = init_logger("minisgl.server")
 
 TERMINATE_GRACE_S = 5.0
+
+EXIT_OK = 0  # stopped by SIGINT/SIGTERM
+EXIT_FAILURE = 1  # a worker failed to start, or died while serving
+EXIT_USAGE = 2  # nothing started: bad option, model not found, port unavailable
 
 
 class ShutdownRequested(BaseException):
@@ -189,7 +194,30 @@ def _log_banner(args: ServerArgs, info: Dict[str, Any], children: List[Child]) -
     )  # fmt: skip
 
 
-def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child]) -> int:
+class PortInUse(RuntimeError):
+    pass
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """Bind the HTTP port now, before the model loads: a port already taken is found in
+    milliseconds, not after minutes of loading. uvicorn serves on this socket later."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise PortInUse(f"cannot resolve --host {host!r}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], listener: socket.socket) -> int:
     import uvicorn
 
     from minisgl.server.api_server import create_app
@@ -197,7 +225,9 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child]) ->
     from minisgl.server.metrics import ServerMetrics
 
     metrics = ServerMetrics()
-    frontend = Frontend(IpcAddrs.in_dir(args.ipc_dir), metrics)
+    sched = info.get("scheduler", {})
+    max_pending = int(sched.get("max_running_req") or 0) + args.max_queued_requests
+    frontend = Frontend(IpcAddrs.in_dir(args.ipc_dir), metrics, max_pending=max_pending)
     holder: Dict[str, Any] = {}
 
     def on_death(message: str) -> None:
@@ -234,14 +264,14 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child]) ->
     )
     server = uvicorn.Server(config)
     holder["server"] = server
-    server.run()
+    server.run(sockets=[listener])
     if watchdog.failure is not None:
         logger.error("exiting with status 1: %s", watchdog.failure)
-        return 1
+        return EXIT_FAILURE
     if not server.started:
-        logger.error("the HTTP server did not start (is port %d free?)", args.port)
-        return 1
-    return 0
+        logger.error("the HTTP server did not start on %s:%d", args.host, args.port)
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 async def _announce_when_started(holder: Dict[str, Any], args: ServerArgs, info: Dict[str, Any], children: List[Child]) -> None:
@@ -252,11 +282,19 @@ async def _announce_when_started(holder: Dict[str, Any], args: ServerArgs, info:
 
 
 def launch(args: ServerArgs) -> int:
-    """Run the server (or the shell) until a signal or a failure; returns the exit status."""
+    """Run the server (or the shell) until a signal or a failure; returns the exit status
+    (EXIT_OK, EXIT_FAILURE or EXIT_USAGE; argparse also exits 2 for a bad command line)."""
     configure_logging(args.log_level)
     if args.tp != 1:
         logger.error("--tp %d: the server runs one scheduler rank for now; use --tp 1", args.tp)
-        return 2
+        return EXIT_USAGE
+    listener: socket.socket | None = None
+    if not args.shell:
+        try:
+            listener = bind_listener(args.host, args.port)
+        except PortInUse as exc:
+            logger.error("%s (is another server running? choose another --port)", exc)
+            return EXIT_USAGE
     old_handlers = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: List[Child] = []
     ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
@@ -267,24 +305,27 @@ def launch(args: ServerArgs) -> int:
             args.model_path = resolve_model_path(args.model)
         except (FileNotFoundError, ValueError) as exc:
             logger.error("cannot load the model: %s", exc)
-            return 2
+            return EXIT_USAGE
         args.ipc_dir = ipc_dir
         try:
             info = start_children(args, children)
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
-            return 1
+            return EXIT_FAILURE
         if args.shell:
             from minisgl.shell import run_shell
 
             return run_shell(args, info, children)
-        return serve_http(args, info, children)
+        assert listener is not None
+        return serve_http(args, info, children, listener)
     except ShutdownRequested as exc:
         logger.info("%s received: shutting down", exc)
-        return 0
+        return EXIT_OK
     except KeyboardInterrupt:
-        return 0
+        return EXIT_OK
     finally:
+        if listener is not None:
+            listener.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stop_children(children)

@@ -71,12 +71,16 @@ def fail_startup(ready_conn: Any, what: str, exc: BaseException) -> NoReturn:
     raise SystemExit(1)
 
 
+QUEUE_HWM = 100_000  # messages a worker's outgoing queue holds before its sends wait (backpressure)
+
+
 def push_socket(ctx: Any, addr: str) -> Any:
-    """A PUSH socket connected to `addr` that never drops messages (no send high-water mark)."""
+    """A PUSH socket connected to `addr`. Its queue is bounded: when the receiver falls that far
+    behind, sends block (push back on the sender) instead of growing memory without bound."""
     import zmq
 
     sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, QUEUE_HWM)
     sock.connect(addr)
     return sock
 

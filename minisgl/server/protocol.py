@@ -1,85 +1,146 @@
-"""Request bodies of the HTTP API (pydantic), and how they turn into sampling parameters.
+"""Request bodies of the HTTP API (pydantic), and how they become `SamplingParams`.
 
-Unknown fields are ignored (as vLLM and SGLang do); known fields are type- and range-checked and a
-violation becomes a 400 with the offending field named in `param`.
+Typing is strict where OpenAI is strict: a number field takes a JSON number (`"0.5"` is refused),
+an integer field a JSON integer (`true`, `5.0` are refused), a boolean a JSON boolean; `NaN`,
+`Infinity` and numbers that overflow to infinity (`1e309`) are refused. Every integer is bounded
+to int64 here, so nothing unbounded reaches msgpack; ranges that depend on the model (top_k and
+token ids below the vocabulary size, max_tokens within the context) are checked by
+`SamplingParams.validate` once the body is parsed.
+
+Unknown fields are refused with 400 naming the field (as OpenAI does). Fields of the OpenAI API
+that minisgl does not implement (`tools`, `response_format`, `logit_bias`, ...) are refused with a
+message that says so when they ask for something; sent as null, false or empty they mean nothing
+and are accepted (clients that fill every field with a neutral value keep working).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from minisgl.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 
 MAX_N = 64
-NonNegInt = Annotated[int, Field(ge=0)]
-MAX_LOGPROBS = 20
+MAX_CHOICES = 256  # prompts x n of one request
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_MESSAGES = 4096
+MAX_TEMPLATE_KWARGS = 32
+MAX_NAME_CHARS = 256
+
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=MAX_REPETITION_PENALTY)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=-1, le=INT64_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=INT64_MAX)]
+ShortStr = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+StopStr = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
+def _check_stop_count(v: Any) -> Any:
+    if isinstance(v, list) and len(v) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+    return v
+
+
+StopStrings = Optional[Annotated[Union[StopStr, List[StopStr]], AfterValidator(_check_stop_count)]]
+
+# OpenAI fields minisgl does not implement: refused when they ask for something.
+UNSUPPORTED_CHAT_FIELDS = (
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "logit_bias", "prediction", "audio", "modalities", "reasoning_effort", "web_search_options", "store",
+    "metadata", "service_tier", "min_tokens", "include_stop_str_in_output",
+)  # fmt: skip
+UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "min_tokens", "include_stop_str_in_output", "response_format")
+
+# apply_chat_template's own parameters: a client must not set them through chat_template_kwargs
+# (a client-side `chat_template` is arbitrary Jinja run in the tokenizer worker).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"chat_template", "tools", "documents", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+     "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask", "conversation"}
+)  # fmt: skip
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, protected_namespaces=())
+
+
+def is_unset(value: Any) -> bool:
+    """A value that asks for nothing: null, false, an empty string/list/object, or "none"."""
+    return value is None or value is False or value == "none" or (isinstance(value, (str, list, dict)) and not value)
 
 
 class StreamOptions(_Base):
     include_usage: bool = False
 
 
+def _stop_list(stop: StopStrings) -> List[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+
+
 class SamplingFields(_Base):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM/SGLang extras)."""
 
-    model: Optional[str] = None
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    top_k: Optional[int] = Field(None, ge=-1)
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    stop: Union[str, List[str], None] = None
-    stop_token_ids: Optional[List[NonNegInt]] = None
-    seed: Optional[int] = None
+    model: Optional[ShortStr] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    top_k: Optional[TopK] = None
+    min_p: Optional[MinP] = None
+    max_tokens: Optional[MaxTokens] = None
+    stop: StopStrings = None
+    stop_token_ids: Optional[Annotated[List[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    seed: Optional[Int64] = None
     n: int = Field(1, ge=1, le=MAX_N)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: Union[str, List[str], None]) -> Union[str, List[str], None]:
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop strings")
-        return v
+    user: Optional[ShortStr] = None
 
     def stop_list(self) -> List[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else [s for s in self.stop if s]
+        return _stop_list(self.stop)
 
-    def sampling_dict(self, max_tokens: int | None, logprobs: int | None, index: int = 0) -> Dict[str, Any]:
-        seed = None if self.seed is None else self.seed + index
-        top_k = self.top_k if self.top_k not in (None, 0) else -1
-        return {
-            "temperature": 1.0 if self.temperature is None else float(self.temperature),
-            "top_p": 1.0 if self.top_p is None else float(self.top_p),
-            "top_k": top_k,
-            "min_p": 0.0 if self.min_p is None else float(self.min_p),
-            "max_tokens": max_tokens,
-            "ignore_eos": self.ignore_eos,
-            "stop_token_ids": list(self.stop_token_ids or []),
-            "seed": seed,
-            "presence_penalty": float(self.presence_penalty),
-            "frequency_penalty": float(self.frequency_penalty),
-            "repetition_penalty": float(self.repetition_penalty),
-            "logprobs": logprobs,
-        }
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Choice 0's parameters (`SamplingParams.for_choice` derives the others)."""
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_k=-1 if self.top_k in (None, 0) else int(self.top_k),  # 0 means off, as in vLLM
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            min_p=0.0 if self.min_p is None else float(self.min_p),
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            seed=self.seed,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logprobs=logprobs,
+        )
 
 
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: Union[str, List[Dict[str, Any]], None] = None
-    name: Optional[str] = None
+    name: Optional[ShortStr] = None
 
     def to_template(self) -> Dict[str, Any]:
         content = self.content
@@ -96,12 +157,30 @@ class ChatMessage(_Base):
         return msg
 
 
+TemplateValue = Union[bool, int, float, Annotated[str, Field(max_length=4096)], None]
+
+
 class ChatCompletionRequest(SamplingFields):
-    messages: List[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    messages: List[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: Optional[MaxTokens] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    # Extra variables for the server's chat template (e.g. enable_thinking): JSON scalars only.
+    chat_template_kwargs: Optional[Dict[ShortStr, TemplateValue]] = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if v is None:
+            return v
+        if len(v) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(v))
+        if reserved:
+            raise ValueError(
+                f"{reserved[0]!r} cannot be set through chat_template_kwargs: the server renders its own chat template"
+            )
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -112,15 +191,21 @@ class ChatCompletionRequest(SamplingFields):
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+Prompt = Union[str, List[str], List[TokenId], List[List[TokenId]]]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, List[str], List[int], List[List[int]]]
+    prompt: Prompt
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: Optional[int] = None
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     suffix: Optional[str] = None
 
     @model_validator(mode="after")
@@ -134,38 +219,60 @@ class CompletionRequest(SamplingFields):
         return self
 
     def prompts(self) -> List[Union[str, List[int]]]:
-        p = self.prompt
-        if isinstance(p, str):
-            return [p]
-        if not p:
-            raise ValueError("prompt is empty")
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+        return _prompt_list(self.prompt)
+
+
+def _prompt_list(p: Any) -> List[Union[str, List[int]]]:
+    if isinstance(p, str):
+        return [p]
+    if not p:
+        raise ValueError("prompt is empty")
+    if all(isinstance(x, int) for x in p):
+        return [list(p)]
+    return list(p)
 
 
 class GenerateSampling(_Base):
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    max_new_tokens: Optional[int] = Field(128, ge=1)
-    stop: Union[str, List[str], None] = None
-    stop_token_ids: Optional[List[NonNegInt]] = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    max_new_tokens: Optional[MaxTokens] = 128
+    stop: StopStrings = None
+    stop_token_ids: Optional[Annotated[List[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    seed: Optional[int] = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    seed: Optional[Int64] = None
     n: int = Field(1, ge=1, le=MAX_N)
+
+    def stop_list(self) -> List[str]:
+        return _stop_list(self.stop)
+
+    def sampling_params(self, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=float(self.temperature),
+            top_k=-1 if self.top_k == 0 else int(self.top_k),
+            top_p=float(self.top_p),
+            min_p=float(self.min_p),
+            max_tokens=self.max_new_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
+            seed=self.seed,
+            presence_penalty=float(self.presence_penalty),
+            frequency_penalty=float(self.frequency_penalty),
+            repetition_penalty=float(self.repetition_penalty),
+            logprobs=logprobs,
+        )
 
 
 class GenerateRequest(_Base):
     """SGLang's native /generate."""
 
     text: Union[str, List[str], None] = None
-    input_ids: Union[List[int], List[List[int]], None] = None
+    input_ids: Union[List[TokenId], List[List[TokenId]], None] = None
     sampling_params: GenerateSampling = Field(default_factory=GenerateSampling)
     stream: bool = False
     return_logprob: bool = False
@@ -176,3 +283,12 @@ class GenerateRequest(_Base):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of text or input_ids")
         return self
+
+    def prompts(self) -> List[Union[str, List[int]]]:
+        return _prompt_list(self.text if self.text is not None else self.input_ids)
+
+    @property
+    def batched(self) -> bool:
+        if self.text is not None:
+            return not isinstance(self.text, str)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]

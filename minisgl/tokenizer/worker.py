@@ -18,6 +18,7 @@ from minisgl.message import (
     AbortMsg,
     AbortReq,
     ErrorMsg,
+    FlushCacheDone,
     FlushCacheMsg,
     ReplyBatchMsg,
     ReplyMsg,
@@ -64,7 +65,11 @@ class TokenizerWorker:
     def handle(self, msg: Any) -> None:
         if isinstance(msg, TokenBatchMsg):
             for out in msg.outputs:
-                self._on_token(out)
+                try:
+                    self._on_token(out)
+                except Exception:  # end this request only; the batch's others go on
+                    logger.error("output of request %d failed:\n%s", out.uid, traceback.format_exc())
+                    self._fail(out.uid)
         elif isinstance(msg, TokenizeMsg):
             self._on_tokenize(msg)
         elif isinstance(msg, AbortReq):
@@ -74,8 +79,8 @@ class TokenizerWorker:
             self.states.pop(msg.uid, None)
             self.flush_replies()  # keep the order of this request's messages
             self._to_api(msg)
-        elif isinstance(msg, StatsMsg):
-            self.flush_replies()  # stats describe the state after the tokens already received
+        elif isinstance(msg, (StatsMsg, FlushCacheDone)):
+            self.flush_replies()  # they describe the state after the tokens already received
             self._to_api(msg)
         elif isinstance(msg, FlushCacheMsg):
             self._to_scheduler(msg)
@@ -151,6 +156,13 @@ class TokenizerWorker:
             del self.states[out.uid]
         self._replies.append(reply)
 
+    def _fail(self, uid: int) -> None:
+        """End a request this worker failed on: a 500 for its client, and an abort for the
+        scheduler, which may already be running it (it would otherwise generate for nobody)."""
+        if self.states.pop(uid, None) is not None:
+            self._to_scheduler(AbortMsg(uid))
+        self._to_api(ErrorMsg(uid, "internal error in the tokenizer worker", 500))
+
     # ---- loop --------------------------------------------------------------------------------
     def run(self, recv_sock: zmq.Socket, parent_pid: int | None = None) -> None:
         from minisgl.server.process_utils import parent_alive
@@ -177,8 +189,7 @@ class TokenizerWorker:
                     logger.error("tokenizer worker failed on %s:\n%s", type(msg).__name__, traceback.format_exc())
                     uid = getattr(msg, "uid", None)
                     if uid is not None:
-                        self.states.pop(uid, None)
-                        self._to_api(ErrorMsg(uid, "internal error in the tokenizer worker", 500))
+                        self._fail(uid)
             self.flush_replies()
 
 

@@ -1,0 +1,166 @@
+"""Per-request sampling parameters and the checks every request passes, in one torch-free module.
+
+`SamplingParams` is the one representation of a request's sampling settings: the offline `LLM`
+API takes it, the HTTP API builds it from a request body, it travels typed inside the messages
+between the server's processes (msgpack, see `minisgl.message`), and the scheduler reads it.
+`validate()` is the one range check; `check_context()` the one check of prompt + output length
+against the model's context; `check_token_ids()` the one check of client-supplied token ids.
+Each raises `InvalidRequest` (a ValueError) naming the offending field, which the server turns
+into an HTTP 400 with that field as the OpenAI error's `param`.
+
+Nothing here imports torch, so the API server and the tokenizer worker can use it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import List, Sequence
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+# Documented bounds (docs/SERVER.md). OpenAI caps temperature at 2; vLLM and SGLang accept more,
+# so we do too, up to a value where the distribution is already uniform to float precision.
+MAX_TEMPERATURE = 100.0
+MAX_PENALTY = 2.0  # presence / frequency, as OpenAI
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
+# Below this temperature sampling is greedy: logits / T would overflow to infinity (as vLLM).
+GREEDY_TEMPERATURE = 1e-5
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses: `status` (400 unless said otherwise), the offending `param`
+    (the field's name as the client sent it) and an OpenAI error `code`."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.status = status
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_range(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> None:
+    ok = _is_number(value) and math.isfinite(value) and (value > low if low_open else value >= low) and value <= high  # type: ignore[arg-type,operator]
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise InvalidRequest(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}", param=name)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. The defaults are greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = -1  # -1: no top-k filter
+    top_p: float = 1.0
+    min_p: float = 0.0
+    # Tokens to generate at most; None: until the context is full.
+    max_tokens: int | None = 1024
+    ignore_eos: bool = False
+    stop_token_ids: List[int] = field(default_factory=list)
+    seed: int | None = None
+    # OpenAI-style penalties on tokens generated so far; HF-style repetition penalty on all tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # Return the chosen token's logprob and this many top alternatives (None: no logprobs).
+    logprobs: int | None = None
+
+    def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
+        """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
+        top_k bounds need `vocab_size`, the max_tokens bound `max_seq_len`; without them only the
+        type and int64 bounds are checked."""
+        _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        top_k_max = vocab_size if vocab_size is not None else INT64_MAX
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= top_k_max):
+            raise InvalidRequest(f"top_k must be -1 (disabled) or an integer in [1, {top_k_max}], got {self.top_k!r}", param="top_k")
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX:
+                raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}", param="max_tokens")
+            if max_seq_len is not None and self.max_tokens >= max_seq_len:
+                raise InvalidRequest(
+                    f"max_tokens is {self.max_tokens}, but this model's maximum context length is {max_seq_len} tokens "
+                    "(prompt + output): ask for fewer tokens",
+                    param="max_tokens",
+                    code="context_length_exceeded",
+                )
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest(f"ignore_eos must be a boolean, got {self.ignore_eos!r}", param="ignore_eos")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", param="stop_token_ids")
+        check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids", allow_empty=True)
+        if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise InvalidRequest(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
+        _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("frequency_penalty", self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", param="logprobs")
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The parameters of choice `index` of an `n > 1` request: a seed becomes seed + index,
+        wrapped into the int64 range so that every choice's seed stays valid."""
+        if self.seed is None or index == 0:
+            return replace(self, stop_token_ids=list(self.stop_token_ids))
+        seed = (self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+        return replace(self, seed=seed, stop_token_ids=list(self.stop_token_ids))
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def check_token_ids(ids: Sequence[object], vocab_size: int | None, param: str, *, allow_empty: bool = False) -> None:
+    """Every id an integer in [0, vocab_size); raise InvalidRequest naming `param` otherwise."""
+    if not ids and not allow_empty:
+        raise InvalidRequest(f"{param} is empty: give at least one token id", param=param)
+    high = vocab_size if vocab_size is not None else INT64_MAX
+    for t in ids:
+        if not _is_int(t) or not 0 <= t < high:  # type: ignore[operator]
+            raise InvalidRequest(f"{param} must hold integer token ids in [0, {high}), got {t!r}", param=param)
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_seq_len: int, *, strict: bool) -> int:
+    """The number of tokens a request may generate, checked against the context length.
+
+    A prompt must leave room for at least one token. `max_tokens=None` means the rest of the
+    context. With `strict` (the client asked for max_tokens explicitly) a prompt + max_tokens beyond
+    the context is refused, as OpenAI does; otherwise (a default) it is clipped to what fits.
+    """
+    if prompt_len >= max_seq_len:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_seq_len} tokens, but the prompt has {prompt_len} tokens "
+            "(at least one token must be left for the output). Shorten the prompt.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
+    room = max_seq_len - prompt_len
+    if max_tokens is None:
+        return room
+    if strict and max_tokens > room:
+        raise InvalidRequest(
+            f"This model's maximum context length is {max_seq_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return min(max_tokens, room)

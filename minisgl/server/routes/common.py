@@ -1,0 +1,448 @@
+"""What every endpoint shares: OpenAI-style errors, reading and checking a JSON body, the API-key
+dependency, and the plumbing from a list of TokenizeMsg to a JSON or SSE response.
+
+Every route is a `GuardedRoute`: whatever a handler raises becomes a complete JSON error response
+(an `APIError` its own status, anything else a 500), so the connection stays usable for keep-alive
+and no request registered with the frontend is left behind (`respond` aborts it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Sequence, Tuple
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minisgl.message import ErrorMsg, ReplyMsg, TokenizeMsg
+from minisgl.sampling_params import InvalidRequest, SamplingParams
+from minisgl.server.args import ServerArgs
+from minisgl.server.frontend import Frontend, Overloaded, RequestStream, Unavailable
+from minisgl.server.limits import RequestLimits, check_json_tree
+from minisgl.server.metrics import ServerMetrics
+from minisgl.server.protocol import is_unset
+from minisgl.utils.logger import init_logger
+
+logger = init_logger("minisgl.server.api")
+
+Event = Tuple[int, Any]  # (choice index, ReplyMsg | ErrorMsg)
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+        headers: Dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or error_type(status)
+        self.headers = headers
+
+    @staticmethod
+    def from_invalid(exc: InvalidRequest, rename: Dict[str, str] | None = None) -> "APIError":
+        """An InvalidRequest, with its field named as this endpoint's client sent it."""
+        param = exc.param
+        if param is not None and rename:
+            param = rename.get(param, param)
+        message = exc.message
+        if param is not None and exc.param is not None and param != exc.param and message.startswith(exc.param):
+            message = param + message[len(exc.param) :]
+        return APIError(exc.status, message, param, exc.code)
+
+    @staticmethod
+    def from_msg(msg: ErrorMsg) -> "APIError":
+        return APIError(msg.status, msg.message, msg.param, msg.code)
+
+
+def error_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, type_: str | None = None) -> Dict[str, Any]:
+    return {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": code}}
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    headers = dict(exc.headers or {})
+    if exc.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code, exc.type), status_code=exc.status, headers=headers or None)
+
+
+def internal_error_response(request: Request, exc: BaseException) -> JSONResponse:
+    logger.error("unhandled error on %s: %r", request.url.path, exc, exc_info=exc)
+    return JSONResponse(error_body(500, f"internal server error: {type(exc).__name__}"), status_code=500)
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    param = str(loc[0]) if loc else None
+    if first.get("type") == "extra_forbidden":
+        field = ".".join(str(p) for p in loc)
+        return APIError(
+            400,
+            f"unknown field {field!r}: minisgl does not implement it (docs/SERVER.md lists the accepted fields)",
+            param=param,
+            code="unknown_parameter",
+        )
+    msg = first.get("msg", "invalid value")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    where = ".".join(str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
+    text = f"{where}: {msg}" if where else msg
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return APIError(400, text, param=param, code="invalid_value" if param else None)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after"}
+
+
+class GuardedRoute(APIRoute):
+    """A route whose every failure is answered with a complete JSON error response."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handler = super().get_route_handler()
+
+        async def guarded(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except APIError as exc:
+                return error_response(exc)
+            except InvalidRequest as exc:
+                return error_response(APIError.from_invalid(exc))
+            except (StarletteHTTPException, RequestValidationError):
+                raise
+            except Exception as exc:
+                return internal_error_response(request, exc)
+
+        return guarded
+
+
+# ---- state and auth -----------------------------------------------------------------------------
+
+
+class ServerState:
+    def __init__(self, args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metrics: ServerMetrics) -> None:
+        self.args = args
+        self.info = info  # what the scheduler reported at start-up
+        self.frontend = frontend
+        self.metrics = metrics
+        self.limits = RequestLimits.for_server(args.max_request_bytes, args.max_prompt_bytes, info)
+        self.model_name = args.model_name
+        self.model_aliases = {self.model_name, args.model or "", args.model_path}
+        self.created = int(time.time())
+        self._api_key = args.api_key.encode() if args.api_key else None
+
+    def healthy(self) -> bool:
+        return self.frontend.failure is None
+
+    def key_matches(self, token: str) -> bool:
+        assert self._api_key is not None
+        return hmac.compare_digest(token.encode("utf-8", "surrogateescape"), self._api_key)
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.minisgl
+
+
+def require_api_key(request: Request) -> None:
+    """Router dependency: with --api-key, 'Authorization: Bearer <key>' (constant-time compare)."""
+    state = get_state(request)
+    if state.args.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if not header:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if scheme.lower() != "bearer" or not state.key_matches(token.strip()):
+        raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is None or model in state.model_aliases:
+        return
+    raise APIError(
+        404,
+        f"The model '{model}' does not exist. This server serves '{state.model_name}' (see /v1/models).",
+        param="model",
+        code="model_not_found",
+    )
+
+
+# ---- reading a body -----------------------------------------------------------------------------
+
+
+def _is_json_media_type(content_type: str) -> bool:
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+async def read_body(request: Request, model: type[BaseModel], unsupported: Sequence[str] = ()) -> Any:
+    """The request's JSON body as `model`, or an APIError: 415 unless the body is declared JSON
+    (so that a web page cannot POST here with a 'simple' cross-site request, which a browser sends
+    without asking first), 413 beyond the size limit, 400 for malformed, too deep or invalid JSON."""
+    limits = get_state(request).limits
+    content_type = request.headers.get("content-type", "")
+    if not _is_json_media_type(content_type):
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {content_type or 'none'!r}",
+            code="unsupported_media_type",
+        )
+    length = request.headers.get("content-length")
+    limit = limits.max_request_bytes
+    if length is not None:
+        try:
+            declared = int(length)
+        except ValueError:
+            raise APIError(400, f"bad Content-Length header: {length!r}") from None
+        if declared > limit:
+            raise APIError(413, f"request body is {declared} bytes, more than the limit of {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+    if not body:
+        raise APIError(400, "the request body is empty: send a JSON object")
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise APIError(400, f"the request body is nested deeper than {limits.max_json_depth} levels", code="invalid_json") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    try:
+        check_json_tree(data, limits.max_json_depth)
+    except InvalidRequest as exc:
+        raise APIError.from_invalid(exc) from None
+    for name in unsupported:
+        if name in data:
+            if not is_unset(data[name]):
+                raise APIError(400, f"{name} is not supported by minisgl yet", param=name, code="unsupported_parameter")
+            del data[name]
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validated(params: SamplingParams, limits: RequestLimits, rename: Dict[str, str] | None = None) -> SamplingParams:
+    """`params` checked against the model (vocabulary, context), errors named as the client sent them."""
+    try:
+        params.validate(limits.vocab_size, limits.max_seq_len)
+    except InvalidRequest as exc:
+        raise APIError.from_invalid(exc, rename) from None
+    return params
+
+
+def check_prompts(prompts: List[Any], limits: RequestLimits, param: str) -> None:
+    """Sizes and token ids of completion-style prompts, before anything is tokenized."""
+    from minisgl.sampling_params import check_token_ids
+
+    for prompt in prompts:
+        try:
+            if isinstance(prompt, str):
+                if not prompt:
+                    raise InvalidRequest("prompt is empty", param=param)
+                limits.check_prompt_text(len(prompt.encode("utf-8")), param)
+            else:
+                check_token_ids(prompt, limits.vocab_size, param)
+                limits.check_prompt_ids(prompt, param)
+        except InvalidRequest as exc:
+            raise APIError.from_invalid(exc) from None
+
+
+# ---- from messages to a response ----------------------------------------------------------------
+
+
+def submit(frontend: Frontend, msgs: List[TokenizeMsg]) -> RequestStream:
+    try:
+        return frontend.submit(msgs)
+    except Overloaded as exc:
+        raise APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)}) from None
+    except Unavailable as exc:
+        raise APIError(503, f"the server cannot take requests: {exc}", code="server_unavailable") from None
+
+
+async def respond(
+    request: Request,
+    msgs: List[TokenizeMsg],
+    stream: bool,
+    sse_body: Callable[[RequestStream, Event], AsyncIterator[str]],
+    render: Callable[[List["Result"]], Any],
+) -> Response:
+    """Submit `msgs` (one per choice) and answer with an SSE stream or one JSON body. Whatever
+    happens before the response is handed over, nothing stays registered or running."""
+    rs = submit(get_state(request).frontend, msgs)
+    try:
+        if stream:
+            first = await first_event(request, rs)
+            return sse(sse_body(rs, first))
+        return JSONResponse(render(await collect(request, rs)))
+    except BaseException:
+        rs.abort()
+        raise
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _race_disconnect(request: Request, stream: RequestStream, coro: Any) -> Any:
+    """Await `coro`; if the client disconnects first, abort the request (freeing its pages)."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        watch.cancel()
+        stream.abort()
+        raise
+    if work in done:
+        watch.cancel()
+        return work.result()
+    work.cancel()
+    stream.abort()
+    logger.info("client disconnected: request %s aborted", stream.uids)
+    raise APIError(499, "client disconnected")
+
+
+async def first_event(request: Request, stream: RequestStream) -> Event:
+    """For streams: wait for the first reply, so that a bad request still gets a plain 4xx."""
+    index, msg = await _race_disconnect(request, stream, stream.next())
+    if isinstance(msg, ErrorMsg):
+        stream.abort()
+        raise APIError.from_msg(msg)
+    return index, msg
+
+
+class Result:
+    """Everything one choice produced."""
+
+    def __init__(self) -> None:
+        self.text: List[str] = []
+        self.token_ids: List[int] = []
+        self.logprobs: List[List[Any]] = []
+        self.finish_reason: str | None = None
+        self.matched_stop: Any = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+
+    def add(self, reply: ReplyMsg) -> None:
+        self.text.append(reply.text)
+        self.token_ids += reply.token_ids or []
+        if reply.logprobs:
+            self.logprobs += reply.logprobs
+        self.prompt_tokens = reply.prompt_tokens
+        self.completion_tokens = reply.completion_tokens
+        self.cached_tokens = reply.cached_tokens
+        if reply.finished:
+            self.finish_reason = reply.finish_reason
+            self.matched_stop = reply.matched_stop
+
+
+async def collect(request: Request, stream: RequestStream) -> List[Result]:
+    async def gather() -> List[Result]:
+        results = [Result() for _ in stream.uids]
+        remaining = len(stream.uids)
+        while remaining:
+            index, msg = await stream.next()
+            if isinstance(msg, ErrorMsg):
+                stream.abort()
+                raise APIError.from_msg(msg)
+            results[index].add(msg)
+            if msg.finished:
+                remaining -= 1
+        return results
+
+    return await _race_disconnect(request, stream, gather())
+
+
+def usage(results: List[Result], n: int) -> Dict[str, Any]:
+    # the prompt is counted once per prompt, not once per choice
+    prompt = sum(r.prompt_tokens for r in results[::n])
+    cached = sum(r.cached_tokens for r in results[::n])
+    completion = sum(r.completion_tokens for r in results)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def sse(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def data_line(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def stream_error(msg: ErrorMsg) -> str:
+    return data_line(error_body(msg.status, msg.message, msg.param, msg.code))
+
+
+async def events(stream: RequestStream, first: Event) -> AsyncIterator[Event]:
+    """Every event of a stream, starting with `first`; aborts what is unfinished on exit (the
+    client disconnected, or the server is shutting down)."""
+    try:
+        yield first
+        while not (stream.done and stream.queue.empty()):
+            yield await stream.next()
+    finally:
+        if not stream.done:
+            stream.abort()
+            logger.info("stream closed early: request %s aborted", stream.uids)
+
+
+class ChunkWriter:
+    """SSE `data:` lines of one streamed response: every chunk shares id, object, created, model."""
+
+    def __init__(self, rid: str, obj: str, model: str, include_usage: bool) -> None:
+        self.head = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
+        self.include_usage = include_usage
+
+    def choice(self, choice: Dict[str, Any]) -> str:
+        obj: Dict[str, Any] = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            obj["usage"] = None  # OpenAI sends usage: null on every chunk but the last
+        return data_line(obj)
+
+    def usage(self, usage: Dict[str, Any]) -> str:
+        return data_line({**self.head, "choices": [], "usage": usage})

@@ -1,0 +1,121 @@
+"""POST /generate: SGLang's native API, with the same limits and checks as /v1."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator, Dict, List
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from minisgl.message import ErrorMsg, TokenizeMsg
+from minisgl.server.frontend import RequestStream
+from minisgl.server.protocol import MAX_CHOICES, GenerateRequest
+from minisgl.server.routes.common import (
+    APIError,
+    Event,
+    GuardedRoute,
+    Result,
+    check_prompts,
+    data_line,
+    events,
+    get_state,
+    read_body,
+    require_api_key,
+    respond,
+    stream_error,
+    validated,
+)
+
+router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
+
+# SamplingParams fields under the names /generate's clients send
+_RENAME = {
+    "max_tokens": "sampling_params.max_new_tokens",
+    "temperature": "sampling_params.temperature",
+    "top_k": "sampling_params.top_k",
+    "top_p": "sampling_params.top_p",
+    "min_p": "sampling_params.min_p",
+    "stop_token_ids": "sampling_params.stop_token_ids",
+    "seed": "sampling_params.seed",
+    "logprobs": "top_logprobs_num",
+}
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    state = get_state(request)
+    body: GenerateRequest = await read_body(request, GenerateRequest)
+    param = "text" if body.text is not None else "input_ids"
+    try:
+        prompts = body.prompts()
+    except ValueError as exc:
+        raise APIError(400, "no prompt given", param=param) from exc
+    sp = body.sampling_params
+    if len(prompts) * sp.n > MAX_CHOICES:
+        raise APIError(400, f"too many choices: {len(prompts)} prompts x n={sp.n} > {MAX_CHOICES}", param="sampling_params.n")
+    check_prompts(prompts, state.limits, param)
+    k = body.top_logprobs_num if body.return_logprob else None
+    params = validated(sp.sampling_params(k), state.limits, _RENAME)
+    stops = sp.stop_list()
+    msgs = [
+        TokenizeMsg(
+            uid=state.frontend.new_uid(),
+            text=prompt if isinstance(prompt, str) else None,
+            input_ids=None if isinstance(prompt, str) else list(prompt),
+            sampling=params.for_choice(i),
+            max_tokens_explicit=sp.max_new_tokens is not None,
+            stop=stops,
+            want_logprobs=k is not None,
+            skip_special_tokens=sp.skip_special_tokens,
+        )
+        for prompt in prompts
+        for i in range(sp.n)
+    ]
+    rid = uuid.uuid4().hex
+    want_lp = k is not None
+    batched = body.batched
+
+    def render(results: List[Result]) -> Any:
+        out = [_generate_item(r, f"{rid}-{i}", want_lp) for i, r in enumerate(results)]
+        return out if batched or len(out) > 1 else out[0]
+
+    return await respond(request, msgs, body.stream, lambda rs, first: _generate_stream(rs, first, rid, want_lp), render)
+
+
+def _finish_info(r: Result) -> Dict[str, Any] | None:
+    if r.finish_reason is None:
+        return None
+    if r.finish_reason == "length":
+        return {"type": "length", "length": r.completion_tokens}
+    if r.finish_reason == "stop":
+        return {"type": "stop", "matched": r.matched_stop}
+    return {"type": r.finish_reason}
+
+
+def _generate_item(r: Result, rid: str, want_lp: bool) -> Dict[str, Any]:
+    meta: Dict[str, Any] = {
+        "id": rid,
+        "finish_reason": _finish_info(r),
+        "prompt_tokens": r.prompt_tokens,
+        "completion_tokens": r.completion_tokens,
+        "cached_tokens": r.cached_tokens,
+    }
+    if want_lp:
+        meta["output_token_logprobs"] = [[e[1], e[3], e[0]] for e in r.logprobs]
+        meta["output_top_logprobs"] = [[[v, None, t] for t, v in e[2]] for e in r.logprobs]
+    return {"text": "".join(r.text), "output_ids": list(r.token_ids), "meta_info": meta}
+
+
+async def _generate_stream(stream: RequestStream, first: Event, rid: str, want_lp: bool) -> AsyncIterator[str]:
+    results = [Result() for _ in stream.uids]
+    async for index, msg in events(stream, first):
+        if isinstance(msg, ErrorMsg):
+            yield stream_error(msg)
+            stream.abort()
+            break
+        results[index].add(msg)
+        item = _generate_item(results[index], f"{rid}-{index}", want_lp)
+        item["index"] = index
+        yield data_line(item)
+    yield "data: [DONE]\n\n"
