@@ -80,8 +80,9 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
         """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
-        top_k bounds need `vocab_size`, the max_tokens bound `max_seq_len`; without them only the
-        type and int64 bounds are checked."""
+        top_k bounds need `vocab_size`; with `max_seq_len`, max_tokens must also fit the context
+        (for a client's explicit max_tokens; a default is clipped by `check_context` instead).
+        Without them only the types and the int64 bounds are checked."""
         _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         top_k_max = vocab_size if vocab_size is not None else INT64_MAX
         if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= top_k_max):

@@ -137,7 +137,8 @@ class Scheduler:
         if req.uid in self._queued_uids or req.uid in self.active:
             raise InvalidRequest(f"request uid {req.uid} is already in use")
         check_token_ids(req.input_ids, self.vocab_size, "input_ids")
-        req.sampling_params.validate(self.vocab_size, self.max_seq_len)
+        # max_tokens against the context: check_context refuses (strict) or clips (a default)
+        req.sampling_params.validate(self.vocab_size)
         check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
 
     def add_request(self, req: UserRequest) -> None:
