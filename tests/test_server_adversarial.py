@@ -37,7 +37,7 @@ def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):  # n
     srv = ServerProcess(
         tiny_chat_model,
         "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "4096",
-        "--max-running-requests", "4", "--max-queued-requests", "4",
+        "--max-running-requests", "4", "--max-queued-requests", "4", "--max-prompt-bytes", "4000000",
         log_path=tmp_path_factory.mktemp("adversarial") / "server.log",
         api_key=API_KEY,
     )  # fmt: skip
@@ -261,6 +261,36 @@ def test_huge_prompt_and_hostile_template_do_not_stall_others(server: ServerProc
     elapsed, statuses = asyncio.run(main())
     assert elapsed < 2.0, f"a short request took {elapsed:.2f} s next to a 15 MB prompt and a hostile template"
     assert statuses == [400, 400]
+    assert_clean(server)
+
+
+def test_large_prompt_is_encoded_off_the_streaming_loop(server: ServerProcess) -> None:
+    """A 3 MB prompt (within this server's --max-prompt-bytes) takes the tokenizer a second or
+    more; it is encoded in the pool, so a running stream keeps its pace meanwhile."""
+    big = {"prompt": "word " * 600_000, "max_tokens": 4}
+
+    async def main() -> tuple[float, httpx.Response, int]:
+        async with httpx.AsyncClient(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as ac:
+            body = {"prompt": "Count:", "max_tokens": 450, "ignore_eos": True, "temperature": 0, "stream": True}
+            async with ac.stream("POST", COMPLETIONS, json=body) as stream:
+                lines = stream.aiter_lines()
+                while not (await lines.__anext__()).startswith("data: "):
+                    pass
+                pending = asyncio.ensure_future(ac.post(COMPLETIONS, json=big))
+                last, gap, during = time.perf_counter(), 0.0, 0
+                async for line in lines:
+                    if not line.startswith("data: "):
+                        continue
+                    now = time.perf_counter()
+                    if not pending.done():
+                        gap, during = max(gap, now - last), during + 1
+                    last = now
+                return gap, await pending, during
+
+    gap, resp, during = asyncio.run(main())
+    expect_error(resp, 400, param="prompt", code="context_length_exceeded")  # encoded: 600k tokens
+    assert during > 10, "the big prompt was not being encoded while the stream ran"
+    assert gap < 0.6, f"a stream stalled {gap:.2f} s while another request's prompt was encoded"
     assert_clean(server)
 
 

@@ -39,6 +39,7 @@ class ServerArgs:
     max_request_bytes: int = 16 << 20
     max_prompt_bytes: int | None = None  # None: 32 bytes per context token (at least 64 KiB)
     max_queued_requests: int = 1024
+    num_tokenizer_workers: int = 1  # processes that encode large prompts (0: all inline)
     ipc_dir: str = ""  # set by launch
 
     @property
@@ -193,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_nonnegative_int,
         default=1024,
         help="requests that may wait beyond --max-running-requests; more get 503 with Retry-After",
+    )
+    server.add_argument(
+        "--num-tokenizer-workers",
+        type=_nonnegative_int,
+        default=1,
+        help="processes that encode large prompts (>= 16K characters) off the streaming loop; 0: encode everything inline",
     )
     server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
     server.add_argument("--shell-temperature", type=float, default=0.0, help="sampling temperature of --shell answers (0: greedy)")

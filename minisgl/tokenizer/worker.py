@@ -1,8 +1,9 @@
 """The tokenizer/detokenizer worker process.
 
 From the API server it receives TokenizeMsg (encode the prompt, apply the chat template, start a
-DetokState, forward a UserMsg to the scheduler) and AbortReq (forget the request, forward an
-AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
+DetokState, forward a UserMsg to the scheduler; large prompts are encoded in an `EncodePool` so
+that this loop keeps streaming everyone else's tokens meanwhile) and AbortReq (forget the request,
+forward an AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
 strings, reply to the API server), ErrorMsg and StatsMsg (relayed). A stop string ends the request
 here, and the scheduler is told to abort it so its pages are freed at once.
 """
@@ -10,7 +11,8 @@ here, and the scheduler is told to abort it so its pages are freed at once.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Dict, List
+from concurrent.futures import Future
+from typing import Any, Dict, List, Tuple
 
 import zmq
 
@@ -31,18 +33,22 @@ from minisgl.message import (
     encode_msg,
 )
 from minisgl.tokenizer.detokenize import DetokState
+from minisgl.tokenizer.encode_pool import EncodePool
 from minisgl.tokenizer.tokenize import PromptEncoder
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
 IDLE_POLL_MS = 1000
+ENCODING_POLL_MS = 5  # while prompts are being encoded in the pool
 
 
 class TokenizerWorker:
-    def __init__(self, tokenizer: Any, to_scheduler: zmq.Socket, to_api: zmq.Socket) -> None:
+    def __init__(self, tokenizer: Any, to_scheduler: zmq.Socket, to_api: zmq.Socket, pool: EncodePool | None = None) -> None:
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer)
+        self.pool = pool
+        self.encoding: Dict[int, Tuple[TokenizeMsg, "Future[List[int]]"]] = {}  # uid -> in the pool
         self.to_scheduler = to_scheduler
         self.to_api = to_api
         self.states: Dict[int, DetokState] = {}
@@ -73,7 +79,10 @@ class TokenizerWorker:
         elif isinstance(msg, TokenizeMsg):
             self._on_tokenize(msg)
         elif isinstance(msg, AbortReq):
-            if self.states.pop(msg.uid, None) is not None:
+            pending = self.encoding.pop(msg.uid, None)
+            if pending is not None:
+                pending[1].cancel()  # never reached the scheduler
+            elif self.states.pop(msg.uid, None) is not None:
                 self._to_scheduler(AbortMsg(msg.uid))
         elif isinstance(msg, ErrorMsg):
             self.states.pop(msg.uid, None)
@@ -88,6 +97,9 @@ class TokenizerWorker:
             logger.warning("tokenizer worker ignores a message of type %s", type(msg).__name__)
 
     def _on_tokenize(self, msg: TokenizeMsg) -> None:
+        if self.pool is not None and msg.input_ids is None and self.pool.wants(msg.text, msg.messages):
+            self.encoding[msg.uid] = (msg, self.pool.submit(msg.text, msg.messages, msg.chat_template_kwargs))
+            return
         try:
             if msg.messages is not None:
                 ids = self.encoder.encode_chat(msg.messages, msg.chat_template_kwargs)
@@ -97,17 +109,36 @@ class TokenizerWorker:
                 ids = self.encoder.encode_text(msg.text)
             else:
                 raise ValueError("the request has no prompt")
-        except ValueError as exc:
-            self._to_api(ErrorMsg(msg.uid, str(exc), 400, "messages" if msg.messages is not None else "prompt"))
-            return
         except Exception as exc:
-            logger.error("tokenization failed:\n%s", traceback.format_exc())
-            self._to_api(ErrorMsg(msg.uid, f"tokenization failed: {type(exc).__name__}: {exc}", 400, "prompt"))
+            self._encode_failed(msg, exc)
             return
+        self._start(msg, ids)
+
+    def _encode_failed(self, msg: TokenizeMsg, exc: BaseException) -> None:
+        param = "messages" if msg.messages is not None else "prompt"
+        if isinstance(exc, ValueError):
+            self._to_api(ErrorMsg(msg.uid, str(exc), 400, param))
+        else:
+            logger.error("tokenization failed: %r", exc)  # the prompt is the only input: a 400
+            self._to_api(ErrorMsg(msg.uid, f"tokenization failed: {type(exc).__name__}: {exc}", 400, param))
+
+    def _start(self, msg: TokenizeMsg, ids: List[int]) -> None:
         self.states[msg.uid] = DetokState(
             self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, prompt_tokens=len(ids)
         )
         self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit))
+
+    def collect_encoded(self) -> None:
+        """Start the requests whose prompts the pool has finished encoding."""
+        for uid, (msg, future) in list(self.encoding.items()):
+            if not future.done():
+                continue
+            del self.encoding[uid]
+            exc = future.exception()
+            if exc is not None:
+                self._encode_failed(msg, exc)
+            else:
+                self._start(msg, future.result())
 
     def _piece(self, token_id: int) -> str:
         piece = self._piece_cache.get(token_id)
@@ -159,6 +190,7 @@ class TokenizerWorker:
     def _fail(self, uid: int) -> None:
         """End a request this worker failed on: a 500 for its client, and an abort for the
         scheduler, which may already be running it (it would otherwise generate for nobody)."""
+        self.encoding.pop(uid, None)
         if self.states.pop(uid, None) is not None:
             self._to_scheduler(AbortMsg(uid))
         self._to_api(ErrorMsg(uid, "internal error in the tokenizer worker", 500))
@@ -168,8 +200,9 @@ class TokenizerWorker:
         from minisgl.server.process_utils import parent_alive
 
         while True:
-            if not recv_sock.poll(IDLE_POLL_MS):
-                if parent_pid is not None and not parent_alive(parent_pid):
+            if not recv_sock.poll(ENCODING_POLL_MS if self.encoding else IDLE_POLL_MS):
+                self.collect_encoded()
+                if not self.encoding and parent_pid is not None and not parent_alive(parent_pid):
                     logger.error("the server process is gone; tokenizer worker exits")
                     return
                 continue
@@ -190,6 +223,7 @@ class TokenizerWorker:
                     uid = getattr(msg, "uid", None)
                     if uid is not None:
                         self._fail(uid)
+            self.collect_encoded()
             self.flush_replies()
 
 
@@ -219,9 +253,12 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     ready_conn.send(("ready", {"has_chat_template": getattr(tokenizer, "chat_template", None) is not None}))
     ready_conn.close()
     logger.info("tokenizer worker ready")
+    pool = EncodePool(args.model_path, args.num_tokenizer_workers) if args.num_tokenizer_workers > 0 else None
     try:
-        TokenizerWorker(tokenizer, to_scheduler, to_api).run(recv_sock, parent)
+        TokenizerWorker(tokenizer, to_scheduler, to_api, pool).run(recv_sock, parent)
     finally:
+        if pool is not None:
+            pool.shutdown()
         for sock in (recv_sock, to_scheduler, to_api):
             sock.close(linger=0)
         ctx.term()

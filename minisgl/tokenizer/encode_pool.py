@@ -1,0 +1,56 @@
+"""Large prompts are encoded in helper processes, off the tokenizer worker's loop.
+
+The worker's loop also detokenizes every running request, and the tokenizers library holds the
+GIL while it encodes (measured: a 1 MB prompt blocks a Python thread for ~0.5 s), so one client's
+large prompt would pause everyone's stream. Prompts of at least `threshold_chars` characters go to
+a `ProcessPoolExecutor` of `--num-tokenizer-workers` processes, each with its own copy of the
+tokenizer; the loop polls the futures and carries on. Small prompts (nearly all of them) are
+encoded inline, where the round trip to a pool would cost more than the encoding.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, Dict, List
+
+from minisgl.tokenizer.tokenize import PromptEncoder
+
+_ENCODER: PromptEncoder | None = None
+
+
+def _init(model_path: str) -> None:
+    global _ENCODER
+    from minisgl.utils.hf import load_tokenizer
+
+    _ENCODER = PromptEncoder(load_tokenizer(model_path))
+
+
+def _encode(text: str | None, messages: List[Dict[str, Any]] | None, template_kwargs: Dict[str, Any] | None) -> List[int]:
+    assert _ENCODER is not None
+    if messages is not None:
+        return _ENCODER.encode_chat(messages, template_kwargs)
+    assert text is not None
+    return _ENCODER.encode_text(text)
+
+
+def prompt_chars(text: str | None, messages: List[Dict[str, Any]] | None) -> int:
+    if messages is not None:
+        return sum(len(m.get("content") or "") for m in messages)
+    return len(text or "")
+
+
+class EncodePool:
+    def __init__(self, model_path: str, num_workers: int, threshold_chars: int = 16_384) -> None:
+        self.threshold_chars = threshold_chars
+        self._executor = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(model_path,))
+        self._executor.submit(_encode, "warm up", None, None)  # start the processes now, not on the first big prompt
+
+    def wants(self, text: str | None, messages: List[Dict[str, Any]] | None) -> bool:
+        return prompt_chars(text, messages) >= self.threshold_chars
+
+    def submit(self, text: str | None, messages: List[Dict[str, Any]] | None, template_kwargs: Dict[str, Any] | None) -> "Future[List[int]]":
+        return self._executor.submit(_encode, text, messages, template_kwargs)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
