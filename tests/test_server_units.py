@@ -251,3 +251,61 @@ def test_scheduler_loop_answers_bad_requests(tiny_chat_model: str) -> None:
         b.close(0)
         ctx.term()
         sched.shutdown()
+
+
+def test_env_is_read_in_one_typed_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minisgl.utils.env import read_env
+
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "yes")
+    monkeypatch.setenv("MINISGL_FUSED_OPS", "0")
+    monkeypatch.setenv("MINISGL_CACHE_DIR", "/tmp/x")
+    monkeypatch.delenv("MINISGL_API_KEY", raising=False)
+    env = read_env()
+    assert env.disable_overlap_scheduling and not env.fused_ops and str(env.cache_dir) == "/tmp/x" and env.api_key is None
+    monkeypatch.setenv("MINISGL_FUSED_OPS", "maybe")
+    with pytest.raises(ValueError, match="MINISGL_FUSED_OPS"):
+        read_env()
+
+
+def test_request_limits_and_sampling_bounds() -> None:
+    from minisgl.sampling_params import InvalidRequest, check_context
+    from minisgl.server.limits import MIN_PROMPT_BYTES, PROMPT_BYTES_PER_TOKEN, RequestLimits, check_json_tree
+
+    limits = RequestLimits.for_server(1 << 20, None, {"max_seq_len": 8192, "vocab_size": 100})
+    assert limits.max_prompt_bytes == PROMPT_BYTES_PER_TOKEN * 8192 and limits.vocab_size == 100
+    assert RequestLimits.for_server(1 << 20, None, {"max_seq_len": 16}).max_prompt_bytes == MIN_PROMPT_BYTES
+    with pytest.raises(InvalidRequest) as info:
+        limits.check_prompt_text(limits.max_prompt_bytes + 1, "prompt")
+    assert info.value.code == "context_length_exceeded"
+    check_json_tree({"a": [[1]]}, max_depth=3)
+    for bad in ({"a": [[[1]]]}, {"a": "\udc80"}, {"\ud800": 1}):
+        with pytest.raises(InvalidRequest) as info:
+            check_json_tree(bad, max_depth=3)
+        assert info.value.param in ("a", "\ud800")
+    # each field's bounds, named in the error
+    cases = {
+        "temperature": [float("inf"), float("nan"), -0.1, 100.5, "1", True],
+        "top_k": [0, -2, 101, 2**63, 1.0, True],
+        "top_p": [0.0, 1.5],
+        "min_p": [-0.1, 1.1],
+        "max_tokens": [0, 64, True, 2**64],
+        "seed": [2**63, -(2**63) - 1, 1.5],
+        "presence_penalty": [2.5],
+        "repetition_penalty": [0.0, 11.0],
+        "logprobs": [21, -1],
+        "stop_token_ids": [[100], [-1], [1.0], list(range(300))],
+        "ignore_eos": [1],
+    }
+    for name, values in cases.items():
+        for value in values:
+            with pytest.raises(InvalidRequest) as info:
+                SamplingParams(**{"max_tokens": 8, name: value}).validate(vocab_size=100, max_seq_len=64)
+            assert info.value.param == name, (name, value)
+    SamplingParams(temperature=100.0, top_k=100, seed=-(2**63), stop_token_ids=[99], max_tokens=63).validate(100, 64)
+    assert SamplingParams(temperature=1e-30).is_greedy
+    assert check_context(10, None, 64, strict=True) == 54
+    assert check_context(10, 1000, 64, strict=False) == 54
+    for args in ((64, 1, 64, False), (10, 55, 64, True)):
+        with pytest.raises(InvalidRequest) as info:
+            check_context(args[0], args[1], args[2], strict=args[3])
+        assert info.value.code == "context_length_exceeded"

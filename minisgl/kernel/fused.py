@@ -7,12 +7,13 @@ or the environment variable MINISGL_FUSED_OPS=0 turns the kernels off, for A/B c
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
 
-_state: dict = {"enabled": os.environ.get("MINISGL_FUSED_OPS", "1") != "0", "module": None, "checked": False}
+from minisgl.utils.env import read_env
+
+_state: dict = {"enabled": read_env().fused_ops, "module": None, "checked": False}
 
 
 def set_fused_ops_enabled(enabled: bool) -> bool:

@@ -15,14 +15,15 @@ does not compile a new kernel.
 
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from minisgl.utils.env import read_env
+
+INTERPRET = read_env().triton_interpret
 
 
 def _num_warps(block_elems: int) -> int:

@@ -27,7 +27,6 @@ behind `minisgl.kernel.fused.use_fused`, which never imports triton on a CPU pat
 
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 import torch
@@ -35,7 +34,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+from minisgl.utils.env import read_env
+
+INTERPRET = read_env().triton_interpret
 GREEDY_T = 1e-6  # rows at or below this temperature take the argmax (sample.MIN_T)
 QUARTER = 256  # part of the noise layout (see above): changing it changes every seeded draw
 TILE = 4 * QUARTER

@@ -24,7 +24,6 @@ rounding and float32 results (IEEE dots, no TF32) to summation order.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -33,8 +32,9 @@ import triton
 import triton.language as tl
 
 from minisgl.moe.base import BaseMoeBackend
+from minisgl.utils.env import read_env
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = read_env().triton_interpret
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from minisgl.engine.config import EngineConfig
+from minisgl.utils.env import read_env
 
 
 def overlap_disabled_by_env() -> bool:
-    return os.environ.get("MINISGL_DISABLE_OVERLAP_SCHEDULING", "0").lower() in ("1", "true", "yes")
+    return read_env().disable_overlap_scheduling
 
 
 @dataclass(frozen=True)

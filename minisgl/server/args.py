@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, List
 
+from minisgl.utils.env import read_env
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1919
 
@@ -181,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
-    server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"), help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (env MINISGL_API_KEY)")
+    server.add_argument("--api-key", default=read_env().api_key, help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (env MINISGL_API_KEY)")
     server.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20, help="larger request bodies get 413")
     server.add_argument(
         "--max-prompt-bytes",

@@ -17,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -49,7 +50,7 @@ def default_model_path() -> str:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl"))
+    return read_env().cache_dir
 
 
 def convert_gguf(gguf_file: str) -> str:

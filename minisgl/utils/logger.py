@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
+
+from minisgl.utils.env import read_env
 
 
 class RankLogger(logging.LoggerAdapter):
@@ -27,7 +28,7 @@ def init_logger(name: str) -> RankLogger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[%(asctime)s %(levelname)s %(name)s] %(message)s", "%H:%M:%S"))
         root.addHandler(handler)
-        root.setLevel(os.environ.get("MINISGL_LOG_LEVEL", "WARNING").upper())
+        root.setLevel(read_env().log_level)
         root.propagate = False
     return RankLogger(logger, {})
 
