@@ -19,9 +19,12 @@ from minisgl.tokenizer.tokenize import PromptEncoder
 _ENCODER: PromptEncoder | None = None
 
 
-def _init(model_path: str) -> None:
+def _init(model_path: str, log_level: str) -> None:
     global _ENCODER
+    from minisgl.server.process_utils import setup_child_process
     from minisgl.utils.hf import load_tokenizer
+
+    setup_child_process("minisgl-encode", log_level)  # dies with the worker, ignores Ctrl-C
 
     _ENCODER = PromptEncoder(load_tokenizer(model_path))
 
@@ -41,9 +44,11 @@ def prompt_chars(text: str | None, messages: List[Dict[str, Any]] | None) -> int
 
 
 class EncodePool:
-    def __init__(self, model_path: str, num_workers: int, threshold_chars: int = 16_384) -> None:
+    def __init__(self, model_path: str, num_workers: int, log_level: str = "warning", threshold_chars: int = 16_384) -> None:
         self.threshold_chars = threshold_chars
-        self._executor = ProcessPoolExecutor(num_workers, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(model_path,))
+        self._executor = ProcessPoolExecutor(
+            num_workers, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(model_path, log_level)
+        )
         self._executor.submit(_encode, "warm up", None, None)  # start the processes now, not on the first big prompt
 
     def wants(self, text: str | None, messages: List[Dict[str, Any]] | None) -> bool:

@@ -253,7 +253,7 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     ready_conn.send(("ready", {"has_chat_template": getattr(tokenizer, "chat_template", None) is not None}))
     ready_conn.close()
     logger.info("tokenizer worker ready")
-    pool = EncodePool(args.model_path, args.num_tokenizer_workers) if args.num_tokenizer_workers > 0 else None
+    pool = EncodePool(args.model_path, args.num_tokenizer_workers, args.log_level) if args.num_tokenizer_workers > 0 else None
     try:
         TokenizerWorker(tokenizer, to_scheduler, to_api, pool).run(recv_sock, parent)
     finally:
