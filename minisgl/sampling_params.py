@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
@@ -27,6 +27,8 @@ MAX_PENALTY = 2.0  # presence / frequency, as OpenAI
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token, +100 all but forces it
 # Below this temperature sampling is greedy: logits / T would overflow to infinity (as vLLM).
 GREEDY_TEMPERATURE = 1e-5
 
@@ -77,6 +79,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Return the chosen token's logprob and this many top alternatives (None: no logprobs).
     logprobs: int | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: Dict[int, float] | None = None
+    # Stop tokens (EOS, stop_token_ids) cannot end the output before this many tokens.
+    min_tokens: int = 0
 
     def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
         """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
@@ -111,14 +117,25 @@ class SamplingParams:
         _check_range("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, low_open=True)
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", param="logprobs")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise InvalidRequest(f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to biases", param="logit_bias")
+            check_token_ids(list(self.logit_bias), vocab_size, "logit_bias", allow_empty=True)
+            for value in self.logit_bias.values():
+                _check_range("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            raise InvalidRequest(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", param="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens")
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The parameters of choice `index` of an `n > 1` request: a seed becomes seed + index,
         wrapped into the int64 range so that every choice's seed stays valid."""
+        bias = dict(self.logit_bias) if self.logit_bias is not None else None
         if self.seed is None or index == 0:
-            return replace(self, stop_token_ids=list(self.stop_token_ids))
+            return replace(self, stop_token_ids=list(self.stop_token_ids), logit_bias=bias)
         seed = (self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
-        return replace(self, seed=seed, stop_token_ids=list(self.stop_token_ids))
+        return replace(self, seed=seed, stop_token_ids=list(self.stop_token_ids), logit_bias=bias)
 
     @property
     def has_penalties(self) -> bool:

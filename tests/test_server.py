@@ -406,6 +406,45 @@ def test_stop_strings(server: ServerProcess, reference: Dict[str, Any]) -> None:
     assert m["minisgl_kv_cache_usage"] == 0.0
 
 
+def test_logit_bias_min_tokens_and_included_stop(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    ids = reference["prompt_ids"][0]
+    ref = reference["prompts"][0].token_ids
+    base = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}}
+
+    def gen(**sampling: Any) -> List[int]:
+        resp = _post(server, "/generate", {**base, "sampling_params": {**base["sampling_params"], **sampling}})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["output_ids"]
+
+    assert gen() == ref[:6]
+    assert gen(logit_bias={str(ref[0]): -100})[0] != ref[0]  # the greedy token is gone
+    assert gen(logit_bias={"42": 100}) == [42] * 6  # and a forced one is all there is
+    assert gen(stop_token_ids=[ref[1]]) == ref[:2]
+    held = gen(stop_token_ids=[ref[1]], min_new_tokens=4)
+    assert ref[1] not in held[:4] and held[0] == ref[0]
+    # the OpenAI names, through the openai client
+    client = server.openai()
+    resp = client.completions.create(model="tiny_chat_llama", prompt=ids, temperature=0, max_tokens=6, logit_bias={"42": 100})
+    assert resp.choices[0].text == server_decode(server, [42] * 6)
+    full = reference["prompts"][0].text
+    stop = full[len(full) // 3 : len(full) // 3 + 4]
+    kept = client.completions.create(
+        model="tiny_chat_llama", prompt=PROMPTS[0], temperature=0, max_tokens=N_NEW, stop=[stop],
+        extra_body={"include_stop_str_in_output": True},
+    )  # fmt: skip
+    assert kept.choices[0].text == full[: full.find(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
+
+
+def server_decode(server: ServerProcess, ids: List[int]) -> str:
+    from minisgl.utils.hf import load_tokenizer
+
+    return load_tokenizer(server_model_path(server)).decode(ids, skip_special_tokens=True)
+
+
+def server_model_path(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/server_info", headers=server.headers()).json()["model_path"]
+
+
 def test_logprobs(server: ServerProcess, reference: Dict[str, Any]) -> None:
     client = server.openai()
     ref = reference["chats"][1]

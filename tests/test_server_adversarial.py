@@ -132,7 +132,10 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     expect_error(post(client, CHAT, {"messages": MSGS, "tools": tools}), 400, param="tools", code="unsupported_parameter")
     expect_error(post(client, CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}), 400, param="response_format")
-    expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {"5": -100}}), 400, param="logit_bias")
+    expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {str(VOCAB): -100}}), 400, param="logit_bias")
+    expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {"five": -100}}), 400, param="logit_bias")
+    expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {"5": -101}}), 400, param="logit_bias")
+    expect_error(post(client, CHAT, {"messages": MSGS, "max_tokens": 3, "min_tokens": 4}), 400, param="min_tokens")
     expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}), 400, param="sampling_params")
     # neutral values of unimplemented fields mean nothing and are accepted
     ok = post(client, CHAT, {"messages": MSGS, "max_tokens": 2, "tools": None, "logit_bias": {}, "parallel_tool_calls": False})

@@ -38,6 +38,23 @@ class BatchSamplingArgs:
     seeded_rows: List[Tuple[int, int]] | None = None
     penalties: "Penalties | None" = None
     logprobs_k: int | None = None  # return logprobs with this many top alternatives
+    bias: "LogitBias | None" = None  # logit_bias, and stop tokens banned before min_tokens
+
+
+@dataclass
+class LogitBias:
+    """Sparse additions to the logits (rows, tokens, values): a request's logit_bias, and -inf on
+    its stop tokens while it has generated fewer than min_tokens."""
+
+    rows: torch.Tensor  # [N]
+    tokens: torch.Tensor  # [N]
+    values: torch.Tensor  # [N] float
+    depends_on_step: bool  # a min_tokens ban ends after some step: do not reuse across steps
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().clone()
+        logits.index_put_((self.rows, self.tokens), self.values, accumulate=True)
+        return logits
 
 
 @dataclass
@@ -92,7 +109,7 @@ class Sampler:
         if key == self._cache_key and self._cache_args is not None:
             return self._cache_args
         args = self._prepare(batch, params)
-        cacheable = args.seeded_rows is None and args.penalties is None
+        cacheable = args.seeded_rows is None and args.penalties is None and (args.bias is None or not args.bias.depends_on_step)
         # holding `params` keeps their ids from being reused by new objects while cached
         self._cache_key, self._cache_args, self._cache_params = (key, args, params) if cacheable else (None, None, [])
         return args
@@ -101,8 +118,9 @@ class Sampler:
         penalties = self._prepare_penalties(batch, params) if any(p.has_penalties for p in params) else None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         logprobs_k = max(wanted) if wanted else None
+        bias = self._prepare_bias(batch) if any(p.logit_bias or p.min_tokens for p in params) else None
         if all(p.is_greedy for p in params):
-            return BatchSamplingArgs(temperatures=None, penalties=penalties, logprobs_k=logprobs_k)
+            return BatchSamplingArgs(temperatures=None, penalties=penalties, logprobs_k=logprobs_k, bias=bias)
         ts = [max(0.0 if p.is_greedy else p.temperature, MIN_T) for p in params]
         top_ks = [p.top_k if p.top_k >= 1 else self.vocab_size for p in params]
         top_ps = [min(max(p.top_p, MIN_P), 1.0) for p in params]
@@ -120,7 +138,38 @@ class Sampler:
             if r.sampling_params.seed is not None and not r.sampling_params.is_greedy
         ]
         temps = make_device_tensor(ts, torch.float32, self.device)
-        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k)
+        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k, bias)
+
+    def _prepare_bias(self, batch: Batch) -> LogitBias | None:
+        rows: List[int] = []
+        tokens: List[int] = []
+        values: List[float] = []
+        banning = False
+        for i, r in enumerate(batch.reqs):
+            p = r.sampling_params
+            if p.logit_bias:
+                rows += [i] * len(p.logit_bias)
+                tokens += list(p.logit_bias.keys())
+                values += [float(v) for v in p.logit_bias.values()]
+            # the token sampled now is output number device_len - prompt_len (0-based)
+            if p.min_tokens and r.device_len - r.prompt_len < p.min_tokens:
+                stops = getattr(r, "stop_ids", None)
+                stops = set(p.stop_token_ids) if stops is None else stops
+                rows += [i] * len(stops)
+                tokens += list(stops)
+                values += [float("-inf")] * len(stops)
+                banning = True
+            elif p.min_tokens:
+                banning = True  # the ban just ended: the next step differs from this one
+        if not rows:
+            return None
+        dev = self.device
+        return LogitBias(
+            rows=make_device_tensor(rows, torch.int64, dev),
+            tokens=make_device_tensor(tokens, torch.int64, dev),
+            values=make_device_tensor(values, torch.float32, dev),
+            depends_on_step=banning,
+        )
 
     def _prepare_penalties(self, batch: Batch, params: List[SamplingParams]) -> Penalties:
         rows: List[int] = []
@@ -151,6 +200,8 @@ class Sampler:
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
         if args.penalties is not None:
             logits = args.penalties.apply(logits)
+        if args.bias is not None:
+            logits = args.bias.apply(logits)
         if args.temperatures is None:
             return torch.argmax(logits, dim=-1)
         filters = args.top_k is not None or args.top_p is not None or args.min_p is not None

@@ -22,11 +22,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from minisgl.sampling_params import (
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
+    InvalidRequest,
     SamplingParams,
 )
 
@@ -62,10 +64,10 @@ StopStrings = Optional[Annotated[Union[StopStr, List[StopStr]], AfterValidator(_
 # OpenAI fields minisgl does not implement: refused when they ask for something.
 UNSUPPORTED_CHAT_FIELDS = (
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-    "logit_bias", "prediction", "audio", "modalities", "reasoning_effort", "web_search_options", "store",
-    "metadata", "service_tier", "min_tokens", "include_stop_str_in_output",
+    "prediction", "audio", "modalities", "reasoning_effort", "web_search_options", "store",
+    "metadata", "service_tier",
 )  # fmt: skip
-UNSUPPORTED_COMPLETION_FIELDS = ("logit_bias", "min_tokens", "include_stop_str_in_output", "response_format")
+UNSUPPORTED_COMPLETION_FIELDS = ("response_format",)
 
 # apply_chat_template's own parameters: a client must not set them through chat_template_kwargs
 # (a client-side `chat_template` is arbitrary Jinja run in the tokenizer worker).
@@ -115,6 +117,10 @@ class SamplingFields(_Base):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[ShortStr] = None
+    # OpenAI: {"token id as a string": bias in [-100, 100]}
+    logit_bias: Optional[Annotated[Dict[Annotated[str, Field(max_length=24)], float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    include_stop_str_in_output: bool = False
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)
@@ -122,6 +128,8 @@ class SamplingFields(_Base):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Choice 0's parameters (`SamplingParams.for_choice` derives the others)."""
         return SamplingParams(
+            logit_bias=_parse_logit_bias(self.logit_bias),
+            min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_k=-1 if self.top_k in (None, 0) else int(self.top_k),  # 0 means off, as in vLLM
             top_p=1.0 if self.top_p is None else float(self.top_p),
@@ -135,6 +143,20 @@ class SamplingFields(_Base):
             repetition_penalty=float(self.repetition_penalty),
             logprobs=logprobs,
         )
+
+
+def _parse_logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
+    """OpenAI's string keys as token ids (their range is checked by SamplingParams.validate)."""
+    if not bias:
+        return None
+    out: Dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        out[token] = float(value)
+    return out
 
 
 class ChatMessage(_Base):
@@ -247,12 +269,17 @@ class GenerateSampling(_Base):
     repetition_penalty: RepetitionPenalty = 1.0
     seed: Optional[Int64] = None
     n: int = Field(1, ge=1, le=MAX_N)
+    logit_bias: Optional[Annotated[Dict[Annotated[str, Field(max_length=24)], float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    min_new_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
+    no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
+            logit_bias=_parse_logit_bias(self.logit_bias),
+            min_tokens=self.min_new_tokens,
             temperature=float(self.temperature),
             top_k=-1 if self.top_k == 0 else int(self.top_k),
             top_p=float(self.top_p),

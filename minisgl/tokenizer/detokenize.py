@@ -50,8 +50,9 @@ class IncrementalDetokenizer:
 
 
 class StopMatcher:
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include  # release the matched stop string too (include_stop_str_in_output)
         self.max_len = max((len(s) for s in self.stops), default=0)
         self.text = ""  # all text decoded so far
         self.sent = 0  # chars of `text` released to the client
@@ -67,7 +68,7 @@ class StopMatcher:
                 if pos != -1 and (best == -1 or pos < best):
                     best, matched = pos, stop
             if matched is not None:
-                out = self.text[self.sent : best]
+                out = self.text[self.sent : best + (len(matched) if self.include else 0)]
                 self.sent = len(self.text)
                 return out, matched
         end = len(self.text)
@@ -91,10 +92,16 @@ class DetokState:
     """Everything the tokenizer worker keeps for one running request."""
 
     def __init__(
-        self, tokenizer: Any, stops: Sequence[str], want_logprobs: bool, skip_special_tokens: bool, prompt_tokens: int
+        self,
+        tokenizer: Any,
+        stops: Sequence[str],
+        want_logprobs: bool,
+        skip_special_tokens: bool,
+        prompt_tokens: int,
+        include_stop_str: bool = False,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stop = StopMatcher(stops)
+        self.stop = StopMatcher(stops, include_stop_str)
         self.want_logprobs = want_logprobs
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0

@@ -124,7 +124,7 @@ class TokenizerWorker:
 
     def _start(self, msg: TokenizeMsg, ids: List[int]) -> None:
         self.states[msg.uid] = DetokState(
-            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, prompt_tokens=len(ids)
+            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids), msg.include_stop_str
         )
         self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit))
 

@@ -53,6 +53,7 @@ async def chat_completions(request: Request) -> Response:
             sampling=params.for_choice(i),
             max_tokens_explicit=max_tokens is not None,
             stop=stops,
+            include_stop_str=body.include_stop_str_in_output,
             want_logprobs=k is not None,
             skip_special_tokens=body.skip_special_tokens,
             chat_template_kwargs=body.chat_template_kwargs,

@@ -39,6 +39,8 @@ _RENAME = {
     "stop_token_ids": "sampling_params.stop_token_ids",
     "seed": "sampling_params.seed",
     "logprobs": "top_logprobs_num",
+    "logit_bias": "sampling_params.logit_bias",
+    "min_tokens": "sampling_params.min_new_tokens",
 }
 
 
@@ -66,6 +68,7 @@ async def generate(request: Request) -> Response:
             sampling=params.for_choice(i),
             max_tokens_explicit=sp.max_new_tokens is not None,
             stop=stops,
+            include_stop_str=sp.no_stop_trim,
             want_logprobs=k is not None,
             skip_special_tokens=sp.skip_special_tokens,
         )
