@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
-from typing import Any, List
+from typing import Any, Dict, List
 
 import pytest
 import zmq
-from test_server import tiny_chat_model  # noqa: F401  (fixture)
 
 from minisgl.message import (
     AbortMsg,
@@ -30,6 +29,8 @@ from minisgl.message import (
 )
 from minisgl.sampling_params import SamplingParams
 from minisgl.tokenizer import IncrementalDetokenizer, StopMatcher
+
+from test_server import tiny_chat_model  # noqa: F401  (fixture)
 
 MULTILINGUAL = [
     "你好，世界！今天天气很好。",
@@ -148,7 +149,6 @@ def test_request_models() -> None:
     from pydantic import ValidationError
 
     from minisgl.sampling_params import SamplingParams
-
     from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
 
     req = ChatCompletionRequest.model_validate(
@@ -309,3 +309,41 @@ def test_request_limits_and_sampling_bounds() -> None:
         with pytest.raises(InvalidRequest) as info:
             check_context(args[0], args[1], args[2], strict=args[3])
         assert info.value.code == "context_length_exceeded"
+
+
+class _FailingScheduler:
+    """Stands in for a Scheduler whose every step fails."""
+
+    def __init__(self) -> None:
+        self.active: Dict[int, Any] = {7: object()}
+        self.waiting: List[Any] = []
+        self.max_seq_len = 64
+
+    def step(self) -> Any:
+        from minisgl.scheduler import StepFailed
+
+        raise StepFailed([7], [], ValueError("boom"))
+
+
+class _Sock:
+    def __init__(self) -> None:
+        self.sent: List[bytes] = []
+
+    def send(self, data: Any, copy: bool = True) -> None:
+        self.sent.append(bytes(data))
+
+
+def test_scheduler_loop_survives_failed_steps_until_they_repeat() -> None:
+    from minisgl.scheduler.process import MAX_CONSECUTIVE_FAILED_STEPS, SchedulerLoop
+
+    sock = _Sock()
+    loop = SchedulerLoop(_FailingScheduler(), recv_sock=None, send_sock=sock)  # type: ignore[arg-type]
+    for _ in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
+        loop.step()  # answered with a 500 for request 7, and the loop goes on
+    errors = [decode_msg(d) for d in sock.sent]
+    assert all(isinstance(e, ErrorMsg) and e.uid == 7 and e.status == 500 for e in errors)
+    assert len(errors) == MAX_CONSECUTIVE_FAILED_STEPS - 1
+    from minisgl.scheduler import StepFailed
+
+    with pytest.raises(StepFailed):  # the engine looks broken: stop
+        loop.step()

@@ -2,7 +2,8 @@
 (no page or row leaks, nothing bad in the prefix cache) and serves everyone else unchanged.
 
 Faults are injected into a real Scheduler on a tiny float32 model: the engine's forward for one
-request's prefill, and the processing of one step's results.
+request's prefill, and the processing of one step's results. (How the server's scheduler loop
+answers a failed step: tests/test_server_units.py.)
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import pytest
-from sched_helpers import TINY, assert_idle_and_clean, greedy, running_llm
 
 from minisgl.scheduler import StepFailed, UserRequest
-from minisgl.scheduler.process import MAX_CONSECUTIVE_FAILED_STEPS, SchedulerLoop
+
+from sched_helpers import TINY, assert_idle_and_clean, greedy, running_llm
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 8], [11, 3, 250, 64, 1, 99], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]]
 
@@ -87,37 +88,3 @@ def test_failure_while_reading_results(tiny_model_dir: Any) -> None:
         assert len(failures) == 1 and sorted(failures[0].uids) == [200, 201]
         assert_idle_and_clean(sched)
         assert [r.token_ids for r in llm.generate(PROMPTS[:2], greedy(6))] == ref
-
-
-class _FailingScheduler:
-    """Stands in for a Scheduler whose every step fails."""
-
-    def __init__(self) -> None:
-        self.active: Dict[int, Any] = {7: object()}
-        self.waiting: List[Any] = []
-        self.max_seq_len = 64
-
-    def step(self) -> Any:
-        raise StepFailed([7], [], ValueError("boom"))
-
-
-class _Sock:
-    def __init__(self) -> None:
-        self.sent: List[bytes] = []
-
-    def send(self, data: Any, copy: bool = True) -> None:
-        self.sent.append(bytes(data))
-
-
-def test_scheduler_loop_survives_failed_steps_until_they_repeat() -> None:
-    from minisgl.message import ErrorMsg, decode_msg
-
-    sock = _Sock()
-    loop = SchedulerLoop(_FailingScheduler(), recv_sock=None, send_sock=sock)  # type: ignore[arg-type]
-    for _ in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
-        loop.step()  # answered with a 500 for request 7, and the loop goes on
-    errors = [decode_msg(d) for d in sock.sent]
-    assert all(isinstance(e, ErrorMsg) and e.uid == 7 and e.status == 500 for e in errors)
-    assert len(errors) == MAX_CONSECUTIVE_FAILED_STEPS - 1
-    with pytest.raises(StepFailed):  # the engine looks broken: stop
-        loop.step()
