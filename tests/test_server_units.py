@@ -347,3 +347,39 @@ def test_scheduler_loop_survives_failed_steps_until_they_repeat() -> None:
 
     with pytest.raises(StepFailed):  # the engine looks broken: stop
         loop.step()
+
+
+class _StubFrontend:
+    failure: str | None = None
+    stats = None
+    num_in_flight = 0
+
+
+def _app(**overrides: Any) -> Any:
+    from fastapi.testclient import TestClient
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.args import parse_args
+    from minisgl.server.metrics import ServerMetrics
+
+    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in overrides.items()])
+    args.model_path = "/models/x"
+    info = {"max_seq_len": 64, "vocab_size": 100, "max_running_req": 4}
+    return TestClient(create_app(args, info, _StubFrontend(), ServerMetrics()))  # type: ignore[arg-type]
+
+
+def test_health_head_version_and_cors() -> None:
+    client = _app(api_key="k")
+    assert client.head("/health").status_code == 200 and client.get("/version").json()["version"]
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    assert "access-control-allow-origin" not in client.options("/v1/chat/completions", headers=preflight).headers
+    client = _app(allowed_origins="https://app.example")
+    resp = client.options("/v1/chat/completions", headers=preflight)
+    assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "https://app.example"
+    resp = client.options("/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+    assert resp.headers.get("access-control-allow-origin") != "https://evil.example"
+    from minisgl.server.args import parse_args
+
+    for bad in ("ftp://x", ","):
+        with pytest.raises(SystemExit):
+            parse_args(["--allowed-origins", bad])

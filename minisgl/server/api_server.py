@@ -57,6 +57,18 @@ def create_app(args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metri
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return internal_error_response(request, exc)
 
+    if args.allowed_origins:
+        # Off by default: a browser page may then call this server only from these origins
+        # (preflighted requests; the JSON-only rule still stops 'simple' cross-site POSTs).
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=args.allowed_origins,
+            allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=600,
+        )
     for module in (admin, chat, completions, native):
         app.include_router(module.router)
     app.include_router(admin.open_router)

@@ -42,6 +42,7 @@ class ServerArgs:
     max_prompt_bytes: int | None = None  # None: 32 bytes per context token (at least 64 KiB)
     max_queued_requests: int = 1024
     num_tokenizer_workers: int = 1  # processes that encode large prompts (0: all inline)
+    allowed_origins: List[str] | None = None  # CORS; None: no cross-origin access
     ipc_dir: str = ""  # set by launch
 
     @property
@@ -110,6 +111,16 @@ def _nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
     return value
+
+
+def _origins(text: str) -> List[str]:
+    origins = [o.strip() for o in text.split(",") if o.strip()]
+    for o in origins:
+        if o != "*" and not (o.startswith("http://") or o.startswith("https://")):
+            raise argparse.ArgumentTypeError(f"an origin is '*' or starts with http:// or https://, got {o!r}")
+    if not origins:
+        raise argparse.ArgumentTypeError("give at least one origin")
+    return origins
 
 
 def _ratio(text: str) -> float:
@@ -202,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_nonnegative_int,
         default=1,
         help="processes that encode large prompts (>= 16K characters) off the streaming loop; 0: encode everything inline",
+    )
+    server.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=None,
+        help="comma-separated origins (or *) whose web pages may call this server (CORS); default: none",
     )
     server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
     server.add_argument("--shell-temperature", type=float, default=0.0, help="sampling temperature of --shell answers (0: greedy)")

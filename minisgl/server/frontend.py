@@ -57,9 +57,15 @@ Event = Tuple[int, Any]  # (choice index, ReplyMsg | ErrorMsg)
 class RequestStream:
     """The replies of one client request: `n` scheduler requests (choices) sharing one queue."""
 
-    def __init__(self, frontend: "Frontend", uids: List[int]) -> None:
+    def __init__(self, frontend: "Frontend", uids: List[int], label: str = "") -> None:
         self.frontend = frontend
         self.uids = uids
+        self.label = label  # what the request log line calls it (the endpoint)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.outcomes: List[str] = []  # finish reasons, "error <status>", "abort"
+        self.ttft: float | None = None
         self.index = {uid: i for i, uid in enumerate(uids)}
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.unfinished = set(uids)
@@ -79,6 +85,13 @@ class RequestStream:
         metrics = self.frontend.metrics
         now = time.perf_counter()
         if isinstance(msg, ReplyMsg):
+            if msg.num_tokens and self.ttft is None:
+                self.ttft = now - self.start
+            if msg.finished:
+                self.prompt_tokens += msg.prompt_tokens
+                self.cached_tokens += msg.cached_tokens
+                self.completion_tokens += msg.completion_tokens
+                self.outcomes.append(msg.finish_reason or "unknown")
             if msg.num_tokens and metrics is not None:
                 last = self.last_token_t.get(uid)
                 if last is None:
@@ -94,18 +107,34 @@ class RequestStream:
                     metrics.e2e.observe(now - self.start)
         else:  # ErrorMsg: final
             self.unfinished.discard(uid)
+            self.outcomes.append(f"error {msg.status}")
             if metrics is not None:
                 metrics.requests.labels("error").inc()
         if self.done:
             self.frontend._forget(self)
+            self._log()
+
+    def _log(self) -> None:
+        """One info line per request (as vLLM/SGLang print), when its last choice ends."""
+        ttft = "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms"
+        logger.info(
+            "%s requests %s: %s; prompt %d (cached %d) + output %d tokens; ttft %s; %.3f s",
+            self.label or "request", self.uids if len(self.uids) <= 4 else f"{self.uids[:4]}...", ", ".join(self.outcomes),
+            self.prompt_tokens, self.cached_tokens, self.completion_tokens, ttft, time.perf_counter() - self.start,
+        )  # fmt: skip
         self.queue.put_nowait((self.index[uid], msg))
 
     def abort(self) -> None:
         """Stop every unfinished choice (the client went away): the scheduler frees their pages."""
+        if not self.unfinished:
+            self.frontend._forget(self)
+            return
         for uid in list(self.unfinished):
             self.frontend._send(AbortReq(uid))
+            self.outcomes.append("abort")
         self.unfinished.clear()
         self.frontend._forget(self)
+        self._log()
 
 
 class Frontend:
@@ -152,7 +181,7 @@ class Frontend:
     def new_uid(self) -> int:
         return next(self._uids)
 
-    def submit(self, msgs: List[TokenizeMsg]) -> RequestStream:
+    def submit(self, msgs: List[TokenizeMsg], label: str = "") -> RequestStream:
         if self.failure is not None:
             raise Unavailable(self.failure)
         if self.max_pending is not None and len(self._streams) + len(msgs) > self.max_pending:
@@ -161,7 +190,7 @@ class Frontend:
                 "--max-running-requests + --max-queued-requests); retry later"
             )
         frames = [encode_msg(m) for m in msgs]  # before registering: a failure leaves nothing behind
-        stream = RequestStream(self, [m.uid for m in msgs])
+        stream = RequestStream(self, [m.uid for m in msgs], label)
         for uid in stream.uids:
             self._streams[uid] = stream
         try:

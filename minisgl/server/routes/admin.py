@@ -20,12 +20,23 @@ open_router = APIRouter(route_class=GuardedRoute)
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
 
 
-@open_router.get("/health")
+@open_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
     state = get_state(request)
     if not state.healthy():
         return JSONResponse({"status": "unhealthy", "reason": state.frontend.failure}, status_code=503)
     return JSONResponse({"status": "ok"})
+
+
+@open_router.get("/version")
+async def version() -> Dict[str, Any]:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return {"version": package_version("minisgl")}
+    except PackageNotFoundError:
+        return {"version": "unknown"}
 
 
 @open_router.get("/metrics")

@@ -285,9 +285,9 @@ def check_prompts(prompts: List[Any], limits: RequestLimits, param: str) -> None
 # ---- from messages to a response ----------------------------------------------------------------
 
 
-def submit(frontend: Frontend, msgs: List[TokenizeMsg]) -> RequestStream:
+def submit(frontend: Frontend, msgs: List[TokenizeMsg], label: str = "") -> RequestStream:
     try:
-        return frontend.submit(msgs)
+        return frontend.submit(msgs, label)
     except Overloaded as exc:
         raise APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)}) from None
     except Unavailable as exc:
@@ -303,7 +303,7 @@ async def respond(
 ) -> Response:
     """Submit `msgs` (one per choice) and answer with an SSE stream or one JSON body. Whatever
     happens before the response is handed over, nothing stays registered or running."""
-    rs = submit(get_state(request).frontend, msgs)
+    rs = submit(get_state(request).frontend, msgs, f"{request.method} {request.url.path}")
     try:
         if stream:
             first = await first_event(request, rs)
