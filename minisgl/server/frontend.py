@@ -113,6 +113,7 @@ class RequestStream:
         if self.done:
             self.frontend._forget(self)
             self._log()
+        self.queue.put_nowait((self.index[uid], msg))
 
     def _log(self) -> None:
         """One info line per request (as vLLM/SGLang print), when its last choice ends."""
@@ -122,7 +123,6 @@ class RequestStream:
             self.label or "request", self.uids if len(self.uids) <= 4 else f"{self.uids[:4]}...", ", ".join(self.outcomes),
             self.prompt_tokens, self.cached_tokens, self.completion_tokens, ttft, time.perf_counter() - self.start,
         )  # fmt: skip
-        self.queue.put_nowait((self.index[uid], msg))
 
     def abort(self) -> None:
         """Stop every unfinished choice (the client went away): the scheduler frees their pages."""
