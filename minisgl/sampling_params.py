@@ -60,6 +60,28 @@ def _check_range(name: str, value: object, low: float, high: float, *, low_open:
         raise InvalidRequest(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}", param=name)
 
 
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+MAX_GRAMMAR_CHARS = 64 << 10
+
+
+@dataclass
+class GrammarSpec:
+    """Constrained decoding: the output must match this grammar (compiled by xgrammar in the
+    scheduler). `value` is a JSON schema as JSON text, a regex or an EBNF grammar; unused for
+    json_object (any JSON object)."""
+
+    kind: str
+    value: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequest(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}", param="response_format")
+        if not isinstance(self.value, str) or len(self.value) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequest(f"a grammar is a string of at most {MAX_GRAMMAR_CHARS} characters", param="response_format")
+        if self.kind != "json_object" and not self.value:
+            raise InvalidRequest(f"a {self.kind} grammar needs its definition", param="response_format")
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. The defaults are greedy decoding."""
@@ -83,6 +105,8 @@ class SamplingParams:
     logit_bias: Dict[int, float] | None = None
     # Stop tokens (EOS, stop_token_ids) cannot end the output before this many tokens.
     min_tokens: int = 0
+    # The output must match this grammar (structured output); None: free text.
+    grammar: GrammarSpec | None = None
 
     def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
         """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
@@ -125,6 +149,10 @@ class SamplingParams:
                 _check_range("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise InvalidRequest(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", param="min_tokens")
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise InvalidRequest("grammar must be a GrammarSpec", param="response_format")
+            self.grammar.validate()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens")
 

@@ -435,6 +435,39 @@ def test_logit_bias_min_tokens_and_included_stop(server: ServerProcess, referenc
     assert kept.choices[0].text == full[: full.find(stop) + len(stop)] and kept.choices[0].finish_reason == "stop"
 
 
+def test_structured_output_through_the_openai_client(server: ServerProcess) -> None:
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+        colour: str = Field(pattern="^(red|green|blue)$")
+
+    client = server.openai()
+    done = client.chat.completions.parse(model="tiny_chat_llama", messages=CHATS[0], response_format=Person, max_tokens=200, temperature=0)
+    person = done.choices[0].message.parsed
+    assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
+    # json_object, and a schema through /generate and completions
+    obj = client.chat.completions.create(
+        model="tiny_chat_llama", messages=CHATS[0], response_format={"type": "json_object"}, max_tokens=300, temperature=1.0, seed=3
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
+    resp = _post(server, "/generate", {"text": "code:", "sampling_params": {"regex": "[0-9]{3}-[A-Z]{2}", "max_new_tokens": 20, "temperature": 0}})
+    assert resp.status_code == 200 and __import__("re").fullmatch("[0-9]{3}-[A-Z]{2}", resp.json()["text"]), resp.text
+    comp = client.completions.create(
+        model="tiny_chat_llama", prompt="x", max_tokens=50, temperature=0,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": ["on", "off"]}}}},
+    )  # fmt: skip
+    assert json.loads(comp.choices[0].text) in ("on", "off")
+    # a bad schema or regex is a 400 naming the field
+    bad = _post(server, "/v1/chat/completions", {"messages": CHATS[0], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
+    bad = _post(server, "/generate", {"text": "x", "sampling_params": {"regex": "a(", "max_new_tokens": 3}})
+    assert bad.status_code == 400, bad.text
+    server.wait_idle()
+
+
 def server_decode(server: ServerProcess, ids: List[int]) -> str:
     from minisgl.utils.hf import load_tokenizer
 

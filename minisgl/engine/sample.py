@@ -39,6 +39,8 @@ class BatchSamplingArgs:
     penalties: "Penalties | None" = None
     logprobs_k: int | None = None  # return logprobs with this many top alternatives
     bias: "LogitBias | None" = None  # logit_bias, and stop tokens banned before min_tokens
+    # structured output: the token bitmask of the batch (host) and the rows it constrains
+    grammar_mask: Tuple[torch.Tensor, List[int]] | None = None
 
 
 @dataclass
@@ -84,6 +86,8 @@ class Penalties:
 class Sampler:
     device: torch.device
     vocab_size: int
+    # set by the scheduler once a request asks for structured output (minisgl.scheduler.grammar)
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         # Resolved once: a failing import retried every step costs milliseconds of host time.
@@ -109,7 +113,12 @@ class Sampler:
         if key == self._cache_key and self._cache_args is not None:
             return self._cache_args
         args = self._prepare(batch, params)
-        cacheable = args.seeded_rows is None and args.penalties is None and (args.bias is None or not args.bias.depends_on_step)
+        cacheable = (
+            args.seeded_rows is None
+            and args.penalties is None
+            and args.grammar_mask is None
+            and (args.bias is None or not args.bias.depends_on_step)
+        )
         # holding `params` keeps their ids from being reused by new objects while cached
         self._cache_key, self._cache_args, self._cache_params = (key, args, params) if cacheable else (None, None, [])
         return args
@@ -119,8 +128,11 @@ class Sampler:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         logprobs_k = max(wanted) if wanted else None
         bias = self._prepare_bias(batch) if any(p.logit_bias or p.min_tokens for p in params) else None
+        grammar_mask = None
+        if self.grammar is not None and any(p.grammar is not None for p in params):
+            grammar_mask = self.grammar.batch_mask([getattr(r, "grammar_matcher", None) for r in batch.reqs])
         if all(p.is_greedy for p in params):
-            return BatchSamplingArgs(temperatures=None, penalties=penalties, logprobs_k=logprobs_k, bias=bias)
+            return BatchSamplingArgs(temperatures=None, penalties=penalties, logprobs_k=logprobs_k, bias=bias, grammar_mask=grammar_mask)
         ts = [max(0.0 if p.is_greedy else p.temperature, MIN_T) for p in params]
         top_ks = [p.top_k if p.top_k >= 1 else self.vocab_size for p in params]
         top_ps = [min(max(p.top_p, MIN_P), 1.0) for p in params]
@@ -138,7 +150,7 @@ class Sampler:
             if r.sampling_params.seed is not None and not r.sampling_params.is_greedy
         ]
         temps = make_device_tensor(ts, torch.float32, self.device)
-        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k, bias)
+        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k, bias, grammar_mask)
 
     def _prepare_bias(self, batch: Batch) -> LogitBias | None:
         rows: List[int] = []
@@ -202,6 +214,9 @@ class Sampler:
             logits = args.penalties.apply(logits)
         if args.bias is not None:
             logits = args.bias.apply(logits)
+        if args.grammar_mask is not None:
+            logits = logits.to(torch.float32, copy=True)  # never mask the model's own buffer
+            self.grammar.apply(logits, *args.grammar_mask)
         if args.temperatures is None:
             return torch.argmax(logits, dim=-1)
         filters = args.top_k is not None or args.top_p is not None or args.min_p is not None

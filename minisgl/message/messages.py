@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Union
 
 from minisgl.message.serialize import register_message
-from minisgl.sampling_params import SamplingParams
+from minisgl.sampling_params import GrammarSpec, SamplingParams
 
 register_message(SamplingParams)
+register_message(GrammarSpec)
 
 # ---- API server -> tokenizer worker -------------------------------------------------------------
 

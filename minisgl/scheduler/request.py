@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 import torch
 
@@ -61,6 +61,7 @@ class SchedReq(Req):
         self.finish_reason: str | None = None
         self.stop_ids: set[int] = set()
         self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache
+        self.grammar_matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
 
     # Token ids live in a Python list: appending one per step must not copy the whole sequence.
     @property  # type: ignore[override]

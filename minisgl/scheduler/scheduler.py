@@ -126,6 +126,8 @@ class Scheduler:
         self._prompt_tokens = self._hit_tokens = self._generated = 0
         self._steps = {"prefill": 0, "decode": 0}
         self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
+        self._num_constrained = 0  # admitted requests with a grammar (their next mask needs the last token)
+        self.grammar: Any = None  # GrammarBackend, created by the first request with a grammar
         self._host_s = self._wait_s = 0.0
         self._step_batches: List[Batch] = []  # what the current step scheduled (for _recover)
         self._processing: _InFlight | None = None  # the step whose results are being read
@@ -139,7 +141,18 @@ class Scheduler:
         check_token_ids(req.input_ids, self.vocab_size, "input_ids")
         # max_tokens against the context: check_context refuses (strict) or clips (a default)
         req.sampling_params.validate(self.vocab_size)
+        if req.sampling_params.grammar is not None:
+            self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
         check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
+
+    def _grammar_backend(self) -> Any:
+        if self.grammar is None:
+            from minisgl.scheduler.grammar import GrammarBackend
+            from minisgl.utils.hf import load_tokenizer
+
+            self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
+            self.engine.sampler.grammar = self.grammar
+        return self.grammar
 
     def add_request(self, req: UserRequest) -> None:
         self.validate(req)
@@ -195,7 +208,7 @@ class Scheduler:
             self._steps[batch.phase] += 1
         # Penalties read every generated token on the host, so while any admitted request uses
         # them the loop runs synchronously (a counter, not a per-step scan of the batch).
-        must_sync = launched is not None and self._num_penalized > 0
+        must_sync = launched is not None and (self._num_penalized > 0 or self._num_constrained > 0)
         if self.overlap and not must_sync:
             if self._in_flight is not None:
                 outputs += self._process(self._in_flight)
@@ -290,6 +303,9 @@ class Scheduler:
                 req.stop_ids |= self.eos_ids
             self.active[req.uid] = req
             self._num_penalized += user.sampling_params.has_penalties
+            if user.sampling_params.grammar is not None:
+                req.grammar_matcher = self._grammar_backend().matcher(user.sampling_params.grammar)
+                self._num_constrained += 1
             self._prompt_tokens += prompt_len
             self._hit_tokens += req.cached_len
             self._write_prompt(req)
@@ -434,7 +450,10 @@ class Scheduler:
                 k = req.sampling_params.logprobs
                 out.logprob = float(lp[0][i])
                 out.top_logprobs = list(zip(lp[2][i, :k].tolist(), lp[1][i, :k].tolist()))
-            if token in req.stop_ids:
+            matcher = req.grammar_matcher
+            if matcher is not None and not matcher.accept_token(token):
+                logger.warning("request %d: token %d is outside its grammar", req.uid, token)
+            if token in req.stop_ids or (matcher is not None and matcher.is_terminated()):
                 self._finish(req, "stop")
             elif req.num_output >= req.output_len:
                 self._finish(req, "length")
@@ -470,6 +489,9 @@ class Scheduler:
         req.pages = []
         self.free_rows.append(req.table_idx)
         self._num_penalized -= req.sampling_params.has_penalties
+        if req.grammar_matcher is not None:
+            self._num_constrained -= 1
+            req.grammar_matcher = None
         del self.active[req.uid]
 
     # ---- introspection -----------------------------------------------------------------------
@@ -502,6 +524,7 @@ class Scheduler:
         assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
         assert self._num_penalized == 0, "a finished request is still counted as using penalties"
+        assert self._num_constrained == 0, "a finished request is still counted as constrained"
 
     def reset_prefix_cache(self) -> int:
         """Drop every unpinned cached page; returns how many were freed."""

@@ -15,6 +15,7 @@ and are accepted (clients that fill every field with a neutral value keep workin
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -27,7 +28,9 @@ from minisgl.sampling_params import (
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
+    MAX_GRAMMAR_CHARS,
     MAX_TEMPERATURE,
+    GrammarSpec,
     InvalidRequest,
     SamplingParams,
 )
@@ -63,11 +66,11 @@ StopStrings = Optional[Annotated[Union[StopStr, List[StopStr]], AfterValidator(_
 
 # OpenAI fields minisgl does not implement: refused when they ask for something.
 UNSUPPORTED_CHAT_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
     "prediction", "audio", "modalities", "reasoning_effort", "web_search_options", "store",
     "metadata", "service_tier",
 )  # fmt: skip
-UNSUPPORTED_COMPLETION_FIELDS = ("response_format",)
+UNSUPPORTED_COMPLETION_FIELDS: tuple[str, ...] = ()
 
 # apply_chat_template's own parameters: a client must not set them through chat_template_kwargs
 # (a client-side `chat_template` is arbitrary Jinja run in the tokenizer worker).
@@ -88,6 +91,29 @@ def is_unset(value: Any) -> bool:
 
 class StreamOptions(_Base):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Base):
+    name: Optional[ShortStr] = None
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's response_format: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def grammar(self) -> Optional[GrammarSpec]:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return GrammarSpec("json_object")
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            raise InvalidRequest("response_format json_schema needs json_schema.schema", param="response_format")
+        return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
 
 
 def _stop_list(stop: StopStrings) -> List[str]:
@@ -121,6 +147,7 @@ class SamplingFields(_Base):
     logit_bias: Optional[Annotated[Dict[Annotated[str, Field(max_length=24)], float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     include_stop_str_in_output: bool = False
+    response_format: Optional[ResponseFormat] = None
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)
@@ -130,6 +157,7 @@ class SamplingFields(_Base):
         return SamplingParams(
             logit_bias=_parse_logit_bias(self.logit_bias),
             min_tokens=self.min_tokens,
+            grammar=self.response_format.grammar() if self.response_format is not None else None,
             temperature=1.0 if self.temperature is None else float(self.temperature),
             top_k=-1 if self.top_k in (None, 0) else int(self.top_k),  # 0 means off, as in vLLM
             top_p=1.0 if self.top_p is None else float(self.top_p),
@@ -272,6 +300,19 @@ class GenerateSampling(_Base):
     logit_bias: Optional[Annotated[Dict[Annotated[str, Field(max_length=24)], float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     min_new_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     no_stop_trim: bool = False  # SGLang's name for include_stop_str_in_output
+    # SGLang's structured output: at most one of them
+    json_schema: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+    regex: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+    ebnf: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+
+    def grammar(self) -> Optional[GrammarSpec]:
+        given = [(k, v) for k, v in (("json_schema", self.json_schema), ("regex", self.regex), ("ebnf", self.ebnf)) if v is not None]
+        if len(given) > 1:
+            raise InvalidRequest("give at most one of json_schema, regex and ebnf", param="sampling_params")
+        if not given:
+            return None
+        kind, value = given[0]
+        return GrammarSpec(kind, value)
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)
@@ -280,6 +321,7 @@ class GenerateSampling(_Base):
         return SamplingParams(
             logit_bias=_parse_logit_bias(self.logit_bias),
             min_tokens=self.min_new_tokens,
+            grammar=self.grammar(),
             temperature=float(self.temperature),
             top_k=-1 if self.top_k == 0 else int(self.top_k),
             top_p=float(self.top_p),

@@ -41,6 +41,7 @@ _RENAME = {
     "logprobs": "top_logprobs_num",
     "logit_bias": "sampling_params.logit_bias",
     "min_tokens": "sampling_params.min_new_tokens",
+    "response_format": "sampling_params",
 }
 
 
