@@ -123,6 +123,8 @@ async def _shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
             except asyncio.CancelledError:  # the shell itself is stopping
                 task.cancel()
                 raise
+            reply: str | None
+            error: str | None
             if task.cancelled():  # Ctrl-C stopped this answer
                 reply, error = None, "stopped"
             else:

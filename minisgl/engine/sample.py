@@ -94,7 +94,7 @@ class Sampler:
         self._flashinfer = _load_flashinfer_sampler() if self.device.type == "cuda" else None
         self._cache_key: Tuple[int, ...] | None = None
         self._cache_args: BatchSamplingArgs | None = None
-        self._cache_params: List[object] = []
+        self._cache_params: List[SamplingParams] = []
 
     def warmup(self, max_batch: int, dtype: torch.dtype) -> None:
         """CUDA: compile the Gumbel kernels for every batch size now, not mid-run."""

@@ -63,6 +63,9 @@ class SchedReq(Req):
         self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache
         self.grammar_matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
 
+    _ids: List[int]
+    _ids_tensor: torch.Tensor | None
+
     # Token ids live in a Python list: appending one per step must not copy the whole sequence.
     @property  # type: ignore[override]
     def input_ids(self) -> torch.Tensor:
@@ -72,8 +75,8 @@ class SchedReq(Req):
 
     @input_ids.setter
     def input_ids(self, value: torch.Tensor) -> None:
-        self._ids: List[int] = value.tolist()
-        self._ids_tensor: torch.Tensor | None = value
+        self._ids = value.tolist()
+        self._ids_tensor = value
 
     @property
     def token_ids(self) -> List[int]:

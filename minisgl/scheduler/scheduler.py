@@ -20,7 +20,7 @@ from typing import Any, Deque, Dict, List, Set
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
@@ -268,7 +268,7 @@ class Scheduler:
                 return batch
         if decodable:
             self._last_phase = "decode"
-            return Batch(reqs=decodable, phase="decode")
+            return Batch(reqs=list[Req](decodable), phase="decode")
         return None
 
     def _available_pages(self) -> int:
@@ -316,7 +316,7 @@ class Scheduler:
             reqs.append(req)
         if not reqs:
             return None
-        return Batch(reqs=reqs, phase="prefill")
+        return Batch(reqs=list[Req](reqs), phase="prefill")
 
     def _write_prompt(self, req: SchedReq) -> None:
         n = req.prompt_len

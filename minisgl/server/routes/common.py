@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import json
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Coroutine, Dict, List, Sequence, Tuple
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -128,7 +128,7 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "function-after"}
 class GuardedRoute(APIRoute):
     """A route whose every failure is answered with a complete JSON error response."""
 
-    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
 
         async def guarded(request: Request) -> Response:
