@@ -449,7 +449,7 @@ def test_structured_output_through_the_openai_client(server: ServerProcess) -> N
     assert isinstance(person, Person) and done.choices[0].finish_reason == "stop"
     # json_object, and a schema through /generate and completions
     obj = client.chat.completions.create(
-        model="tiny_chat_llama", messages=CHATS[0], response_format={"type": "json_object"}, max_tokens=300, temperature=1.0, seed=3
+        model="tiny_chat_llama", messages=CHATS[0], response_format={"type": "json_object"}, max_tokens=120, temperature=1.0, seed=3
     )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)

@@ -52,8 +52,8 @@ def test_json_schemas_validate(llm: LLM) -> None:
 
 
 def test_json_object_and_regex(llm: LLM) -> None:
-    obj = llm.generate(["{"], SamplingParams(temperature=1.0, seed=1, max_tokens=300, grammar=GrammarSpec("json_object")))[0]
-    if obj.finish_reason == "stop":  # a random model may also fill 300 tokens with a valid prefix
+    obj = llm.generate(["{"], SamplingParams(temperature=1.0, seed=1, max_tokens=120, grammar=GrammarSpec("json_object")))[0]
+    if obj.finish_reason == "stop":  # a random model may also fill 120 tokens with a valid prefix
         assert isinstance(json.loads(obj.text), dict)
     else:
         assert obj.text.lstrip().startswith("{")
