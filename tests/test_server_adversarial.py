@@ -137,7 +137,8 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {"five": -100}}), 400, param="logit_bias")
     expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {"5": -101}}), 400, param="logit_bias")
     expect_error(post(client, CHAT, {"messages": MSGS, "max_tokens": 3, "min_tokens": 4}), 400, param="min_tokens")
-    expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"regex": "a+"}}), 400, param="sampling_params")
+    expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"frobnicate": "a+"}}), 400, param="sampling_params")
+    expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"regex": "a+", "ebnf": "root ::= \"a\""}}), 400, param="sampling_params")
     # neutral values of unimplemented fields mean nothing and are accepted
     ok = post(client, CHAT, {"messages": MSGS, "max_tokens": 2, "tools": None, "logit_bias": {}, "parallel_tool_calls": False})
     assert ok.status_code == 200, ok.text
