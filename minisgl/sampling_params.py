@@ -60,7 +60,7 @@ def _check_range(name: str, value: object, low: float, high: float, *, low_open:
         raise InvalidRequest(f"{name} must be a finite number in {bracket}{low:g}, {high:g}], got {value!r}", param=name)
 
 
-GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "ebnf", "tool_call")
 MAX_GRAMMAR_CHARS = 64 << 10
 
 
@@ -68,7 +68,8 @@ MAX_GRAMMAR_CHARS = 64 << 10
 class GrammarSpec:
     """Constrained decoding: the output must match this grammar (compiled by xgrammar in the
     scheduler). `value` is a JSON schema as JSON text, a regex or an EBNF grammar; unused for
-    json_object (any JSON object)."""
+    json_object (any JSON object); for tool_call, JSON {"prefix", "schema", "suffix"}: one tool call,
+    the literal prefix, JSON matching the schema, the literal suffix (minisgl.server.tools)."""
 
     kind: str
     value: str = ""

@@ -468,6 +468,60 @@ def test_structured_output_through_the_openai_client(server: ServerProcess) -> N
     server.wait_idle()
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}}, "required": ["tz"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def test_tool_calls(server: ServerProcess) -> None:
+    import jsonschema
+
+    client = server.openai()
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+    def check_calls(calls: Any, names: set) -> None:
+        assert calls
+        for call in calls:
+            assert call.function.name in names and call.id.startswith("call_") and call.type == "function"
+            jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+
+    # required: a small random model still emits a valid call (the grammar enforces it)
+    r = client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls"
+    check_calls(r.choices[0].message.tool_calls, set(params))
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice=named, max_tokens=120, temperature=0.8, seed=1)
+    check_calls(r.choices[0].message.tool_calls, {"get_time"})
+    # streamed: content deltas, then the calls as tool_calls deltas, then finish_reason tool_calls
+    chunks = list(client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    check_calls(deltas, set(params))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # auto: the model decides (a random one writes prose); the answer is well-formed either way
+    r = client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, max_tokens=16, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # a conversation with a call and its result goes through the chat template
+    history = ask + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    r = client.chat.completions.create(model="tiny_chat_llama", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # bad tool requests are 400s naming the field
+    bad = _post(server, "/v1/chat/completions", {"messages": ask, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
+    bad = _post(server, "/v1/chat/completions", {"messages": ask, "tool_choice": "required"})
+    assert bad.status_code == 400, bad.text
+    bad = _post(server, "/v1/chat/completions", {"messages": ask, "tools": [{"type": "function", "function": {"name": "bad name!"}}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+    server.wait_idle()
+
+
 def server_decode(server: ServerProcess, ids: List[int]) -> str:
     from minisgl.utils.hf import load_tokenizer
 

@@ -383,3 +383,40 @@ def test_health_head_version_and_cors() -> None:
     for bad in ("ftp://x", ","):
         with pytest.raises(SystemExit):
             parse_args(["--allowed-origins", bad])
+
+
+def test_tool_call_parsers_on_canned_outputs() -> None:
+    from minisgl.server.tools import HermesParser, Llama3JsonParser, MistralParser, ToolStream, pick_parser
+
+    hermes = HermesParser()
+    text = 'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>{"name": "time", "arguments": {}}</tool_call>'
+    content, calls = hermes.parse(text)
+    assert content == "Let me check." and [(c.name, c.arguments) for c in calls] == [("weather", {"city": "Paris"}), ("time", {})]
+    assert hermes.parse("no calls here") == ("no calls here", [])
+    assert hermes.parse("<tool_call>{broken</tool_call>")[1] == []  # malformed: stays content
+    # an unterminated last block (EOS before </tool_call>) still parses
+    assert hermes.parse('<tool_call>{"name": "f", "arguments": {"x": 1}}')[1][0].arguments == {"x": 1}
+    llama = Llama3JsonParser()
+    content, calls = llama.parse('<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}')
+    assert content == "" and [c.name for c in calls] == ["f", "g"] and calls[0].arguments == {"a": 1}
+    assert llama.parse("Hello {not json")[1] == []
+    mistral = MistralParser()
+    content, calls = mistral.parse('Sure [TOOL_CALLS][{"name": "f", "arguments": "{\\"q\\": 2}"}]')
+    assert content == "Sure" and calls[0].arguments == {"q": 2}
+    assert isinstance(pick_parser("auto", "{{ '[TOOL_CALLS]' }}"), MistralParser)
+    assert isinstance(pick_parser("auto", "<|python_tag|> ipython"), Llama3JsonParser)
+    assert isinstance(pick_parser("auto", None), HermesParser)
+    with pytest.raises(ValueError):
+        pick_parser("nope", None)
+    # streaming: content flows, the call is held back and parsed at the end, split anywhere
+    for step in (1, 3, 7):
+        ts = ToolStream(hermes)
+        sent = "".join(ts.feed(text[i : i + step]) for i in range(0, len(text), step))
+        rest, calls = ts.finish()
+        assert (sent + rest).strip() == "Let me check." and len(calls) == 2
+    ts = ToolStream(hermes)
+    assert "".join(ts.feed(c) for c in "plain <tool text") + ts.finish()[0] == "plain <tool text"
+    # the required-call grammar wraps the schema in the format's markers
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    spec = hermes.call_grammar(hermes.call_schema(tools))
+    assert spec.kind == "tool_call" and '"prefix": "<tool_call>\\n"' in spec.value

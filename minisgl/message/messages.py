@@ -35,6 +35,7 @@ class TokenizeMsg:
     want_logprobs: bool = False
     skip_special_tokens: bool = True
     chat_template_kwargs: Dict[str, Any] | None = None
+    tools: List[Dict[str, Any]] | None = None  # function definitions for the chat template
 
 
 @register_message

@@ -56,6 +56,8 @@ class GrammarBackend:
                 compiled = self.compiler.compile_json_schema(spec.value, max_whitespace_cnt=MAX_WHITESPACE)
             elif spec.kind == "regex":
                 compiled = self.compiler.compile_regex(spec.value)
+            elif spec.kind == "tool_call":
+                compiled = self.compiler.compile_grammar(self._tool_call_grammar(spec.value))
             else:
                 compiled = self.compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError) as exc:
@@ -65,6 +67,14 @@ class GrammarBackend:
         if len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return compiled
+
+    def _tool_call_grammar(self, value: str) -> Any:
+        d = json.loads(value)
+        g = self.xgr.Grammar
+        parts = [g.from_ebnf(f"root ::= {json.dumps(text)}") for text in (d["prefix"],) if text]
+        parts.append(g.from_json_schema(json.dumps(d["schema"]), any_whitespace=False))
+        parts += [g.from_ebnf(f"root ::= {json.dumps(text)}") for text in (d["suffix"],) if text]
+        return g.concat(*parts) if len(parts) > 1 else parts[0]
 
     def matcher(self, spec: GrammarSpec) -> Any:
         return self.xgr.GrammarMatcher(self.compile(spec))

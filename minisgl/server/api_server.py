@@ -36,9 +36,16 @@ from minisgl.server.routes.common import (
 __all__ = ["APIError", "ServerState", "create_app", "error_body"]
 
 
-def create_app(args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metrics: ServerMetrics, lifespan: Any = None) -> FastAPI:
+def create_app(
+    args: ServerArgs,
+    info: Dict[str, Any],
+    frontend: Frontend,
+    metrics: ServerMetrics,
+    lifespan: Any = None,
+    tokenizer_info: Dict[str, Any] | None = None,
+) -> FastAPI:
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.minisgl = ServerState(args, info, frontend, metrics)
+    app.state.minisgl = ServerState(args, info, frontend, metrics, tokenizer_info or {})
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -43,6 +43,7 @@ class ServerArgs:
     max_queued_requests: int = 1024
     num_tokenizer_workers: int = 1  # processes that encode large prompts (0: all inline)
     allowed_origins: List[str] | None = None  # CORS; None: no cross-origin access
+    tool_call_parser: str = "auto"
     ipc_dir: str = ""  # set by launch
 
     @property
@@ -219,6 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_origins,
         default=None,
         help="comma-separated origins (or *) whose web pages may call this server (CORS); default: none",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral"],
+        help="how the model writes tool calls; auto: read off the chat template (hermes when it has none)",
     )
     server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
     server.add_argument("--shell-temperature", type=float, default=0.0, help="sampling temperature of --shell answers (0: greedy)")

@@ -251,7 +251,7 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], li
             watchdog.stop()
             await frontend.close()
 
-    app = create_app(args, info.get("scheduler", {}), frontend, metrics, lifespan=lifespan)
+    app = create_app(args, info.get("scheduler", {}), frontend, metrics, lifespan=lifespan, tokenizer_info=info.get("tokenizer"))
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -7,8 +7,7 @@ end-to-end) are measured here, where the client sees them.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import disable_created_metrics
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from minisgl.message import StatsMsg
 

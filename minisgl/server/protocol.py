@@ -23,12 +23,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from minisgl.sampling_params import (
     INT64_MAX,
     INT64_MIN,
+    MAX_GRAMMAR_CHARS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
     MAX_STOP_TOKEN_IDS,
-    MAX_GRAMMAR_CHARS,
     MAX_TEMPERATURE,
     GrammarSpec,
     InvalidRequest,
@@ -66,7 +66,7 @@ StopStrings = Optional[Annotated[Union[StopStr, List[StopStr]], AfterValidator(_
 
 # OpenAI fields minisgl does not implement: refused when they ask for something.
 UNSUPPORTED_CHAT_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
+    "functions", "function_call",
     "prediction", "audio", "modalities", "reasoning_effort", "web_search_options", "store",
     "metadata", "service_tier",
 )  # fmt: skip
@@ -187,10 +187,44 @@ def _parse_logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, fl
     return out
 
 
+class FunctionDef(_Base):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDef(_Base):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Base):
+    name: ShortStr
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(_Base):
+    name: ShortStr
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Base):
+    id: Optional[ShortStr] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: Union[str, List[Dict[str, Any]], None] = None
     name: Optional[ShortStr] = None
+    tool_calls: Optional[Annotated[List[MessageToolCall], Field(max_length=128)]] = None
+    tool_call_id: Optional[ShortStr] = None
 
     def to_template(self) -> Dict[str, Any]:
         content = self.content
@@ -204,7 +238,22 @@ class ChatMessage(_Base):
         msg: Dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            # chat templates render arguments as a mapping (`arguments | tojson`)
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
         return msg
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 TemplateValue = Union[bool, int, float, Annotated[str, Field(max_length=4096)], None]
@@ -217,6 +266,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     # Extra variables for the server's chat template (e.g. enable_thinking): JSON scalars only.
     chat_template_kwargs: Optional[Dict[ShortStr, TemplateValue]] = None
+    tools: Optional[Annotated[List[ToolDef], Field(max_length=128)]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -236,7 +288,24 @@ class ChatCompletionRequest(SamplingFields):
     def _check(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs tools")
         return self
+
+    def active_tools(self) -> List[Dict[str, Any]]:
+        """The tools the model may call (none with tool_choice "none"), as template dicts."""
+        if not self.tools or self.tool_choice == "none":
+            return []
+        tools = [t.model_dump(exclude_none=True) for t in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            chosen = [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+            if not chosen:
+                raise InvalidRequest(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools", param="tool_choice")
+            return chosen
+        return tools
+
+    def must_call(self) -> bool:
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     def effective_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -29,10 +29,15 @@ def _init(model_path: str, log_level: str) -> None:
     _ENCODER = PromptEncoder(load_tokenizer(model_path))
 
 
-def _encode(text: str | None, messages: List[Dict[str, Any]] | None, template_kwargs: Dict[str, Any] | None) -> List[int]:
+def _encode(
+    text: str | None,
+    messages: List[Dict[str, Any]] | None,
+    template_kwargs: Dict[str, Any] | None,
+    tools: List[Dict[str, Any]] | None = None,
+) -> List[int]:
     assert _ENCODER is not None
     if messages is not None:
-        return _ENCODER.encode_chat(messages, template_kwargs)
+        return _ENCODER.encode_chat(messages, template_kwargs, tools)
     assert text is not None
     return _ENCODER.encode_text(text)
 
@@ -54,8 +59,14 @@ class EncodePool:
     def wants(self, text: str | None, messages: List[Dict[str, Any]] | None) -> bool:
         return prompt_chars(text, messages) >= self.threshold_chars
 
-    def submit(self, text: str | None, messages: List[Dict[str, Any]] | None, template_kwargs: Dict[str, Any] | None) -> "Future[List[int]]":
-        return self._executor.submit(_encode, text, messages, template_kwargs)
+    def submit(
+        self,
+        text: str | None,
+        messages: List[Dict[str, Any]] | None,
+        template_kwargs: Dict[str, Any] | None,
+        tools: List[Dict[str, Any]] | None = None,
+    ) -> "Future[List[int]]":
+        return self._executor.submit(_encode, text, messages, template_kwargs, tools)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -18,13 +18,20 @@ class PromptEncoder:
             raise ValueError("prompt is empty")
         return list(self.tokenizer(text).input_ids)
 
-    def encode_chat(self, messages: List[Dict[str, Any]], chat_template_kwargs: Dict[str, Any] | None = None) -> List[int]:
+    def encode_chat(
+        self,
+        messages: List[Dict[str, Any]],
+        chat_template_kwargs: Dict[str, Any] | None = None,
+        tools: List[Dict[str, Any]] | None = None,
+    ) -> List[int]:
         if not messages:
             raise ValueError("messages is empty: send at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template: use /v1/completions with a plain prompt")
         kwargs = dict(chat_template_kwargs or {})
         kwargs.setdefault("add_generation_prompt", True)
+        if tools:
+            kwargs["tools"] = tools
         try:
             ids = self.tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
         except Exception as exc:  # jinja errors: the template rejected the conversation

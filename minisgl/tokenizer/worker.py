@@ -98,11 +98,11 @@ class TokenizerWorker:
 
     def _on_tokenize(self, msg: TokenizeMsg) -> None:
         if self.pool is not None and msg.input_ids is None and self.pool.wants(msg.text, msg.messages):
-            self.encoding[msg.uid] = (msg, self.pool.submit(msg.text, msg.messages, msg.chat_template_kwargs))
+            self.encoding[msg.uid] = (msg, self.pool.submit(msg.text, msg.messages, msg.chat_template_kwargs, msg.tools))
             return
         try:
             if msg.messages is not None:
-                ids = self.encoder.encode_chat(msg.messages, msg.chat_template_kwargs)
+                ids = self.encoder.encode_chat(msg.messages, msg.chat_template_kwargs, msg.tools)
             elif msg.input_ids is not None:
                 ids = self.encoder.encode_ids(msg.input_ids)
             elif msg.text is not None:
@@ -250,7 +250,10 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     recv_sock.bind(addrs.tokenizer)
     to_scheduler = push_socket(ctx, addrs.scheduler)
     to_api = push_socket(ctx, addrs.api)
-    ready_conn.send(("ready", {"has_chat_template": getattr(tokenizer, "chat_template", None) is not None}))
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one renders chats
+        template = template.get("default") or next(iter(template.values()), None)
+    ready_conn.send(("ready", {"has_chat_template": template is not None, "chat_template": template}))
     ready_conn.close()
     logger.info("tokenizer worker ready")
     pool = EncodePool(args.model_path, args.num_tokenizer_workers, args.log_level) if args.num_tokenizer_workers > 0 else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List
@@ -28,6 +29,7 @@ from minisgl.server.routes.common import (
     usage,
     validated,
 )
+from minisgl.server.tools import ToolCall, ToolParser, ToolStream, template_renders_tools, tools_system_message
 
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
 
@@ -41,10 +43,23 @@ async def chat_completions(request: Request) -> Response:
         messages = [m.to_template() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    state.limits.check_prompt_text(sum(len(m["content"].encode("utf-8")) for m in messages), "messages")
+    tools = body.active_tools()
+    parser = state.tool_parser if tools else None
+    template_tools = None
+    if parser is not None:
+        if template_renders_tools(state.chat_template):
+            template_tools = tools
+        else:  # the template would drop them: the model still has to see the definitions
+            messages = [tools_system_message(tools, parser), *messages]
+    state.limits.check_prompt_text(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8")) for m in messages), "messages")
     k = body.logprobs_k()
     max_tokens = body.effective_max_tokens()
-    params = validated(body.sampling_params(max_tokens, k), state.limits, {"max_tokens": body.max_tokens_param()})
+    params = body.sampling_params(max_tokens, k)
+    if parser is not None and body.must_call():
+        if params.grammar is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format", param="tool_choice")
+        params.grammar = parser.call_grammar(parser.call_schema(tools))  # the model must emit a valid call
+    params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
     stops = body.stop_list()
     msgs = [
         TokenizeMsg(
@@ -55,8 +70,9 @@ async def chat_completions(request: Request) -> Response:
             stop=stops,
             include_stop_str=body.include_stop_str_in_output,
             want_logprobs=k is not None,
-            skip_special_tokens=body.skip_special_tokens,
+            skip_special_tokens=body.skip_special_tokens and (parser is None or parser.skip_special_tokens),
             chat_template_kwargs=body.chat_template_kwargs,
+            tools=template_tools,
         )
         for i in range(body.n)
     ]
@@ -67,8 +83,8 @@ async def chat_completions(request: Request) -> Response:
         request,
         msgs,
         body.stream,
-        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp),
-        lambda results: _chat_response(results, rid, state.model_name, want_lp),
+        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp, parser),
+        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser),
     )
 
 
@@ -86,17 +102,29 @@ def _chat_logprobs(entries: List[List[Any]]) -> Dict[str, Any]:
     }
 
 
-def _chat_response(results: List[Result], rid: str, model: str, want_lp: bool) -> Dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": "".join(r.text)},
-            "logprobs": _chat_logprobs(r.logprobs) if want_lp else None,
-            "finish_reason": r.finish_reason,
-            "stop_reason": r.matched_stop,
-        }
-        for i, r in enumerate(results)
-    ]
+def _finish_reason(reason: str | None, calls: List[ToolCall]) -> str | None:
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _chat_response(results: List[Result], rid: str, model: str, want_lp: bool, parser: ToolParser | None) -> Dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        content: str | None = "".join(r.text)
+        calls: List[ToolCall] = []
+        if parser is not None:
+            content, calls = parser.parse(content or "")
+        message: Dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": _chat_logprobs(r.logprobs) if want_lp else None,
+                "finish_reason": _finish_reason(r.finish_reason, calls),
+                "stop_reason": r.matched_stop,
+            }
+        )
     return {
         "id": rid,
         "object": "chat.completion",
@@ -108,11 +136,12 @@ def _chat_response(results: List[Result], rid: str, model: str, want_lp: bool) -
 
 
 async def _chat_stream(
-    stream: RequestStream, first: Event, rid: str, model: str, include_usage: bool, want_lp: bool
+    stream: RequestStream, first: Event, rid: str, model: str, include_usage: bool, want_lp: bool, parser: ToolParser | None
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage)
     results = [Result() for _ in stream.uids]
     started = [False] * len(results)
+    tool_streams = [ToolStream(parser) for _ in results] if parser is not None else None
 
     def chunk(index: int, delta: Dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return out.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra})
@@ -126,10 +155,18 @@ async def _chat_stream(
         if not started[index]:
             started[index] = True
             yield chunk(index, {"role": "assistant", "content": ""})
-        if msg.text or (want_lp and msg.logprobs):
-            yield chunk(index, {"content": msg.text}, logprobs=_chat_logprobs(msg.logprobs or []) if want_lp else None)
+        text = msg.text if tool_streams is None else tool_streams[index].feed(msg.text)
+        if text or (want_lp and msg.logprobs):
+            yield chunk(index, {"content": text}, logprobs=_chat_logprobs(msg.logprobs or []) if want_lp else None)
         if msg.finished:
-            yield chunk(index, {}, msg.finish_reason, stop_reason=msg.matched_stop)
+            calls: List[ToolCall] = []
+            if tool_streams is not None:
+                rest, calls = tool_streams[index].finish()
+                if rest:
+                    yield chunk(index, {"content": rest})
+                if calls:
+                    yield chunk(index, {"tool_calls": [c.to_openai(j) for j, c in enumerate(calls)]})
+            yield chunk(index, {}, _finish_reason(msg.finish_reason, calls), stop_reason=msg.matched_stop)
     else:
         if include_usage:
             yield out.usage(usage(results, len(results)))
