@@ -3,6 +3,7 @@ models, CLI arguments, and the scheduler loop's handling of bad requests."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import replace
 from typing import Any, Dict, List
@@ -420,3 +421,108 @@ def test_tool_call_parsers_on_canned_outputs() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
     spec = hermes.call_grammar(hermes.call_schema(tools))
     assert spec.kind == "tool_call" and '"prefix": "<tool_call>\\n"' in spec.value
+
+
+def test_reasoning_split_and_stream() -> None:
+    from minisgl.server.reasoning import ReasoningStream, split_reasoning, wants_reasoning
+
+    text = "<think>\nFirst, greet.\n</think>\n\nHello!"
+    assert split_reasoning(text) == ("First, greet.", "Hello!")
+    assert split_reasoning("Hello!") == (None, "Hello!")
+    assert split_reasoning("<think>still going") == ("still going", "")
+    assert split_reasoning("thought</think>answer") == ("thought", "answer")  # opened in the prompt
+    for step in (1, 2, 4, 9):
+        rs = ReasoningStream()
+        parts = [rs.feed(text[i : i + step]) for i in range(0, len(text), step)] + [rs.finish()]
+        assert "".join(p[0] for p in parts).strip() == "First, greet." and "".join(p[1] for p in parts) == "Hello!"
+    assert wants_reasoning("auto", "{% if x %}<think>{% endif %}</think>") and not wants_reasoning("auto", "plain")
+    assert not wants_reasoning("none", "</think>") and wants_reasoning("think", None)
+
+
+class _CannedFrontend:
+    """Answers every choice with canned text in small pieces, through a real RequestStream."""
+
+    failure: str | None = None
+    stats = None
+    metrics = None
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sent: List[Any] = []
+        self._uid = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return 0
+
+    def new_uid(self) -> int:
+        self._uid += 1
+        return self._uid
+
+    def _forget(self, stream: Any) -> None:
+        pass
+
+    def _send(self, msg: Any) -> None:
+        pass
+
+    def submit(self, msgs: List[Any], label: str = "") -> Any:
+        import asyncio
+
+        from minisgl.message import ReplyMsg
+        from minisgl.server.frontend import RequestStream
+
+        self.sent += msgs
+        stream = RequestStream(self, [m.uid for m in msgs], label)  # type: ignore[arg-type]
+        pieces = [self.text[i : i + 3] for i in range(0, len(self.text), 3)]
+        loop = asyncio.get_running_loop()
+        for uid in stream.uids:
+            for j, piece in enumerate(pieces):
+                last = j == len(pieces) - 1
+                reply = ReplyMsg(uid, piece, 1, last, "stop" if last else None, 5, j + 1, 0, None, None, [7])
+                loop.call_soon(stream._deliver, uid, reply)
+        return stream
+
+
+def _canned_app(text: str, *flags: str) -> Any:
+    from fastapi.testclient import TestClient
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.args import parse_args
+    from minisgl.server.metrics import ServerMetrics
+
+    args = parse_args(list(flags))
+    args.model_path = "/models/x"
+    frontend = _CannedFrontend(text)
+    info = {"max_seq_len": 512, "vocab_size": 100, "max_running_req": 4}
+    app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info={"chat_template": "{{ messages }}"})  # type: ignore[arg-type]
+    return TestClient(app), frontend
+
+
+def _sse(resp: Any) -> List[Any]:
+    import json
+
+    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_chat_route_returns_reasoning_and_tool_calls() -> None:
+    text = '<think>Need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    client, frontend = _canned_app(text, "--reasoning-parser", "think")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools, "max_tokens": 50}
+    msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert msg["finish_reason"] == "tool_calls" and msg["message"]["reasoning_content"] == "Need the weather."
+    call = msg["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Oslo"}
+    assert msg["message"]["content"] is None
+    # the template ignores tools ({{ messages }} never mentions them): they went in as a system message
+    assert frontend.sent[0].messages[0]["role"] == "system" and "get_weather" in frontend.sent[0].messages[0]["content"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+        chunks = _sse(resp)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need the weather."
+    assert "".join(d.get("content") or "" for d in deltas).strip() == ""
+    assert [tc["function"]["name"] for d in deltas for tc in d.get("tool_calls", [])] == ["get_weather"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # without tools the same text is reasoning + content
+    plain = client.post("/v1/chat/completions", json={"messages": body["messages"], "max_tokens": 50}).json()["choices"][0]
+    assert plain["finish_reason"] == "stop" and plain["message"]["content"].startswith("<tool_call>")

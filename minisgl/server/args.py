@@ -44,6 +44,7 @@ class ServerArgs:
     num_tokenizer_workers: int = 1  # processes that encode large prompts (0: all inline)
     allowed_origins: List[str] | None = None  # CORS; None: no cross-origin access
     tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
     ipc_dir: str = ""  # set by launch
 
     @property
@@ -226,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         choices=["auto", "hermes", "llama3_json", "mistral"],
         help="how the model writes tool calls; auto: read off the chat template (hermes when it has none)",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "think", "none"],
+        help="return <think>...</think> as reasoning_content; auto: when the chat template has the tags",
     )
     server.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving HTTP")
     server.add_argument("--shell-temperature", type=float, default=0.0, help="sampling temperature of --shell answers (0: greedy)")

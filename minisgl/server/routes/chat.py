@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from minisgl.message import ErrorMsg, TokenizeMsg
 from minisgl.server.frontend import RequestStream
 from minisgl.server.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
+from minisgl.server.reasoning import ReasoningStream, split_reasoning
 from minisgl.server.routes.common import (
     APIError,
     ChunkWriter,
@@ -83,8 +84,8 @@ async def chat_completions(request: Request) -> Response:
         request,
         msgs,
         body.stream,
-        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp, parser),
-        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser),
+        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning),
+        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning),
     )
 
 
@@ -106,14 +107,21 @@ def _finish_reason(reason: str | None, calls: List[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _chat_response(results: List[Result], rid: str, model: str, want_lp: bool, parser: ToolParser | None) -> Dict[str, Any]:
+def _chat_response(
+    results: List[Result], rid: str, model: str, want_lp: bool, parser: ToolParser | None, reasoning: bool
+) -> Dict[str, Any]:
     choices = []
     for i, r in enumerate(results):
         content: str | None = "".join(r.text)
+        thought = None
+        if reasoning:
+            thought, content = split_reasoning(content or "")
         calls: List[ToolCall] = []
         if parser is not None:
             content, calls = parser.parse(content or "")
         message: Dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+        if thought is not None:
+            message["reasoning_content"] = message["reasoning"] = thought
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         choices.append(
@@ -136,12 +144,32 @@ def _chat_response(results: List[Result], rid: str, model: str, want_lp: bool, p
 
 
 async def _chat_stream(
-    stream: RequestStream, first: Event, rid: str, model: str, include_usage: bool, want_lp: bool, parser: ToolParser | None
+    stream: RequestStream,
+    first: Event,
+    rid: str,
+    model: str,
+    include_usage: bool,
+    want_lp: bool,
+    parser: ToolParser | None,
+    reasoning: bool,
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage)
     results = [Result() for _ in stream.uids]
     started = [False] * len(results)
     tool_streams = [ToolStream(parser) for _ in results] if parser is not None else None
+    thoughts = [ReasoningStream() for _ in results] if reasoning else None
+
+    def split(index: int, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning delta, content delta) of new text; at the end, whatever was held back."""
+        thought = ""
+        if thoughts is not None:
+            thought, text = thoughts[index].feed(text)
+            if final:
+                more_thought, more_text = thoughts[index].finish()
+                thought, text = thought + more_thought, text + more_text
+        if tool_streams is not None:
+            text = tool_streams[index].feed(text)
+        return thought, text
 
     def chunk(index: int, delta: Dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return out.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra})
@@ -155,7 +183,9 @@ async def _chat_stream(
         if not started[index]:
             started[index] = True
             yield chunk(index, {"role": "assistant", "content": ""})
-        text = msg.text if tool_streams is None else tool_streams[index].feed(msg.text)
+        thought, text = split(index, msg.text, msg.finished)
+        if thought:
+            yield chunk(index, {"reasoning_content": thought, "reasoning": thought})
         if text or (want_lp and msg.logprobs):
             yield chunk(index, {"content": text}, logprobs=_chat_logprobs(msg.logprobs or []) if want_lp else None)
         if msg.finished:

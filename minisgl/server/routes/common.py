@@ -153,12 +153,14 @@ class ServerState:
     def __init__(
         self, args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metrics: ServerMetrics, tokenizer_info: Dict[str, Any]
     ) -> None:
+        from minisgl.server.reasoning import wants_reasoning
         from minisgl.server.tools import pick_parser
 
         self.args = args
         self.info = info  # what the scheduler reported at start-up
         self.chat_template: str | None = tokenizer_info.get("chat_template")
         self.tool_parser = pick_parser(args.tool_call_parser, self.chat_template)
+        self.reasoning = wants_reasoning(args.reasoning_parser, self.chat_template)
         self.frontend = frontend
         self.metrics = metrics
         self.limits = RequestLimits.for_server(args.max_request_bytes, args.max_prompt_bytes, info)
