@@ -522,6 +522,18 @@ def test_tool_calls(server: ServerProcess) -> None:
     server.wait_idle()
 
 
+def test_tokenize_and_detokenize(server: ServerProcess, reference: Dict[str, Any]) -> None:
+    ids = reference["prompt_ids"][0]
+    resp = _post(server, "/tokenize", {"prompt": PROMPTS[0]})
+    assert resp.status_code == 200 and resp.json() == {"count": len(ids), "max_model_len": MAX_SEQ_LEN, "tokens": ids}
+    chat = _post(server, "/tokenize", {"messages": CHATS[0]}).json()
+    assert chat["count"] == reference["chats"][0].prompt_tokens  # the same template as generation
+    assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"].endswith(PROMPTS[0])
+    assert _post(server, "/detokenize", {"tokens": [10**7]}).status_code == 400
+    assert _post(server, "/tokenize", {"prompt": "x", "messages": CHATS[0]}).status_code == 400
+    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+
+
 def server_decode(server: ServerProcess, ids: List[int]) -> str:
     from minisgl.utils.hf import load_tokenizer
 

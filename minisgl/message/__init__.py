@@ -21,7 +21,9 @@ from minisgl.message.messages import (
     StatsMsg,
     TokenBatchMsg,
     TokenizeMsg,
+    TokenizeOnlyMsg,
     TokenOut,
+    ToolReply,
     UserMsg,
 )
 from minisgl.message.serialize import decode_msg, encode_msg, register_message
@@ -40,6 +42,8 @@ __all__ = [
     "TokenBatchMsg",
     "TokenOut",
     "TokenizeMsg",
+    "TokenizeOnlyMsg",
+    "ToolReply",
     "UserMsg",
     "decode_msg",
     "encode_msg",

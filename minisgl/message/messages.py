@@ -40,6 +40,29 @@ class TokenizeMsg:
 
 @register_message
 @dataclass
+class TokenizeOnlyMsg:
+    """/tokenize (`text` or chat `messages`) and /detokenize (`token_ids`): answered with a ToolReply."""
+
+    uid: int
+    text: str | None = None
+    messages: List[Dict[str, Any]] | None = None
+    token_ids: List[int] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+@register_message
+@dataclass
+class ToolReply:
+    """The answer to a TokenizeOnlyMsg: token ids, or the decoded text."""
+
+    uid: int
+    token_ids: List[int] | None = None
+    text: str | None = None
+
+
+@register_message
+@dataclass
 class AbortReq:
     """The client went away or cancelled: forget the request and abort it in the scheduler."""
 
@@ -184,6 +207,8 @@ Message = Union[
     AbortMsg,
     FlushCacheMsg,
     FlushCacheDone,
+    TokenizeOnlyMsg,
+    ToolReply,
     ExitMsg,
     TokenBatchMsg,
     StatsMsg,

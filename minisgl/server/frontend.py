@@ -28,6 +28,8 @@ from minisgl.message import (
     ReplyMsg,
     StatsMsg,
     TokenizeMsg,
+    TokenizeOnlyMsg,
+    ToolReply,
     decode_msg,
     encode_msg,
 )
@@ -154,7 +156,7 @@ class Frontend:
         self._actx: zmq.asyncio.Context | None = None
         self._pull: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task | None = None
-        self._flushes: Dict[int, asyncio.Future[FlushCacheDone]] = {}
+        self._calls: Dict[int, asyncio.Future[Any]] = {}  # uid -> a one-reply request (flush, tokenize)
 
     async def start(self) -> None:
         self._actx = zmq.asyncio.Context()
@@ -205,16 +207,23 @@ class Frontend:
 
     async def flush_cache(self, timeout_s: float = 30.0) -> FlushCacheDone:
         """Ask the scheduler to drop its unpinned prefix cache; it refuses while busy."""
+        return await self._call(lambda uid: FlushCacheMsg(uid), timeout_s)
+
+    async def tokenize(self, timeout_s: float = 30.0, **fields: Any) -> ToolReply | ErrorMsg:
+        """/tokenize and /detokenize, answered by the tokenizer worker."""
+        return await self._call(lambda uid: TokenizeOnlyMsg(uid, **fields), timeout_s)
+
+    async def _call(self, make: Any, timeout_s: float) -> Any:
         if self.failure is not None:
             raise Unavailable(self.failure)
         uid = self.new_uid()
-        future: asyncio.Future[FlushCacheDone] = asyncio.get_running_loop().create_future()
-        self._flushes[uid] = future
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[uid] = future
         try:
-            self._send(FlushCacheMsg(uid))
+            self._send(make(uid))
             return await asyncio.wait_for(future, timeout_s)
         finally:
-            self._flushes.pop(uid, None)
+            self._calls.pop(uid, None)
 
     def fail_all(self, message: str, status: int = 503) -> None:
         """A worker died: end every waiting request with an error."""
@@ -254,14 +263,14 @@ class Frontend:
                     stream = self._streams.get(reply.uid)
                     if stream is not None:
                         stream._deliver(reply.uid, reply)
+            elif isinstance(msg, (FlushCacheDone, ToolReply)) or (isinstance(msg, ErrorMsg) and msg.uid in self._calls):
+                future = self._calls.get(msg.uid)
+                if future is not None and not future.done():
+                    future.set_result(msg)
             elif isinstance(msg, ErrorMsg):
                 stream = self._streams.get(msg.uid)
                 if stream is not None:
                     stream._deliver(msg.uid, msg)
-            elif isinstance(msg, FlushCacheDone):
-                future = self._flushes.get(msg.uid)
-                if future is not None and not future.done():
-                    future.set_result(msg)
             elif isinstance(msg, StatsMsg):
                 self.stats = msg
                 if self.metrics is not None:

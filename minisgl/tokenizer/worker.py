@@ -27,7 +27,9 @@ from minisgl.message import (
     StatsMsg,
     TokenBatchMsg,
     TokenizeMsg,
+    TokenizeOnlyMsg,
     TokenOut,
+    ToolReply,
     UserMsg,
     decode_msg,
     encode_msg,
@@ -93,6 +95,8 @@ class TokenizerWorker:
             self._to_api(msg)
         elif isinstance(msg, FlushCacheMsg):
             self._to_scheduler(msg)
+        elif isinstance(msg, TokenizeOnlyMsg):
+            self._on_tokenize_only(msg)
         else:
             logger.warning("tokenizer worker ignores a message of type %s", type(msg).__name__)
 
@@ -113,6 +117,22 @@ class TokenizerWorker:
             self._encode_failed(msg, exc)
             return
         self._start(msg, ids)
+
+    def _on_tokenize_only(self, msg: TokenizeOnlyMsg) -> None:
+        """/tokenize and /detokenize (the API server caps their size, as for generation)."""
+        try:
+            if msg.token_ids is not None:
+                self._to_api(ToolReply(msg.uid, text=self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)))
+                return
+            if msg.messages is not None:
+                kwargs = {"add_generation_prompt": msg.add_generation_prompt}
+                ids = self.encoder.encode_chat(msg.messages, kwargs)
+            else:
+                ids = list(self.tokenizer(msg.text or "", add_special_tokens=msg.add_special_tokens).input_ids)
+        except Exception as exc:
+            self._to_api(ErrorMsg(msg.uid, f"cannot tokenize: {exc}", 400, "messages" if msg.messages is not None else "prompt"))
+            return
+        self._to_api(ToolReply(msg.uid, token_ids=ids))
 
     def _encode_failed(self, msg: TokenizeMsg, exc: BaseException) -> None:
         param = "messages" if msg.messages is not None else "prompt"

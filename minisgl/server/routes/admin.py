@@ -7,14 +7,18 @@ everything else here needs it when the server has one.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
+from minisgl.message import ErrorMsg
+from minisgl.sampling_params import InvalidRequest, check_token_ids
 from minisgl.server.frontend import Unavailable
 from minisgl.server.metrics import CONTENT_TYPE
-from minisgl.server.routes.common import APIError, GuardedRoute, check_model, get_state, require_api_key
+from minisgl.server.protocol import ChatMessage, TokenId
+from minisgl.server.protocol import _Base as _Strict
+from minisgl.server.routes.common import APIError, GuardedRoute, check_model, get_state, read_body, require_api_key
 
 open_router = APIRouter(route_class=GuardedRoute)
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
@@ -94,3 +98,59 @@ async def flush_cache(request: Request) -> Dict[str, Any]:
     if not done.flushed:
         raise APIError(409, "the prefix cache was not flushed: requests are running; retry when the server is idle", code="server_busy")
     return {"status": "ok", "freed_pages": done.freed_pages}
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[List[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: List[TokenId]
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> Dict[str, Any]:
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+    state = get_state(request)
+    body: TokenizeRequest = await read_body(request, TokenizeRequest)
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+    messages = [m.to_template() for m in body.messages] if body.messages is not None else None
+    size = len((body.prompt or "").encode("utf-8")) + sum(len(str(m["content"]).encode("utf-8")) for m in messages or [])
+    state.limits.check_prompt_text(size, "prompt" if messages is None else "messages")
+    reply = await _tool_call(state, text=body.prompt, messages=messages, add_special_tokens=body.add_special_tokens,
+                             add_generation_prompt=body.add_generation_prompt)  # fmt: skip
+    ids = reply.token_ids or []
+    return {"count": len(ids), "max_model_len": state.info.get("max_seq_len"), "tokens": ids}
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> Dict[str, Any]:
+    state = get_state(request)
+    body: DetokenizeRequest = await read_body(request, DetokenizeRequest)
+    check_model(state, body.model)
+    try:
+        check_token_ids(body.tokens, state.limits.vocab_size, "tokens", allow_empty=True)
+        state.limits.check_prompt_ids(body.tokens, "tokens")
+    except InvalidRequest as exc:
+        raise APIError.from_invalid(exc) from None
+    reply = await _tool_call(state, token_ids=list(body.tokens))
+    return {"prompt": reply.text or ""}
+
+
+async def _tool_call(state: Any, **fields: Any) -> Any:
+    try:
+        reply = await state.frontend.tokenize(**fields)
+    except Unavailable as exc:
+        raise APIError(503, f"the server cannot take requests: {exc}", code="server_unavailable") from None
+    except asyncio.TimeoutError:
+        raise APIError(504, "the tokenizer worker did not answer in time", code="timeout") from None
+    if isinstance(reply, ErrorMsg):
+        raise APIError.from_msg(reply)
+    return reply
