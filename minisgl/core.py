@@ -96,6 +96,12 @@ class Batch:
     out_loc: torch.Tensor = field(init=False)
     padded_reqs: List[Req] = field(init=False)
     attn_metadata: Any = field(init=False, default=None)
+    # Prefill only: token rows (into the flattened batch) whose logits are wanted for prompt
+    # logprobs, the prompt token each row predicts, and where the model leaves those logits.
+    prompt_logprob_rows: torch.Tensor | None = field(init=False, default=None)
+    prompt_logprob_targets: torch.Tensor | None = field(init=False, default=None)
+    prompt_logits: torch.Tensor | None = field(init=False, default=None)
+    prompt_logprob_counts: List[int] = field(init=False, default_factory=list)  # per request
 
     def __post_init__(self) -> None:
         self.padded_reqs = list(self.reqs)

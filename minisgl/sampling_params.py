@@ -108,6 +108,9 @@ class SamplingParams:
     min_tokens: int = 0
     # The output must match this grammar (structured output); None: free text.
     grammar: GrammarSpec | None = None
+    # Logprobs of the prompt's tokens (each but the first) with this many top alternatives
+    # (None: none). Such a request is never served from the prefix cache: its logits are needed.
+    prompt_logprobs: int | None = None
 
     def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
         """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
@@ -150,6 +153,8 @@ class SamplingParams:
                 _check_range("logit_bias", value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise InvalidRequest(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", param="min_tokens")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}", param="logprobs")
         if self.grammar is not None:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequest("grammar must be a GrammarSpec", param="response_format")

@@ -534,6 +534,34 @@ def test_tokenize_and_detokenize(server: ServerProcess, reference: Dict[str, Any
     assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
 
 
+def test_echo_prompt_logprobs_for_lm_eval(server: ServerProcess, reference: Dict[str, Any], tiny_chat_model: str) -> None:
+    """lm-eval's loglikelihood request: echo + logprobs, max_tokens 0 or 1; checked against HF's
+    log-softmax over the same prompt (float32), cold and with the prompt already in the cache."""
+    import torch
+    from helpers import HFOracle
+
+    ids = reference["prompt_ids"][1]
+    expect = torch.log_softmax(HFOracle(tiny_chat_model).logits(ids), dim=-1)
+    for max_tokens in (0, 1, 1):  # the third run finds the prompt in the prefix cache
+        body = {"prompt": ids, "max_tokens": max_tokens, "logprobs": 1, "echo": True, "temperature": 0}
+        choice = _post(server, "/v1/completions", body).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for p in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][p] - expect[p - 1, ids[p]].item()) < 1e-4
+            (best_text, best), = lp["top_logprobs"][p].items()
+            assert abs(best - expect[p - 1].max().item()) < 1e-4
+        assert choice["text"] == PROMPTS[1] if max_tokens == 0 else choice["text"].startswith(PROMPTS[1])
+    # a string prompt echoes itself; /generate returns input_token_logprobs from logprob_start_len
+    text = _post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2, "echo": True, "temperature": 0}).json()["choices"][0]["text"]
+    assert text == PROMPTS[1] + reference["prompts"][1].text[: len(text) - len(PROMPTS[1])]
+    meta = _post(server, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()["meta_info"]
+    assert len(meta["input_token_logprobs"]) == len(ids) - 2
+    assert abs(meta["input_token_logprobs"][0][0] - expect[1, ids[2]].item()) < 1e-4 and meta["input_token_logprobs"][0][1] == ids[2]
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}).status_code == 400  # 0 only with echo
+    server.wait_idle()
+
+
 def server_decode(server: ServerProcess, ids: List[int]) -> str:
     from minisgl.utils.hf import load_tokenizer
 
@@ -700,7 +728,7 @@ def test_bad_inputs_get_openai_errors(server: ServerProcess) -> None:
     _assert_error(post("/v1/completions", {"prompt": [10**7], "max_tokens": 1}), 400, param="prompt")
     _assert_error(post("/v1/completions", {"prompt": ""}), 400, param="prompt")
     _assert_error(post("/v1/completions", {"prompt": "hi", "logprobs": 99}), 400, param="logprobs")
-    _assert_error(post("/v1/completions", {"prompt": "hi", "echo": True}), 400)
+    _assert_error(post("/v1/completions", {"prompt": "hi", "suffix": "there"}), 400)
     _assert_error(post("/generate", {"sampling_params": {"max_new_tokens": 2}}), 400)
     # 40 MB: refused by Content-Length before reading, and while streaming a chunked body
     big = b'{"messages": [{"role": "user", "content": "' + b"x" * (40 << 20) + b'"}]}'

@@ -41,6 +41,8 @@ class ForwardOutput(NamedTuple):
     copy_done_event: Any
     # (chosen-token logprob [B], top-k logprobs [B, k], top-k ids [B, k]) on the host, when asked
     logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the same for the prompt tokens of batch.prompt_logprob_rows (prefill with prompt logprobs)
+    prompt_logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _align_up_32(x: int) -> int:
@@ -301,9 +303,15 @@ class Engine:
             logprobs = None
             if args.logprobs_k is not None:
                 logprobs = _token_logprobs(logits, next_tokens_gpu, args.logprobs_k)
+            prompt_logprobs = None
+            if batch.prompt_logits is not None:
+                assert batch.prompt_logprob_targets is not None
+                k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
+                prompt_logprobs = _token_logprobs(batch.prompt_logits, batch.prompt_logprob_targets, k)
+                batch.prompt_logits = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
-        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs)
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs)
 
     def shutdown(self) -> None:
         """Free global state so another Engine can be built in this process."""

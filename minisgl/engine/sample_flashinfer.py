@@ -6,8 +6,8 @@ build is prohibitively slow (see PLATFORMS.md).
 
 from __future__ import annotations
 
-import torch
 import flashinfer.sampling as fs  # noqa: E402  (ImportError here means: use sample_torch)
+import torch
 
 
 def sample_flashinfer(

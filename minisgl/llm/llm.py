@@ -37,6 +37,9 @@ class GenerationResult:
     cached_tokens: int = 0
     logprobs: List[float] | None = None
     top_logprobs: List[List[Tuple[int, float]]] | None = field(default=None, repr=False)
+    # with SamplingParams(prompt_logprobs=k): [token id, logprob, [(id, logprob), ...]] for every
+    # prompt token but the first
+    prompt_logprobs: List[List[Any]] | None = field(default=None, repr=False)
 
 
 class LLM:
@@ -115,12 +118,15 @@ class LLM:
         logps: Dict[int, List[float]] = {r.uid: [] for r in requests}
         tops: Dict[int, List[List[Tuple[int, float]]]] = {r.uid: [] for r in requests}
         finals: Dict[int, Any] = {}
+        prompt_lps: Dict[int, List[List[Any]]] = {}
         bar = _progress(len(requests), use_tqdm)
         try:
             while pending:
                 for out in self.scheduler.step():
                     if out.uid not in pending:
                         continue
+                    if out.prompt_logprobs is not None:
+                        prompt_lps[out.uid] = out.prompt_logprobs
                     if out.token_id is not None:
                         tokens[out.uid].append(out.token_id)
                         if out.logprob is not None:
@@ -155,6 +161,7 @@ class LLM:
                     cached_tokens=fin.cached_tokens,
                     logprobs=logps[req.uid] if wants_lp else None,
                     top_logprobs=tops[req.uid] if wants_lp else None,
+                    prompt_logprobs=prompt_lps.get(req.uid) if req.sampling_params.prompt_logprobs is not None else None,
                 )
             )
         return results

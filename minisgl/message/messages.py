@@ -117,6 +117,8 @@ class TokenOut:
     top_logprobs: List[List[Union[int, float]]] | None = None  # [[token_id, logprob], ...]
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # with the first token of a request that asked: [[token_id, logprob, [[id, logprob], ...]], ...]
+    prompt_logprobs: List[List[Any]] | None = None
 
 
 @register_message
@@ -192,6 +194,9 @@ class ReplyMsg:
     logprobs: List[List[Any]] | None = None
     matched_stop: Union[str, int, None] = None
     token_ids: List[int] | None = None  # the new token ids
+    # the prompt's tokens, with the first reply of a request that asked for prompt logprobs:
+    # [token text, logprob or None (the first token), [[alt text, alt logprob], ...], token id]
+    prompt_logprobs: List[List[Any]] | None = None
 
 
 @register_message

@@ -192,6 +192,7 @@ class SchedulerLoop:
                             [list(t) for t in o.top_logprobs] if o.top_logprobs is not None else None,
                             o.prompt_tokens,
                             o.cached_tokens,
+                            o.prompt_logprobs,
                         )
                         for o in outputs
                     ]

@@ -34,6 +34,7 @@ class TokenOutput:
     top_logprobs: List[Tuple[int, float]] | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: List[List[Any]] | None = None  # with the first token, when asked
 
 
 class SchedReq(Req):
@@ -62,6 +63,9 @@ class SchedReq(Req):
         self.stop_ids: set[int] = set()
         self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache
         self.grammar_matcher: Any = None  # xgrammar GrammarMatcher of a structured-output request
+        # prompt logprobs: [token id, logprob, [(id, logprob), ...]] for prompt tokens 1.., gathered
+        # chunk by chunk and sent with the first output token
+        self.prompt_lp: List[List[Any]] = []
 
     _ids: List[int]
     _ids_tensor: torch.Tensor | None

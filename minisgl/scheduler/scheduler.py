@@ -288,7 +288,9 @@ class Scheduler:
             user = self.waiting[0]
             prompt_len = len(user.input_ids)
             output_len = check_context(prompt_len, user.sampling_params.max_tokens, self.max_seq_len, strict=False)
-            match = self.cache.match_prefix(user.input_ids[: prompt_len - 1])
+            # a request that wants its prompt's logprobs needs every prompt token's logits: no cache hit
+            wants_prompt_lp = user.sampling_params.prompt_logprobs is not None
+            match = self.cache.match_prefix(user.input_ids[: 0 if wants_prompt_lp else prompt_len - 1])
             need = div_ceil(prompt_len + output_len, self.page_size) - match.num_pages
             if need > self._available_pages():
                 self.cache.unlock(match.handle)
@@ -388,6 +390,7 @@ class Scheduler:
             for req in batch.padded_reqs:
                 rows += [req.table_idx] * (req.device_len - req.cached_len)
                 positions += range(req.cached_len, req.device_len)
+            self._stage_prompt_logprobs(batch)
         with stream_context(self.stream):
             rows_t = make_device_tensor(rows, torch.int64, self.device)
             pos_t = make_device_tensor(positions, torch.int64, self.device)
@@ -423,6 +426,33 @@ class Scheduler:
                     self.running.append(req)
         return _InFlight(batch, output, emits)
 
+    def _stage_prompt_logprobs(self, batch: Batch) -> None:
+        """Prefill: the flattened token rows whose logits give prompt logprobs (position p
+        predicts prompt token p + 1), and those target tokens."""
+        rows: List[int] = []
+        targets: List[int] = []
+        counts: List[int] = []  # per request of the batch: prompt logprobs this step produces
+        offset = 0
+        for i, req in enumerate(batch.padded_reqs):
+            n = req.device_len - req.cached_len
+            count = 0
+            if req.sampling_params.prompt_logprobs is not None and isinstance(req, SchedReq):
+                last = min(req.device_len, req.prompt_len - 1)  # the last prompt token predicts nothing here
+                for p in range(req.cached_len, last):
+                    rows.append(offset + p - req.cached_len)
+                    targets.append(req.token_ids[p + 1])
+                count = max(0, last - req.cached_len)
+            if i < batch.size:
+                counts.append(count)
+            offset += n
+        batch.prompt_logprob_counts = counts
+        if rows:
+            with stream_context(self.stream):
+                batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
+                batch.prompt_logprob_targets = make_device_tensor(targets, torch.int64, self.device)
+            record_stream(batch.prompt_logprob_rows, self.engine.stream)
+            record_stream(batch.prompt_logprob_targets, self.engine.stream)
+
     # ---- results -----------------------------------------------------------------------------
     def _process(self, flight: _InFlight) -> List[TokenOutput]:
         self._processing = flight
@@ -437,15 +467,28 @@ class Scheduler:
         self._release_deferred()  # every step before this one has completed
         tokens = flight.output.next_tokens_cpu.tolist()
         lp = flight.output.logprobs
+        plp = flight.output.prompt_logprobs
+        plp_at = 0
         outputs: List[TokenOutput] = []
         for i, (req, real) in enumerate(zip(flight.batch.reqs, flight.emits)):
             assert isinstance(req, SchedReq)
+            n = flight.batch.prompt_logprob_counts[i] if plp is not None else 0
+            if n:  # this chunk's prompt logprobs (rows in batch order)
+                k = req.sampling_params.prompt_logprobs or 0
+                start = len(req.prompt_lp)  # logprobs so far = prompt position of the next one
+                targets = req.token_ids[start + 1 : start + 1 + n]
+                for j in range(n):
+                    tops = list(zip(plp[2][plp_at + j, :k].tolist(), plp[1][plp_at + j, :k].tolist()))
+                    req.prompt_lp.append([targets[j], float(plp[0][plp_at + j]), tops])
+                plp_at += n
             if not real or req.finished:
                 continue
             token = tokens[i]
             req.append_token(token)
             self._generated += 1
             out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
+            if req.sampling_params.prompt_logprobs is not None and req.num_output == 1:
+                out.prompt_logprobs, req.prompt_lp = req.prompt_lp, []
             if lp is not None and req.sampling_params.logprobs is not None:
                 k = req.sampling_params.logprobs
                 out.logprob = float(lp[0][i])

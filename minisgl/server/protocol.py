@@ -322,6 +322,8 @@ Prompt = Union[str, List[str], List[TokenId], List[List[TokenId]]]
 
 class CompletionRequest(SamplingFields):
     prompt: Prompt
+    # 0 only with echo: score the prompt, generate nothing (lm-eval's loglikelihood requests)
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=INT64_MAX)]] = None
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
@@ -329,8 +331,6 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
@@ -415,6 +415,8 @@ class GenerateRequest(_Base):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_LOGPROBS)
+    # with return_logprob: prompt logprobs from this position on (-1: none, as SGLang)
+    logprob_start_len: int = Field(-1, ge=-1, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _check(self) -> "GenerateRequest":

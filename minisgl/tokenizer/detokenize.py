@@ -104,4 +104,5 @@ class DetokState:
         self.stop = StopMatcher(stops, include_stop_str)
         self.want_logprobs = want_logprobs
         self.prompt_tokens = prompt_tokens
+        self.prompt_ids: List[int] = []  # the first prompt token, for prompt logprobs
         self.completion_tokens = 0

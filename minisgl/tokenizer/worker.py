@@ -146,6 +146,8 @@ class TokenizerWorker:
         self.states[msg.uid] = DetokState(
             self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids), msg.include_stop_str
         )
+        if msg.sampling.prompt_logprobs is not None:
+            self.states[msg.uid].prompt_ids = ids[:1]
         self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit))
 
     def collect_encoded(self) -> None:
@@ -184,7 +186,15 @@ class TokenizerWorker:
         if state.want_logprobs and out.token_id is not None and out.logprob is not None:
             tops = [[self._piece(int(t)), _finite(lp)] for t, lp in (out.top_logprobs or [])]
             logprobs = [[self._piece(out.token_id), _finite(out.logprob), tops, out.token_id]]
+        prompt_lp = None
+        if out.prompt_logprobs is not None:
+            first = state.prompt_ids[0] if state.prompt_ids else None
+            prompt_lp = [[self._piece(first), None, [], first]] if first is not None else []
+            for token, lp, tops in out.prompt_logprobs:
+                alts = [[self._piece(int(t)), _finite(v)] for t, v in tops]
+                prompt_lp.append([self._piece(int(token)), _finite(lp), alts, int(token)])
         reply = ReplyMsg(
+            prompt_logprobs=prompt_lp,
             uid=out.uid,
             text=text,
             num_tokens=len(new_ids),

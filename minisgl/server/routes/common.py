@@ -370,8 +370,11 @@ class Result:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.prompt_logprobs: List[List[Any]] | None = None
 
     def add(self, reply: ReplyMsg) -> None:
+        if reply.prompt_logprobs is not None:
+            self.prompt_logprobs = reply.prompt_logprobs
         self.text.append(reply.text)
         self.token_ids += reply.token_ids or []
         if reply.logprobs:

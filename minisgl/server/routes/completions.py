@@ -48,8 +48,15 @@ async def completions(request: Request) -> Response:
         raise APIError(400, f"too many choices: {len(prompts)} prompts x n={body.n} > {MAX_CHOICES}", param="n")
     check_prompts(prompts, state.limits, "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
+    if max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
+    # max_tokens=0 with echo scores the prompt: one token is generated and not returned
+    score_only = max_tokens == 0
     k = body.logprobs
-    params = validated(body.sampling_params(max_tokens, k), state.limits)
+    params = body.sampling_params(max(max_tokens, 1), k)
+    if body.echo and (k is not None or any(not isinstance(p, str) for p in prompts)):
+        params.prompt_logprobs = k or 0  # the prompt's logprobs (and its token texts) come from prefill
+    params = validated(params, state.limits)
     stops = body.stop_list()
     msgs = [
         TokenizeMsg(
@@ -69,13 +76,32 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     want_lp = k is not None
+    echo = [p if isinstance(p, str) else None for p in prompts for _ in range(body.n)] if body.echo else None
     return await respond(
         request,
         msgs,
         body.stream,
-        lambda rs, first: _completion_stream(rs, first, rid, state.model_name, include_usage, body.n, want_lp),
-        lambda results: _completion_response(results, rid, state.model_name, body.n, want_lp),
+        lambda rs, first: _completion_stream(rs, first, rid, state.model_name, include_usage, body.n, want_lp, echo, score_only),
+        lambda results: _completion_response(results, rid, state.model_name, body.n, want_lp, echo, score_only),
     )
+
+
+def _echo_prefix(r: Result, prompt: str | None, want_lp: bool) -> tuple[str, List[List[Any]]]:
+    """The prompt as echo returns it: its text, and its tokens' logprobs (the first has none)."""
+    entries = [[e[0], e[1], e[2] if e[1] is not None else [], e[3]] for e in (r.prompt_logprobs or [])]
+    text = prompt if prompt is not None else "".join(e[0] for e in entries)
+    return text, entries if want_lp else []
+
+
+def _choice_text_and_logprobs(
+    r: Result, index: int, want_lp: bool, echo: List[str | None] | None, score_only: bool
+) -> tuple[str, List[List[Any]]]:
+    text = "" if score_only else "".join(r.text)
+    entries = [] if score_only or not want_lp else list(r.logprobs)
+    if echo is not None:
+        head, head_lp = _echo_prefix(r, echo[index], want_lp)
+        text, entries = head + text, head_lp + entries
+    return text, entries
 
 
 def _completion_logprobs(entries: List[List[Any]], start_offset: int = 0) -> Dict[str, Any]:
@@ -86,37 +112,47 @@ def _completion_logprobs(entries: List[List[Any]], start_offset: int = 0) -> Dic
     return {
         "tokens": [e[0] for e in entries],
         "token_logprobs": [e[1] for e in entries],
-        "top_logprobs": [{t: v for t, v in e[2]} for e in entries],
+        "top_logprobs": [{t: v for t, v in e[2]} if e[1] is not None else None for e in entries],
         "text_offset": offsets,
     }
 
 
-def _completion_response(results: List[Result], rid: str, model: str, n: int, want_lp: bool) -> Dict[str, Any]:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
+def _completion_response(
+    results: List[Result], rid: str, model: str, n: int, want_lp: bool, echo: List[str | None] | None, score_only: bool
+) -> Dict[str, Any]:
+    choices = []
+    for i, r in enumerate(results):
+        text, entries = _choice_text_and_logprobs(r, i, want_lp, echo, score_only)
+        choices.append(
             {
                 "index": i,
-                "text": "".join(r.text),
-                "logprobs": _completion_logprobs(r.logprobs) if want_lp else None,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.matched_stop,
+                "text": text,
+                "logprobs": _completion_logprobs(entries) if want_lp else None,
+                "finish_reason": "length" if score_only else r.finish_reason,
+                "stop_reason": None if score_only else r.matched_stop,
             }
-            for i, r in enumerate(results)
-        ],
-        "usage": usage(results, n),
-    }
+        )
+    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices, "usage": usage(results, n)}
+    if score_only:
+        out["usage"] = {**out["usage"], "completion_tokens": 0, "total_tokens": out["usage"]["prompt_tokens"]}
+    return out
 
 
 async def _completion_stream(
-    stream: RequestStream, first: Event, rid: str, model: str, include_usage: bool, n: int, want_lp: bool
+    stream: RequestStream,
+    first: Event,
+    rid: str,
+    model: str,
+    include_usage: bool,
+    n: int,
+    want_lp: bool,
+    echo: List[str | None] | None = None,
+    score_only: bool = False,
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "text_completion", model, include_usage)
     results = [Result() for _ in stream.uids]
     offsets = [0] * len(results)
+    echoed = [echo is None] * len(results)
 
     def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
         return out.choice({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra})
@@ -127,6 +163,16 @@ async def _completion_stream(
             stream.abort()
             break
         results[index].add(msg)
+        if not echoed[index]:  # the prompt first, with its logprobs
+            assert echo is not None
+            echoed[index] = True
+            head, head_lp = _echo_prefix(results[index], echo[index], want_lp)
+            yield chunk(index, head, logprobs=_completion_logprobs(head_lp) if want_lp else None)
+            offsets[index] = len(head)
+        if score_only:
+            if msg.finished:
+                yield chunk(index, "", "length", _completion_logprobs([]) if want_lp else None)
+            continue
         if msg.text or msg.finished or (want_lp and msg.logprobs):
             lp = _completion_logprobs(msg.logprobs or [], offsets[index]) if want_lp else None
             offsets[index] += len(msg.text)

@@ -59,7 +59,11 @@ async def generate(request: Request) -> Response:
         raise APIError(400, f"too many choices: {len(prompts)} prompts x n={sp.n} > {MAX_CHOICES}", param="sampling_params.n")
     check_prompts(prompts, state.limits, param)
     k = body.top_logprobs_num if body.return_logprob else None
-    params = validated(sp.sampling_params(k), state.limits, _RENAME)
+    params = sp.sampling_params(k)
+    start = body.logprob_start_len if body.return_logprob else -1
+    if start >= 0:
+        params.prompt_logprobs = body.top_logprobs_num
+    params = validated(params, state.limits, _RENAME)
     stops = sp.stop_list()
     msgs = [
         TokenizeMsg(
@@ -81,10 +85,10 @@ async def generate(request: Request) -> Response:
     batched = body.batched
 
     def render(results: List[Result]) -> Any:
-        out = [_generate_item(r, f"{rid}-{i}", want_lp) for i, r in enumerate(results)]
+        out = [_generate_item(r, f"{rid}-{i}", want_lp, start) for i, r in enumerate(results)]
         return out if batched or len(out) > 1 else out[0]
 
-    return await respond(request, msgs, body.stream, lambda rs, first: _generate_stream(rs, first, rid, want_lp), render)
+    return await respond(request, msgs, body.stream, lambda rs, first: _generate_stream(rs, first, rid, want_lp, start), render)
 
 
 def _finish_info(r: Result) -> Dict[str, Any] | None:
@@ -97,7 +101,7 @@ def _finish_info(r: Result) -> Dict[str, Any] | None:
     return {"type": r.finish_reason}
 
 
-def _generate_item(r: Result, rid: str, want_lp: bool) -> Dict[str, Any]:
+def _generate_item(r: Result, rid: str, want_lp: bool, logprob_start: int = -1) -> Dict[str, Any]:
     meta: Dict[str, Any] = {
         "id": rid,
         "finish_reason": _finish_info(r),
@@ -108,10 +112,14 @@ def _generate_item(r: Result, rid: str, want_lp: bool) -> Dict[str, Any]:
     if want_lp:
         meta["output_token_logprobs"] = [[e[1], e[3], e[0]] for e in r.logprobs]
         meta["output_top_logprobs"] = [[[v, None, t] for t, v in e[2]] for e in r.logprobs]
+    if want_lp and logprob_start >= 0 and r.prompt_logprobs is not None:
+        entries = r.prompt_logprobs[logprob_start:]
+        meta["input_token_logprobs"] = [[e[1], e[3], e[0]] for e in entries]
+        meta["input_top_logprobs"] = [[[v, None, t] for t, v in e[2]] if e[1] is not None else None for e in entries]
     return {"text": "".join(r.text), "output_ids": list(r.token_ids), "meta_info": meta}
 
 
-async def _generate_stream(stream: RequestStream, first: Event, rid: str, want_lp: bool) -> AsyncIterator[str]:
+async def _generate_stream(stream: RequestStream, first: Event, rid: str, want_lp: bool, logprob_start: int = -1) -> AsyncIterator[str]:
     results = [Result() for _ in stream.uids]
     async for index, msg in events(stream, first):
         if isinstance(msg, ErrorMsg):
@@ -119,7 +127,7 @@ async def _generate_stream(stream: RequestStream, first: Event, rid: str, want_l
             stream.abort()
             break
         results[index].add(msg)
-        item = _generate_item(results[index], f"{rid}-{index}", want_lp)
+        item = _generate_item(results[index], f"{rid}-{index}", want_lp, logprob_start)
         item["index"] = index
         yield data_line(item)
     yield "data: [DONE]\n\n"
