@@ -39,7 +39,7 @@ for part in $parts; do
     offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
-               tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py \
+               tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_prompt_logprobs.py \
                -k "not embedded" 2>&1 | tee "$OUT/tests_cuda.log" ;;
   esac
 done
