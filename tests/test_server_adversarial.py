@@ -129,8 +129,8 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     # unknown and unimplemented fields are refused, never silently ignored
     err = expect_error(post(client, CHAT, {"messages": MSGS, "frobnicate": 1}), 400, param="frobnicate", code="unknown_parameter")
     assert "frobnicate" in err["message"]
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    expect_error(post(client, CHAT, {"messages": MSGS, "tools": tools}), 400, param="tools", code="unsupported_parameter")
+    functions = [{"name": "f", "parameters": {"type": "object"}}]  # the deprecated form of tools
+    expect_error(post(client, CHAT, {"messages": MSGS, "functions": functions}), 400, param="functions", code="unsupported_parameter")
     expect_error(post(client, CHAT, {"messages": MSGS, "response_format": {"type": "xml"}}), 400, param="response_format")
     expect_error(post(client, CHAT, {"messages": MSGS, "response_format": {"type": "json_schema"}}), 400, param="response_format")
     expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {str(VOCAB): -100}}), 400, param="logit_bias")
