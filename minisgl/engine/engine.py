@@ -16,7 +16,7 @@ import torch
 
 from minisgl.attention.base import create_attention_backend, resolve_attention_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
-from minisgl.distributed import destroy_process_group, init_process_group, set_tp_info
+from minisgl.distributed import all_reduce_min_int, broadcast, destroy_process_group, init_process_group, set_tp_info
 from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
@@ -224,18 +224,17 @@ class Engine:
         synchronize(self.device)
 
     def _init_communication(self, config: EngineConfig) -> Any:
+        """Join the other ranks (tp > 1 only): the device group (NCCL/gloo) for the layers'
+        collectives and a gloo CPU group for host-side agreement, which is returned."""
         if config.tp_info.size == 1:
             return None
-        init_process_group(
+        return init_process_group(
             config.distributed_addr, config.tp_info.rank, config.tp_info.size, self.device, config.distributed_timeout
         )
-        import torch.distributed as dist
-
-        # a gloo group for host-side agreement (memory min, scheduling metadata)
-        return dist.new_group(backend="gloo") if is_cuda(self.device) else dist.group.WORLD
 
     def _sync_get_memory(self) -> Tuple[int, int]:
-        """(total, free) bytes on this device; `free` is the minimum over TP ranks."""
+        """(total, free) bytes on this device; `free` is the minimum over TP ranks, so every
+        rank sizes the same KV pool and takes the same scheduling decisions."""
         if is_cuda(self.device):
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -243,11 +242,7 @@ class Engine:
         else:
             free, total = _host_available_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if self.tp_cpu_group is not None:
-            import torch.distributed as dist
-
-            t = torch.tensor([free], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_cpu_group)
-            free = int(t.item())
+            free = all_reduce_min_int(free)
         return total, free
 
     def _load_weight_state_dict(self, config: EngineConfig) -> dict[str, torch.Tensor]:
@@ -288,6 +283,7 @@ class Engine:
                     raise ValueError(
                         f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}"
                     )
+        self._move_inputs(batch)
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):
                 logits = self.graph_runner.replay(batch)
@@ -297,6 +293,10 @@ class Engine:
                 req.complete_one()
             logits = logits[: batch.size]
             next_tokens_gpu = self.sampler.sample(logits, args).to(torch.int32)
+            if self.config.tp_info.size > 1 and args.temperatures is not None:
+                # Every rank holds the same gathered logits, so greedy argmax agrees by itself; a
+                # random draw is rank 0's, so every rank's token pool gets the same token.
+                broadcast(next_tokens_gpu, src=0)
             next_tokens_cpu = next_tokens_gpu.to("cpu", non_blocking=True)
             logprobs = None
             if args.logprobs_k is not None:
@@ -304,6 +304,14 @@ class Engine:
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs)
+
+    def _move_inputs(self, batch: Batch) -> None:
+        """The seed's manual loop builds input_ids/positions on the host: move what is elsewhere
+        to the engine's device (a no-op for the scheduler's batches, already there)."""
+        for name in ("input_ids", "positions", "out_loc"):
+            t = getattr(batch, name, None)
+            if t is not None and t.device != self.device:
+                setattr(batch, name, t.to(self.device, non_blocking=True))
 
     def shutdown(self) -> None:
         """Free global state so another Engine can be built in this process."""

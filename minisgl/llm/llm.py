@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple, Union
@@ -19,6 +20,7 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
+from minisgl.scheduler.tp import LeaderScheduler, WorkerRanks, free_port
 from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_model_path
 from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
@@ -40,7 +42,15 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model_path: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto", **config: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        tp: int = 1,
+        **config: Any,
+    ) -> None:
         path = resolve_model_path(model_path)
         target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         resolved = auto_dtype(cached_load_hf_config(path), target) if dtype == "auto" else parse_dtype(dtype)
@@ -53,10 +63,42 @@ class LLM:
         # server's 8192: each prefill step is an eager forward whose launch cost (~30 ms of host
         # time on the H200 machine) the GPU mostly idles through, so fewer steps win throughput.
         config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS)
-        self.scheduler = Scheduler(
-            SchedulerConfig(model_path=path, tp_info=DistributedInfo(0, 1), dtype=resolved, device=device, **config)
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        if tp > 1 and "distributed_port" not in config and "dist_init_addr" not in config:
+            config["distributed_port"] = free_port()  # never collide with another LLM's ranks
+        sched_config = SchedulerConfig(
+            model_path=path, tp_info=DistributedInfo(0, tp), dtype=resolved, device=device, **config
         )
+        self._workers: WorkerRanks | None = None
+        if tp == 1:
+            self.scheduler: Scheduler = Scheduler(sched_config)
+        else:
+            self.scheduler = self._start_tp(sched_config)
         self._uids = itertools.count()
+
+    def _start_tp(self, config: SchedulerConfig) -> Scheduler:
+        """Spawn ranks 1..tp-1 (each follows rank 0's schedule), then build rank 0 here."""
+        workers = WorkerRanks(config)
+        # Rank 0 lives in this process; the followers must not outlive it, even when the caller
+        # never calls shutdown() (weakref.finalize also runs at interpreter exit).
+        self._finalizer = weakref.finalize(self, workers.kill)
+        try:
+            scheduler = LeaderScheduler(config)
+        except BaseException as exc:
+            details = workers.startup_errors()
+            workers.kill()
+            if details:
+                raise RuntimeError(f"tensor-parallel start-up failed: {exc}; {details}") from exc
+            raise
+        try:
+            workers.wait_ready(timeout=config.distributed_timeout)
+        except BaseException:
+            workers.kill()
+            scheduler.shutdown()
+            raise
+        self._workers = workers
+        return scheduler
 
     # ---- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, index: int = 0) -> List[int]:
@@ -166,7 +208,18 @@ class LLM:
         return self.generate(convs, sampling_params)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        """Stop the scheduler (and, at tp > 1, every worker rank: none is left behind)."""
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is None:
+            return
+        try:
+            scheduler.shutdown()
+        finally:
+            del self.scheduler
+            if self._workers is not None:
+                self._workers.shutdown()
+                self._workers = None
+                self._finalizer.detach()
 
     def __enter__(self) -> "LLM":
         return self
