@@ -67,6 +67,12 @@ class LeaderScheduler(Scheduler):
         self._publish("step")
         return super().step()
 
+    def ranks_agree(self) -> List[str]:
+        """Every rank's fingerprint of its scheduling state and token pool (see `fingerprint`);
+        all equal when the ranks are in lockstep. For tests and debugging: it is a collective."""
+        self._publish("fingerprint")
+        return _gather_fingerprints(self)
+
     def _publish(self, action: str) -> None:
         ops, self._ops = self._ops, []
         broadcast_object((ops, action), src=0)
@@ -101,7 +107,34 @@ def follow(scheduler: Scheduler) -> None:
             apply_op(scheduler, op)
         if action == "exit":
             return
+        if action == "fingerprint":
+            _gather_fingerprints(scheduler)
+            continue
         scheduler.step()  # outputs are rank 0's to return
+
+
+def fingerprint(scheduler: Scheduler) -> str:
+    """A digest of what must agree over ranks: the token pool on the device (every sampled token
+    is written there), the free pages and rows, and the requests in each state."""
+    import hashlib
+
+    h = hashlib.sha256()
+    pool = scheduler.token_pool.to("cpu")
+    h.update(pool.numpy().tobytes())
+    h.update(repr(scheduler.allocator._free).encode())  # order too: it decides the next pages
+    h.update(repr((scheduler.free_rows, [r.uid for r in scheduler.running], [r.uid for r in scheduler.prefilling],
+                   [r.uid for r in scheduler.waiting], scheduler.cache.cached_pages)).encode())  # fmt: skip
+    return h.hexdigest()
+
+
+def _gather_fingerprints(scheduler: Scheduler) -> List[str]:
+    import torch.distributed as dist
+
+    from minisgl.distributed import get_cpu_group
+
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, fingerprint(scheduler), group=get_cpu_group())
+    return out
 
 
 def make_scheduler(config: SchedulerConfig) -> Scheduler:
