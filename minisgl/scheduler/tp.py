@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
-import socket
+import time
 import traceback
 from typing import Any, List, Tuple
 
@@ -32,11 +32,17 @@ from minisgl.distributed import DistributedInfo, broadcast_object
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import TokenOutput, UserRequest
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.server.process_utils import free_port  # noqa: F401  (LLM(tp=N) picks its rendezvous port)
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
+HEARTBEAT_S = 1.0
 Op = Tuple[Any, ...]  # ("add", UserRequest) | ("abort", uid) | ("reset_cache",)
+
+
+class TPRankLost(RuntimeError):
+    """A collective with the other TP ranks failed: one of them is gone."""
 
 
 class LeaderScheduler(Scheduler):
@@ -47,6 +53,9 @@ class LeaderScheduler(Scheduler):
         super().__init__(config)
         self._ops: List[Op] = []
         self._closed = False
+        self._busy = False  # inside a step or a broadcast: a SIGTERM waits until it is over
+        self._stop_requested = False
+        self._last_publish = time.monotonic()
 
     def add_request(self, req: UserRequest) -> None:
         super().add_request(req)  # raises on a bad request: then nothing is recorded
@@ -64,8 +73,37 @@ class LeaderScheduler(Scheduler):
         return freed
 
     def step(self) -> List[TokenOutput]:
-        self._publish("step")
-        return super().step()
+        self._busy = True
+        try:
+            self._publish("step")
+            return super().step()
+        finally:
+            self._busy = False
+            self._maybe_stop()
+
+    def heartbeat(self, interval_s: float = HEARTBEAT_S) -> None:
+        """While idle (the server loop calls this about once a second): a no-op message, so a
+        dead rank is noticed now rather than at the next request."""
+        if time.monotonic() - self._last_publish >= interval_s:
+            self._busy = True
+            try:
+                self._publish("noop")
+            finally:
+                self._busy = False
+                self._maybe_stop()
+
+    def request_stop(self) -> None:
+        """SIGTERM handler of a TP server's rank 0: leave at once, or after the step in progress
+        (a step abandoned half-way would leave the followers inside a collective)."""
+        if self._busy:
+            self._stop_requested = True
+        else:
+            raise SystemExit(0)
+
+    def _maybe_stop(self) -> None:
+        if self._stop_requested:
+            self._stop_requested = False
+            raise SystemExit(0)
 
     def ranks_agree(self) -> List[str]:
         """Every rank's fingerprint of its scheduling state and token pool (see `fingerprint`);
@@ -75,7 +113,11 @@ class LeaderScheduler(Scheduler):
 
     def _publish(self, action: str) -> None:
         ops, self._ops = self._ops, []
-        broadcast_object((ops, action), src=0)
+        self._last_publish = time.monotonic()
+        try:
+            broadcast_object((ops, action), src=0)
+        except RuntimeError as exc:
+            raise TPRankLost(f"TP rank 0 lost contact with the other ranks (one died?): {exc}") from exc
 
     def shutdown(self) -> None:
         if not self._closed:
@@ -102,11 +144,16 @@ def apply_op(scheduler: Scheduler, op: Op) -> None:
 def follow(scheduler: Scheduler) -> None:
     """A follower rank's loop: mirror rank 0's calls until it says exit."""
     while True:
-        ops, action = broadcast_object(None, src=0)
+        try:
+            ops, action = broadcast_object(None, src=0)
+        except RuntimeError as exc:
+            raise TPRankLost(f"TP rank {scheduler.config.tp_info.rank} lost contact with rank 0: {exc}") from exc
         for op in ops:
             apply_op(scheduler, op)
         if action == "exit":
             return
+        if action == "noop":
+            continue
         if action == "fingerprint":
             _gather_fingerprints(scheduler)
             continue
@@ -144,10 +191,20 @@ def make_scheduler(config: SchedulerConfig) -> Scheduler:
     return Scheduler(config)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def run_server_follower(scheduler: Scheduler, ready_conn: Any) -> None:
+    """A TP server's rank r > 0 after its engine is built: report ready, follow rank 0, exit 0
+    when rank 0 says exit and 1 when it vanishes (the launcher reports which rank exited)."""
+    rank = scheduler.config.tp_info.rank
+    ready_conn.send(("ready", {"rank": rank, "num_pages": scheduler.allocator.num_pages, "device": str(scheduler.device)}))
+    ready_conn.close()
+    logger.info("TP rank %d ready on %s", rank, scheduler.device)
+    try:
+        follow(scheduler)
+    except TPRankLost as exc:
+        logger.error("%s; this rank exits", exc)
+        raise SystemExit(1)
+    finally:
+        scheduler.shutdown()
 
 
 # ---- offline: rank 0 in this process, ranks 1..N-1 spawned -----------------------------------

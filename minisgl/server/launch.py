@@ -60,11 +60,21 @@ def _raise_shutdown(signum: int, frame: Any) -> None:
     raise ShutdownRequested(signum)
 
 
-def _scheduler_main(args: ServerArgs, ready_conn: Any) -> None:
+def _scheduler_main(args: ServerArgs, ready_conn: Any, rank: int = 0) -> None:
     # imported in the child only: `minisgl.scheduler` pulls in torch, which this process never needs
     from minisgl.scheduler.process import run_scheduler_process
 
-    run_scheduler_process(args, ready_conn)
+    run_scheduler_process(args, ready_conn, rank)
+
+
+def _child_targets(args: ServerArgs) -> List[tuple[str, Callable[..., None], tuple]]:
+    """(name, target, extra args): this node's scheduler ranks, and on node 0 the tokenizer."""
+    targets: List[tuple[str, Callable[..., None], tuple]] = [
+        ("scheduler" if rank == 0 else f"scheduler rank {rank}", _scheduler_main, (rank,)) for rank in args.local_ranks
+    ]
+    if args.node_rank == 0:
+        targets.append(("tokenizer", _tokenizer_main, ()))
+    return targets
 
 
 def _tokenizer_main(args: ServerArgs, ready_conn: Any) -> None:
@@ -77,13 +87,9 @@ def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
     """Spawn the workers (appending each to `children` at once, so that the caller can stop them
     whatever happens next) and wait until each is ready. Returns what each reported."""
     ctx = mp.get_context("spawn")
-    targets: List[tuple[str, Callable[..., None]]] = [
-        ("scheduler", _scheduler_main),
-        ("tokenizer", _tokenizer_main),
-    ]
-    for name, target in targets:
+    for name, target, extra in _child_targets(args):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(args, send), name=f"minisgl-{name}", daemon=False)
+        proc = ctx.Process(target=target, args=(args, send, *extra), name=f"minisgl-{name.replace(' ', '-')}", daemon=False)
         proc.start()
         send.close()  # only the child holds the write end: EOF means it died
         children.append(Child(name, proc, recv))
@@ -251,12 +257,39 @@ async def _announce_when_started(holder: Dict[str, Any], args: ServerArgs, info:
     logger.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
 
 
+def serve_follower_node(args: ServerArgs, children: List[Child]) -> int:
+    """Node R > 0 of a multi-machine TP server: run this node's ranks until they exit (rank 0
+    tells them to when the server stops) or one dies; no HTTP here."""
+    logger.info(
+        "node %d of %d: TP ranks %s ready, following rank 0 at %s", args.node_rank, args.nnodes,
+        args.local_ranks, args.dist_init_addr,
+    )  # fmt: skip
+    sentinels = {c.process.sentinel: c for c in children}
+    while True:
+        ready = mp.connection.wait(list(sentinels), timeout=1.0)
+        for obj in ready:
+            child = sentinels.pop(obj)
+            child.process.join(1.0)
+            if child.process.exitcode != 0:
+                logger.error("the %s process (pid %d) %s; this node shuts down", child.name, child.process.pid,
+                             describe_exit(child.process.exitcode))  # fmt: skip
+                return 1
+        if not sentinels:
+            logger.info("every TP rank of this node exited: rank 0 stopped the server")
+            return 0
+
+
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) until a signal or a failure; returns the exit status."""
     configure_logging(args.log_level)
-    if args.tp != 1:
-        logger.error("--tp %d: the server runs one scheduler rank for now; use --tp 1", args.tp)
+    problem = args.check_tp_layout()
+    if problem is not None:
+        logger.error("%s", problem)
         return 2
+    if args.tp > 1 and args.dist_init_addr is None:
+        from minisgl.server.process_utils import free_port
+
+        args.dist_init_addr = f"127.0.0.1:{free_port()}"
     old_handlers = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: List[Child] = []
     ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
@@ -274,6 +307,8 @@ def launch(args: ServerArgs) -> int:
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
             return 1
+        if args.node_rank != 0:
+            return serve_follower_node(args, children)
         if args.shell:
             from minisgl.shell import run_shell
 
@@ -287,6 +322,8 @@ def launch(args: ServerArgs) -> int:
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if args.tp > 1 and children and children[0].name == "scheduler":
+            stop_children(children[:1])  # TP rank 0 first: it tells the other ranks (other nodes too) to exit
         stop_children(children)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         for sig, handler in old_handlers.items():
