@@ -180,3 +180,23 @@ def _child_named(srv: ServerProcess, name: str) -> int:
         if child.name() == name:
             return child.pid
     raise AssertionError(f"no child process named {name}")
+
+
+def test_dead_rank_on_another_node_stops_node_0(tiny_chat_model: str, tmp_path) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    common = (*EXTRA, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
+    node1 = ServerProcess(tiny_chat_model, *common, "--node-rank", "1", log_path=tmp_path / "node1.log")
+    node0 = ServerProcess(tiny_chat_model, *common, "--node-rank", "0", log_path=tmp_path / "node0.log")
+    try:
+        node0.wait_ready()
+        rank1 = _child_named(node1, "minisgl-sched1")
+        os.kill(rank1, signal.SIGKILL)
+        assert node1.proc.wait(20) == 1, node1.log()[-3000:]
+        assert f"the scheduler rank 1 process (pid {rank1}) was killed by SIGKILL" in node1.log()
+        start = time.monotonic()
+        assert node0.proc.wait(20) == 1, node0.log()[-3000:]  # idle: rank 0's heartbeat finds it
+        assert time.monotonic() - start < 10
+        assert "lost contact with the other ranks" in node0.log()
+    finally:
+        node0.stop()
+        node1.stop()

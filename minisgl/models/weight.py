@@ -90,6 +90,8 @@ class CheckpointTensor:
             raise IndexError(f"narrow({dim}, {start}, {length}) outside {tuple(self.shape)} of {self.name}")
         if dim == 0:
             return self._read_rows(start, start + length)
+        if start == 0 and length == self.shape[dim]:
+            return self.read()  # tp=1: the whole tensor, no block copies
         shape = list(self.shape)
         shape[dim] = length
         out = torch.empty(shape, dtype=self.dtype)

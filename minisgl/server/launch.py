@@ -2,7 +2,10 @@
 
     main process: API server (uvicorn + FastAPI) or the shell, plus a watchdog on the children
       ├─ tokenizer worker (minisgl.tokenizer.worker)
-      └─ scheduler rank 0 (minisgl.scheduler.process), owns the Engine
+      ├─ scheduler rank 0 (minisgl.scheduler.process), owns the Engine
+      └─ scheduler rank 1..N-1 with --tp N (follow rank 0's schedule, minisgl/scheduler/tp.py)
+
+With --nnodes K, node R > 0 runs only its tp/K scheduler ranks (no HTTP, no tokenizer).
 
 Children are started with the multiprocessing *spawn* context (fork after torch is unsafe), talk
 over ZeroMQ ipc:// sockets in a private temporary folder, and report readiness (or the error that
