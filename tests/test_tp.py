@@ -298,3 +298,68 @@ def test_rank_that_never_joins_times_out(qwen3_dir):
 def test_bad_tp_value(qwen3_dir):
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         LLM(qwen3_dir, tp=0, **_kwargs())
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine level: the prefill logits themselves
+# ---------------------------------------------------------------------------------------------
+
+_LOGIT_PROMPTS = [[3, 17, 99, 250, 4, 8, 15, 16, 23, 42], [200, 1, 2], list(range(40, 75))]
+
+
+def _engine_logits(rank: int, size: int, paths: List[str], ports: List[int], queue: Any) -> None:
+    """Prefill logits of each model at tp=size on this rank (a spawned process per rank)."""
+    try:
+        import dataclasses
+
+        from helpers import PageAllocator, engine_config, make_req, prefill_logits
+
+        from minisgl.engine import Engine
+
+        out = []
+        for path, port in zip(paths, ports):
+            cfg = engine_config(path, max_running_req=4, distributed_port=port)
+            engine = Engine(dataclasses.replace(cfg, tp_info=DistributedInfo(rank, size)))
+            try:
+                alloc = PageAllocator(engine)
+                reqs = []
+                for row, ids in enumerate(_LOGIT_PROMPTS):
+                    alloc.allocate(row, len(ids))
+                    reqs.append(make_req(ids, row, output_len=1))
+                out.append(prefill_logits(engine, reqs))
+            finally:
+                engine.shutdown()
+        queue.put((rank, out))
+    except BaseException as exc:  # report instead of hanging the test
+        import traceback
+
+        queue.put((rank, f"{exc}\n{traceback.format_exc()}"))
+
+
+def test_tp2_prefill_logits_within_1e4(tp_model_dir):
+    import multiprocessing as mp
+
+    from minisgl.server.process_utils import free_port
+
+    names = sorted(TP_ARCHS)
+    paths = [str(tp_model_dir(n)) for n in names]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    ports = [free_port() for _ in paths]
+    procs = [ctx.Process(target=_engine_logits, args=(r, 2, paths, ports, queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    ref_q = ctx.Queue()
+    _engine_logits(0, 1, paths, ports, ref_q)  # tp=1 here, while the ranks work
+    results = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(30)
+    _, ref = ref_q.get(timeout=5)
+    assert not isinstance(results[0], str), results[0]
+    assert not isinstance(results[1], str), results[1]
+    for name, a, b0, b1 in zip(names, ref, results[0], results[1]):
+        assert a.shape == b0.shape == (len(_LOGIT_PROMPTS), 256), name
+        assert torch.equal(b0, b1), f"{name}: the two ranks hold different logits"
+        diff = float((a - b0).abs().max())
+        assert diff < 1e-4, f"{name}: tp=2 prefill logits differ from tp=1 by {diff:.3g}"
+        assert torch.equal(a.argmax(-1), b0.argmax(-1)), name
