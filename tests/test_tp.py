@@ -363,3 +363,8 @@ def test_tp2_prefill_logits_within_1e4(tp_model_dir):
         diff = float((a - b0).abs().max())
         assert diff < 1e-4, f"{name}: tp=2 prefill logits differ from tp=1 by {diff:.3g}"
         assert torch.equal(a.argmax(-1), b0.argmax(-1)), name
+
+
+def test_tp_that_does_not_divide_the_model_is_refused(qwen3_dir):
+    with pytest.raises(ValueError, match=r"tp=3 cannot split this model: num_attention_heads=4, .* values that fit: \[1, 2, 4\]"):
+        LLM(qwen3_dir, tp=3, **_kwargs())

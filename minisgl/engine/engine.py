@@ -60,8 +60,29 @@ def _pick_device(config: EngineConfig) -> torch.device:
     return device
 
 
+def check_tp_size(model_config: Any, tp: int) -> None:
+    """Raise ValueError unless the model can be split over `tp` ranks (before any rank starts)."""
+    if tp == 1:
+        return
+    sizes = {"num_attention_heads": model_config.num_qo_heads, "intermediate_size": model_config.intermediate_size}
+    if model_config.is_moe:
+        sizes["moe_intermediate_size"] = model_config.moe_intermediate_size
+    bad = [f"{name}={n}" for name, n in sizes.items() if n % tp != 0]
+    kv = model_config.num_kv_heads
+    if (kv % tp != 0) if kv >= tp else (tp % kv != 0):
+        bad.append(f"num_key_value_heads={kv}")
+    if bad:
+        ok = [d for d in range(1, model_config.num_qo_heads + 1) if all(
+            n % d == 0 for n in sizes.values()) and ((kv % d == 0) if kv >= d else (d % kv == 0))]  # fmt: skip
+        raise ValueError(
+            f"tensor parallelism tp={tp} cannot split this model: {', '.join(bad)} not divisible by {tp} "
+            f"(with fewer KV heads than ranks, tp must be a multiple of them); tp values that fit: {ok}"
+        )
+
+
 def _adjust_config(config: EngineConfig) -> EngineConfig:
     """Validate and resolve 'auto' choices so `engine.config` says what actually runs."""
+    check_tp_size(config.model_config, config.tp_info.size)
     if config.page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {config.page_size}")
     if config.max_running_req < 1:

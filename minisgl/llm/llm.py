@@ -19,6 +19,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
+from minisgl.engine.engine import check_tp_size
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
 from minisgl.scheduler.tp import LeaderScheduler, WorkerRanks, free_port
 from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_model_path
@@ -79,6 +80,7 @@ class LLM:
 
     def _start_tp(self, config: SchedulerConfig) -> Scheduler:
         """Spawn ranks 1..tp-1 (each follows rank 0's schedule), then build rank 0 here."""
+        check_tp_size(config.model_config, config.tp_info.size)  # before any process starts
         workers = WorkerRanks(config)
         # Rank 0 lives in this process; the followers must not outlive it, even when the caller
         # never calls shutdown() (weakref.finalize also runs at interpreter exit).
