@@ -3,7 +3,7 @@ models of each sharding case — Qwen3 (q/k norm, tied vocab-parallel head), Lla
 head (replicated over both ranks), Qwen2 (q/k/v biases) and Qwen3-MoE (tensor-parallel experts) —
 through continuous batching, chunked prefill, page_size 4 and the radix cache (a warm rerun).
 Greedy tokens must be identical and logprobs within 1e-4; every rank's token pool and scheduling
-state must agree (LeaderScheduler.ranks_agree); shutdown, a dead rank and interpreter exit leave
+state must agree (LeaderScheduler.rank_fingerprints); shutdown, a dead rank and interpreter exit leave
 no process behind.
 
 On CUDA this needs two GPUs (NCCL refuses two ranks on one device); it is skipped otherwise."""
@@ -97,9 +97,9 @@ def tp_pair(request, tp_model_dir):
     try:
         _check_sharded(request.param, shapes1, _shapes(llm2))
         out = _run(llm2)
-        fps = llm2.scheduler.ranks_agree()
+        fps = llm2.scheduler.rank_fingerprints()
         assert_idle_and_clean(llm2.scheduler)
-        fps_after_reset = llm2.scheduler.ranks_agree()  # the reset reached the follower too
+        fps_after_reset = llm2.scheduler.rank_fingerprints()  # the reset reached the follower too
     finally:
         llm2.shutdown()
     return request.param, ref, out, fps, fps_after_reset
@@ -187,7 +187,7 @@ def test_sampling_same_token_on_every_rank(llm2, seeded_ref):
     mixed = seeded[:3] + unseeded[:3] + [SamplingParams(temperature=0.0, max_tokens=12)] * 2
     out = llm2.generate(prompts[:8], mixed)
     assert all(len(r.token_ids) == 12 for r in out)
-    fps = llm2.scheduler.ranks_agree()
+    fps = llm2.scheduler.rank_fingerprints()
     assert fps[0] == fps[1], "a random draw differed between the ranks"
     # a seeded request draws from its seed and position only: the same tokens as at tp=1
     again = llm2.generate(prompts[:6], seeded)
@@ -208,7 +208,7 @@ def test_abort_and_bad_input_keep_ranks_in_step(llm2):
     with pytest.raises(ValueError, match="input_ids"):
         llm2.generate([[1, 2, 999]])  # rejected on rank 0 before any rank sees it
     assert llm2.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0].completion_tokens == 3
-    fps = sched.ranks_agree()
+    fps = sched.rank_fingerprints()
     assert fps[0] == fps[1]
     assert_idle_and_clean(sched)
 

@@ -143,8 +143,7 @@ def _added(m: dict) -> int:
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="host RSS measures the weights only on CPU; tp=2 on CUDA needs 2 GPUs")
 def test_tp2_load_peak_rss_is_about_half(bf16_checkpoint, tiny_model_dir):
     """Each of two TP ranks reads only its shard of every sharded tensor from the file, so its
-    peak RSS while loading is about half of a single rank's (measured: 70 MB vs 138 MB for 124 MB
-    of bf16 weights)."""
+    peak RSS while loading is about half of a single rank's (124 MB of bf16 weights)."""
     from minisgl.server.process_utils import free_port
 
     path, weight_bytes = bf16_checkpoint
@@ -157,7 +156,8 @@ def test_tp2_load_peak_rss_is_about_half(bf16_checkpoint, tiny_model_dir):
     assert all(m["param_bytes"] < 0.55 * weight_bytes for m in per_rank), per_rank  # half, plus the norms
     added_tp1 = _added(single)
     added_tp2 = max(_added(m) for m in per_rank)
-    assert added_tp2 <= 0.6 * added_tp1, (
+    # measured 70 MB per rank (0.5x) against 134-147 MB at tp=1, once 82 MB on a loaded machine
+    assert added_tp2 <= 0.7 * min(added_tp1, weight_bytes), (
         f"peak RSS added while loading: tp=1 {added_tp1 / 1e6:.1f} MB, tp=2 (worst rank) {added_tp2 / 1e6:.1f} MB "
-        f"(limit 0.6x); measurements: tp=1 {single}, tp=2 {per_rank}"
+        f"for {weight_bytes / 1e6:.1f} MB of weights (limit 0.7x); measurements: tp=1 {single}, tp=2 {per_rank}"
     )

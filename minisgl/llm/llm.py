@@ -76,6 +76,7 @@ class LLM:
             self.scheduler: Scheduler = Scheduler(sched_config)
         else:
             self.scheduler = self._start_tp(sched_config)
+        self._closed = False
         self._uids = itertools.count()
 
     def _start_tp(self, config: SchedulerConfig) -> Scheduler:
@@ -211,13 +212,12 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the scheduler (and, at tp > 1, every worker rank: none is left behind)."""
-        scheduler = getattr(self, "scheduler", None)
-        if scheduler is None:
-            return
+        if getattr(self, "_closed", True):
+            return  # already shut down, or __init__ failed before the scheduler existed
+        self._closed = True
         try:
-            scheduler.shutdown()
+            self.scheduler.shutdown()
         finally:
-            del self.scheduler
             if self._workers is not None:
                 self._workers.shutdown()
                 self._workers = None

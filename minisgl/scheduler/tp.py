@@ -105,7 +105,7 @@ class LeaderScheduler(Scheduler):
             self._stop_requested = False
             raise SystemExit(0)
 
-    def ranks_agree(self) -> List[str]:
+    def rank_fingerprints(self) -> List[str]:
         """Every rank's fingerprint of its scheduling state and token pool (see `fingerprint`);
         all equal when the ranks are in lockstep. For tests and debugging: it is a collective."""
         self._publish("fingerprint")
