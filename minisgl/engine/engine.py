@@ -53,10 +53,10 @@ def _pick_device(config: EngineConfig) -> torch.device:
             return torch.device(f"cuda:{config.tp_info.rank % torch.cuda.device_count()}")
         return torch.device("cpu")
     device = torch.device(config.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(f"cuda:{config.tp_info.rank}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+    if device.type == "cuda" and device.index is None:  # rank r of a node takes its r-th GPU
+        device = torch.device(f"cuda:{config.tp_info.rank % torch.cuda.device_count()}")
     return device
 
 
