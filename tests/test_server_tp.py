@@ -200,3 +200,18 @@ def test_dead_rank_on_another_node_stops_node_0(tiny_chat_model: str, tmp_path) 
     finally:
         node0.stop()
         node1.stop()
+
+
+def test_node_that_never_joins_times_out(tiny_chat_model: str, tmp_path) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    node0 = ServerProcess(
+        tiny_chat_model, *EXTRA, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr,
+        "--dist-timeout", "3", log_path=tmp_path / "node0.log",
+    )  # fmt: skip
+    try:
+        rc = node0.proc.wait(120)
+        log = node0.log()
+        assert rc == 1, log[-3000:]
+        assert "did not all join" in log and "distributed_timeout=3" in log, log[-3000:]
+    finally:
+        node0.stop()
