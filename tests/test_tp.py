@@ -368,3 +368,18 @@ def test_tp2_prefill_logits_within_1e4(tp_model_dir):
 def test_tp_that_does_not_divide_the_model_is_refused(qwen3_dir):
     with pytest.raises(ValueError, match=r"tp=3 cannot split this model: num_attention_heads=4, .* values that fit: \[1, 2, 4\]"):
         LLM(qwen3_dir, tp=3, **_kwargs())
+
+
+def test_script_without_main_guard_fails_fast_with_a_hint(qwen3_dir, tmp_path):
+    path = tmp_path / "no_main_guard.py"
+    path.write_text(
+        f"from minisgl.llm import LLM\n"
+        f"llm = LLM({qwen3_dir!r}, tp=2, dtype='float32', device='cpu', max_running_req=2,\n"
+        f"          max_seq_len_override=64, num_page_override=40)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode != 0
+    assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 50  # not the 60 s rendezvous timeout

@@ -87,6 +87,11 @@ class LLM:
         # never calls shutdown() (weakref.finalize also runs at interpreter exit).
         self._finalizer = weakref.finalize(self, workers.kill)
         try:
+            workers.wait_started()
+        except BaseException:
+            workers.kill()
+            raise
+        try:
             scheduler = LeaderScheduler(config)
         except BaseException as exc:
             details = workers.startup_errors()

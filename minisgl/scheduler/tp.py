@@ -213,6 +213,7 @@ def _worker_main(config: SchedulerConfig, conn: Any) -> None:
     from minisgl.server.process_utils import setup_child_process
 
     setup_child_process(f"minisgl-tp{config.tp_info.rank}", os.environ.get("MINISGL_LOG_LEVEL", "warning"))
+    conn.send(("started", None))  # imports done: rank 0 may start its engine
     try:
         scheduler = Scheduler(config)
     except BaseException as exc:
@@ -246,6 +247,24 @@ class WorkerRanks:
             send.close()
             self.procs.append(proc)
             self.conns.append(recv)
+
+    def wait_started(self, timeout: float = 300.0) -> None:
+        """Before rank 0 builds its engine: every follower got through its imports. A follower
+        that dies here (most often: the caller's script re-ran at import because it lacks the
+        `if __name__ == "__main__":` guard that multiprocessing spawn needs) fails now, rather
+        than after distributed_timeout at the rendezvous."""
+        for rank, conn in enumerate(self.conns, start=1):
+            if not conn.poll(timeout):
+                raise RuntimeError(f"TP rank {rank} did not start within {timeout:g} s")
+            try:
+                kind, payload = conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(
+                    f"TP rank {rank} {self._exit(rank)} before it started (see its error above). Worker ranks "
+                    "are spawned: a script that builds LLM(tp>1) must do it under `if __name__ == \"__main__\":`"
+                ) from None
+            if kind != "started":
+                raise RuntimeError(f"TP rank {rank} failed to start: {payload}")
 
     def wait_ready(self, timeout: float) -> None:
         """After rank 0 is built: every follower reports ready (it met rank 0 in the collectives)."""
