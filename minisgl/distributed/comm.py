@@ -7,16 +7,15 @@ Two groups exist when tp > 1:
   collectives on the current stream, which CUDA graphs capture like any kernel (the first one
   runs eagerly, in the graph runner's warm-up forward, so the communicator exists before capture).
 - the *CPU group* (gloo) carries host-side agreement: the page-budget minimum at init and the
-  scheduler's per-step message broadcast (minisgl/scheduler/tp.py). Its timeout is long: between
+  scheduler's per-step message broadcast (`broadcast_message`, used by minisgl/scheduler/tp.py). Its timeout is long: between
   two `LLM.generate` calls the follower ranks wait in a broadcast for as long as the user idles.
   A peer that dies closes its TCP connections, so a dead rank still surfaces at once as an error.
 """
 
 from __future__ import annotations
 
-import pickle
 from datetime import timedelta
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
@@ -119,26 +118,27 @@ def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
 
 
 # ---- host messages over the CPU group --------------------------------------------------------
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Send a picklable object from rank `src` to every rank of the CPU group; returns it.
-
-    Two gloo broadcasts: the byte count, then the pickled bytes."""
+def broadcast_message(code: int, data: bytes = b"", src: int = 0) -> Tuple[int, bytes]:
+    """Send a small code (0 <= code < 256) and optional bytes from rank `src` to every rank of
+    the CPU group; returns (code, bytes) on every rank. One gloo broadcast of a single int64
+    carries the code and the byte count, a second one the bytes, only when there are any, so a
+    message without payload (the scheduler's plain "step") costs one round."""
     group = _CPU_GROUP
-    assert group is not None, "broadcast_object needs tp > 1 (no CPU group)"
-    rank = dist.get_rank()
-    if rank == src:
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        size = torch.tensor([len(data)], dtype=torch.int64)
+    assert group is not None, "broadcast_message needs tp > 1 (no CPU group)"
+    is_src = dist.get_rank() == src
+    if is_src:
+        assert 0 <= code < 256, code
+        header = torch.tensor([(len(data) << 8) | code], dtype=torch.int64)
     else:
-        size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=src, group=group)
-    n = int(size.item())
-    if rank == src:
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    else:
-        payload = torch.empty(n, dtype=torch.uint8)
+        header = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group)
+    value = int(header.item())
+    code, n = value & 0xFF, value >> 8
+    if n == 0:
+        return code, b""
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
     dist.broadcast(payload, src=src, group=group)
-    return obj if rank == src else pickle.loads(payload.numpy().tobytes())
+    return code, data if is_src else payload.numpy().tobytes()
 
 
 def all_reduce_min_int(value: int) -> int:

@@ -5,8 +5,9 @@ deterministic function of the calls it receives (requests, aborts, cache resets,
 every rank receives the same calls in the same order, every rank builds the same batches, and
 the collectives inside the model line up. Only rank 0 hears from the outside world (the LLM API
 or the tokenizer worker); it records each mutating call it applies, and at every step it
-broadcasts the recorded calls plus the action ("step" or "exit") over the gloo CPU group
-(`minisgl.distributed.broadcast_object`). Followers apply the calls, then step, and throw their
+broadcasts the recorded calls plus the action ("step", "noop", "exit") over the gloo CPU group
+(`minisgl.distributed.broadcast_message`: one int64 broadcast for the action and byte count, a
+second for the pickled calls only when there are any, so a plain decode step costs one round). Followers apply the calls, then step, and throw their
 outputs away: only rank 0 returns tokens. The sampled tokens agree because the engine
 broadcasts rank 0's draw (see Engine.forward_batch).
 
@@ -24,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
 from typing import Any, List, Tuple
 
-from minisgl.distributed import DistributedInfo, broadcast_object
+from minisgl.distributed import DistributedInfo, broadcast_message
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import TokenOutput, UserRequest
 from minisgl.scheduler.scheduler import Scheduler
@@ -39,6 +41,16 @@ logger = init_logger(__name__)
 
 HEARTBEAT_S = 1.0
 Op = Tuple[Any, ...]  # ("add", UserRequest) | ("abort", uid) | ("reset_cache",)
+ACTIONS = ("step", "noop", "exit", "fingerprint")  # sent as their index
+
+
+def _send(ops: List[Op], action: str) -> None:
+    broadcast_message(ACTIONS.index(action), pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL) if ops else b"")
+
+
+def _recv() -> Tuple[List[Op], str]:
+    code, data = broadcast_message(0)
+    return (pickle.loads(data) if data else []), ACTIONS[code]
 
 
 class TPRankLost(RuntimeError):
@@ -115,7 +127,7 @@ class LeaderScheduler(Scheduler):
         ops, self._ops = self._ops, []
         self._last_publish = time.monotonic()
         try:
-            broadcast_object((ops, action), src=0)
+            _send(ops, action)
         except RuntimeError as exc:
             raise TPRankLost(f"TP rank 0 lost contact with the other ranks (one died?): {exc}") from exc
 
@@ -145,7 +157,7 @@ def follow(scheduler: Scheduler) -> None:
     """A follower rank's loop: mirror rank 0's calls until it says exit."""
     while True:
         try:
-            ops, action = broadcast_object(None, src=0)
+            ops, action = _recv()
         except RuntimeError as exc:
             raise TPRankLost(f"TP rank {scheduler.config.tp_info.rank} lost contact with rank 0: {exc}") from exc
         for op in ops:
