@@ -63,11 +63,19 @@ def init_process_group(addr: str, rank: int, size: int, device: torch.device, ti
         raise
     except Exception as exc:
         destroy_process_group()
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        timed_out = isinstance(exc, (TimeoutError, getattr(dist, "DistStoreError", TimeoutError))) or "timed out" in first.lower()
+        if timed_out:
+            raise DistributedInitError(
+                f"tensor-parallel rank {rank} of {size}: the ranks did not all join at {addr} within "
+                f"distributed_timeout={timeout_s:g} s ({type(exc).__name__}: {first}). Start every rank "
+                "(all --node-rank launchers, with the same --tp and --dist-init-addr), check that the "
+                "address is reachable and its port free, or raise distributed_timeout."
+            ) from exc
         raise DistributedInitError(
-            f"tensor-parallel rank {rank} of {size}: the ranks did not all join at {addr} within "
-            f"distributed_timeout={timeout_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). "
-            "Start every rank (all --node-rank launchers, with the same --tp and --dist-init-addr), "
-            "check that the address is reachable and its port free, or raise distributed_timeout."
+            f"tensor-parallel rank {rank} of {size}: could not set up the {backend} process group at {addr} "
+            f"on {device} ({type(exc).__name__}: {first}). On CUDA every rank needs its own GPU "
+            "(rank r of a node takes cuda:r); the address must be reachable, and on rank 0 a free port of this machine."
         ) from exc
     return _CPU_GROUP
 

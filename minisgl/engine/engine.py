@@ -57,6 +57,11 @@ def _pick_device(config: EngineConfig) -> torch.device:
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
     if device.type == "cuda" and device.index is None:  # rank r of a node takes its r-th GPU
         device = torch.device(f"cuda:{config.tp_info.rank % torch.cuda.device_count()}")
+    elif device.type == "cuda" and config.tp_info.size > 1:
+        raise ValueError(
+            f"device {config.device!r} names one GPU, but tp={config.tp_info.size} needs one GPU per rank: "
+            "pass device='cuda' (or 'auto') and rank r takes cuda:r"
+        )
     return device
 
 
