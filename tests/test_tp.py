@@ -383,3 +383,37 @@ def test_script_without_main_guard_fails_fast_with_a_hint(qwen3_dir, tmp_path):
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 50  # not the 60 s rendezvous timeout
+
+
+def test_ctrl_c_during_generate_leaves_the_ranks_usable(qwen3_dir, tmp_path):
+    """SIGINT mid-generate at tp=2 raises KeyboardInterrupt between steps; the next generate
+    works and the ranks still agree."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal, threading
+        from minisgl.core import SamplingParams
+        from minisgl.llm import LLM
+        if __name__ == "__main__":
+            llm = LLM({qwen3_dir!r}, tp=2, dtype="float32", device="cpu", max_running_req=4,
+                      max_seq_len_override=512, num_page_override=4 * 512 + 8)
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            try:
+                llm.generate([[1, 2, 3]] * 4, long)
+                print("NOT INTERRUPTED")
+            except KeyboardInterrupt:
+                print("INTERRUPTED")
+            out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5))
+            fps = llm.scheduler.rank_fingerprints()
+            llm.scheduler.check_invariants()
+            print("AFTER", len(out[0].token_ids), fps[0] == fps[1])
+            llm.shutdown()
+        """
+    )
+    path = tmp_path / "ctrl_c.py"
+    path.write_text(script)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "INTERRUPTED" in proc.stdout.splitlines(), proc.stdout
+    assert "AFTER 5 True" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -8,11 +8,14 @@ queued, so a bad one raises ValueError and leaves the LLM usable.
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
+import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -166,30 +169,32 @@ class LLM:
         tops: Dict[int, List[List[Tuple[int, float]]]] = {r.uid: [] for r in requests}
         finals: Dict[int, Any] = {}
         bar = _progress(len(requests), use_tqdm)
-        try:
-            while pending:
-                for out in self.scheduler.step():
-                    if out.uid not in pending:
-                        continue
-                    if out.token_id is not None:
-                        tokens[out.uid].append(out.token_id)
-                        if out.logprob is not None:
-                            logps[out.uid].append(out.logprob)
-                            tops[out.uid].append(out.top_logprobs or [])
-                    if out.finished:
-                        finals[out.uid] = out
-                        pending.discard(out.uid)
-                        if bar is not None:
-                            bar.update(1)
-            self.scheduler.run_until_idle()  # retire the step still in flight (overlap)
-        except BaseException:
-            for uid in pending:
-                self.scheduler.abort(uid)
-            self.scheduler.run_until_idle()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        with _interrupts_between_steps(self._workers is not None) as check_interrupt:
+            try:
+                while pending:
+                    for out in self.scheduler.step():
+                        if out.uid not in pending:
+                            continue
+                        if out.token_id is not None:
+                            tokens[out.uid].append(out.token_id)
+                            if out.logprob is not None:
+                                logps[out.uid].append(out.logprob)
+                                tops[out.uid].append(out.top_logprobs or [])
+                        if out.finished:
+                            finals[out.uid] = out
+                            pending.discard(out.uid)
+                            if bar is not None:
+                                bar.update(1)
+                    check_interrupt()  # Ctrl-C lands here, between steps, at tp > 1
+                self.scheduler.run_until_idle()  # retire the step still in flight (overlap)
+            except BaseException:
+                for uid in pending:
+                    self.scheduler.abort(uid)
+                self.scheduler.run_until_idle()
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
         results = []
         for req in requests:
             fin = finals[req.uid]
@@ -233,6 +238,32 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@contextmanager
+def _interrupts_between_steps(enabled: bool) -> Iterator[Callable[[], None]]:
+    """At tp > 1, a Ctrl-C (SIGINT) is held until the current step is over and raised between
+    steps: a step abandoned half-way would leave the worker ranks inside a collective, waiting for
+    rank 0 forever. Only the main thread receives signals, so elsewhere this does nothing."""
+    hit: List[int] = []
+
+    def check() -> None:
+        if hit:
+            hit.clear()
+            raise KeyboardInterrupt
+
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield check
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN or previous is None:
+        yield check
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _is_token_list(prompt: Any) -> bool:
