@@ -1,10 +1,11 @@
 """Tensor parallelism on CPU (gloo, float32): `LLM(tp=2)` against `LLM(tp=1)` on tiny random
 models of each sharding case — Qwen3 (q/k norm, tied vocab-parallel head), Llama with one KV
-head (replicated over both ranks), Qwen2 (q/k/v biases) and Qwen3-MoE (tensor-parallel experts) —
+head (replicated over both ranks), Qwen2 (q/k/v biases, an odd vocabulary: a padded shard) and
+Qwen3-MoE (tensor-parallel experts) —
 through continuous batching, chunked prefill, page_size 4 and the radix cache (a warm rerun).
 Greedy tokens must be identical and logprobs within 1e-4; every rank's token pool and scheduling
-state must agree (LeaderScheduler.rank_fingerprints); shutdown, a dead rank and interpreter exit leave
-no process behind.
+state must agree (LeaderScheduler.rank_fingerprints); shutdown, a dead rank, Ctrl-C and
+interpreter exit leave no process behind (or stranded).
 
 On CUDA this needs two GPUs (NCCL refuses two ranks on one device); it is skipped otherwise."""
 
