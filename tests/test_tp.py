@@ -418,3 +418,22 @@ def test_ctrl_c_during_generate_leaves_the_ranks_usable(qwen3_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "INTERRUPTED" in proc.stdout.splitlines(), proc.stdout
     assert "AFTER 5 True" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 4, reason="needs 4 GPUs on CUDA")
+def test_tp4_equals_tp1_each_kv_head_on_two_ranks(tmp_path):
+    """4 ranks, 4 query heads, 2 KV heads: ranks 0-1 keep KV head 0, ranks 2-3 KV head 1."""
+    path = str(build_tiny_model("llama", tmp_path / "llama_tp4", seed=30))
+    prompts, params = _workload()
+    prompts, params = prompts[:6], params[:6]
+    with LLM(path, **_kwargs()) as llm:
+        ref = llm.generate(prompts, params)
+    with LLM(path, tp=4, **_kwargs()) as llm4:
+        assert llm4.scheduler.engine.kv_cache.num_kv_heads == 1
+        out = llm4.generate(prompts, params)
+        fps = llm4.scheduler.rank_fingerprints()
+        assert len(set(fps)) == 1, fps
+        assert_idle_and_clean(llm4.scheduler)
+    for a, b in zip(ref, out):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < LOGPROB_ATOL
