@@ -437,3 +437,20 @@ def test_tp4_equals_tp1_each_kv_head_on_two_ranks(tmp_path):
     for a, b in zip(ref, out):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < LOGPROB_ATOL
+
+
+def test_tp_works_after_a_failed_rendezvous_in_the_same_process(qwen3_dir):
+    """A timed-out init leaves torch's group counter behind; the next LLM(tp=2) here must still
+    meet its fresh worker (it waited for keys nobody wrote before destroy_process_group reset it)."""
+    from minisgl.engine import Engine, EngineConfig
+    from minisgl.scheduler.tp import free_port
+
+    config = EngineConfig(
+        model_path=qwen3_dir, tp_info=DistributedInfo(0, 2), dtype=torch.float32, device="cpu",
+        distributed_timeout=1, distributed_port=free_port(), num_page_override=16, max_seq_len_override=64,
+        max_running_req=2,
+    )  # fmt: skip
+    with pytest.raises(DistributedInitError):
+        Engine(config)
+    with LLM(qwen3_dir, tp=2, **_kwargs(distributed_timeout=30)) as llm:
+        assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0].completion_tokens == 2

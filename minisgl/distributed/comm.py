@@ -83,8 +83,17 @@ def init_process_group(addr: str, rank: int, size: int, device: torch.device, ti
 def destroy_process_group() -> None:
     global _CPU_GROUP
     _CPU_GROUP = None
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():
         dist.destroy_process_group()
+        return
+    # A failed init_process_group (a rank never joined) has already counted the default group,
+    # so the next init in this process would name its groups differently from fresh peers' and
+    # wait for keys nobody writes. torch resets the counter only when destroying a live group.
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
 
 
 def get_cpu_group() -> Any:
