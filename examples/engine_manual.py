@@ -62,10 +62,10 @@ phase = "prefill"
 for step in range(NEW_TOKENS):
     batch = Batch(reqs=reqs, phase=phase)
     engine.graph_runner.pad_batch(batch)
-    fed = batch.padded_reqs
-    batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in fed]).int().to(engine.device)
-    batch.input_ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in fed]).to(engine.device)
-    batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len : r.device_len] for r in fed])
+    # built on the host, as in the seed: forward_batch moves them to the engine's device
+    batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
+    batch.input_ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in reqs])
+    batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len : r.device_len] for r in reqs])
     engine.attn_backend.prepare_metadata(batch)
     out = engine.forward_batch(batch, engine.sampler.prepare(batch))  # forward + sample; advances each Req
     out.copy_done_event.synchronize()

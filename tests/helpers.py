@@ -77,12 +77,15 @@ LLAMA3_ROPE_SCALING = {
 LLAMA_V4_ROPE_THETA = 5000.0
 
 
-def build_tiny_model(name: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Build a random HF model of architecture `name` (a key of TINY_ARCHS), save it to `out_dir`."""
+def build_tiny_model(
+    name: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **extra: Any
+) -> Path:
+    """Build a random HF model of architecture `name` (a key of TINY_ARCHS), save it to `out_dir`.
+    `extra` overrides config fields on top of the architecture's (e.g. num_key_value_heads=1)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     model_type, overrides = TINY_ARCHS[name]
-    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides})
+    cfg = AutoConfig.for_model(model_type, **{**_COMMON, **overrides, **extra})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():

@@ -80,7 +80,8 @@ def test_prefill_logits_match_hf(tiny_model_dir, hf_oracle):
 
 
 def test_manual_loop_greedy_matches_hf(tiny_model_dir, hf_oracle):
-    """The seed's hand-written loop (examples/ch06_engine.py), verbatim but for the model."""
+    """The seed's hand-written loop (examples/ch06_engine.py), verbatim but for the model; on
+    CUDA it also proves host tensors in a batch are moved to the engine's device."""
     hf = hf_oracle(SEED_MODEL)
     path = tiny_model_dir(SEED_MODEL)
     engine = Engine(
@@ -113,13 +114,14 @@ def test_manual_loop_greedy_matches_hf(tiny_model_dir, hf_oracle):
             )
         outs = [[] for _ in reqs]
         phase = "prefill"
-        dev = engine.device
         for step in range(8):
+            # the seed's lines as written: input_ids/positions built on the host (forward_batch
+            # moves them to the engine's device), fields over `reqs` (graph replay pads the rest)
             batch = Batch(reqs=reqs, phase=phase)
             engine.graph_runner.pad_batch(batch)
-            batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in batch.padded_reqs]).int().to(dev)
-            batch.input_ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in batch.padded_reqs]).to(dev)
-            batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len : r.device_len] for r in batch.padded_reqs])
+            batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs]).int()
+            batch.input_ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in reqs])
+            batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len : r.device_len] for r in reqs])
             engine.attn_backend.prepare_metadata(batch)
             out = engine.forward_batch(batch, engine.sampler.prepare(batch))
             out.copy_done_event.synchronize()

@@ -32,6 +32,9 @@ class EngineConfig:
     use_dummy_weight: bool = False
     max_seq_len_override: int | None = None
     num_page_override: int | None = None
+    # "HOST:PORT" of rank 0's rendezvous for several machines (--dist-init-addr); None: this
+    # machine, at distributed_port (the seed's distributed_addr)
+    dist_init_addr: str | None = None
 
     @cached_property
     def hf_config(self) -> Any:
@@ -55,4 +58,6 @@ class EngineConfig:
 
     @property
     def distributed_addr(self) -> str:
+        if self.dist_init_addr is not None:
+            return f"tcp://{self.dist_init_addr}"
         return f"tcp://127.0.0.1:{self.distributed_port}"

@@ -16,7 +16,7 @@ import torch
 
 from minisgl.attention.base import create_attention_backend, resolve_attention_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
-from minisgl.distributed import destroy_process_group, init_process_group, set_tp_info
+from minisgl.distributed import all_reduce_min_int, broadcast, destroy_process_group, init_process_group, set_tp_info
 from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
@@ -55,15 +55,41 @@ def _pick_device(config: EngineConfig) -> torch.device:
             return torch.device(f"cuda:{config.tp_info.rank % torch.cuda.device_count()}")
         return torch.device("cpu")
     device = torch.device(config.device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device(f"cuda:{config.tp_info.rank}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} was asked for but CUDA is not available")
+    if device.type == "cuda" and device.index is None:  # rank r of a node takes its r-th GPU
+        device = torch.device(f"cuda:{config.tp_info.rank % torch.cuda.device_count()}")
+    elif device.type == "cuda" and config.tp_info.size > 1:
+        raise ValueError(
+            f"device {config.device!r} names one GPU, but tp={config.tp_info.size} needs one GPU per rank: "
+            "pass device='cuda' (or 'auto') and rank r takes cuda:r"
+        )
     return device
+
+
+def check_tp_size(model_config: Any, tp: int) -> None:
+    """Raise ValueError unless the model can be split over `tp` ranks (before any rank starts)."""
+    if tp == 1:
+        return
+    sizes = {"num_attention_heads": model_config.num_qo_heads, "intermediate_size": model_config.intermediate_size}
+    if model_config.is_moe:
+        sizes["moe_intermediate_size"] = model_config.moe_intermediate_size
+    bad = [f"{name}={n}" for name, n in sizes.items() if n % tp != 0]
+    kv = model_config.num_kv_heads
+    if (kv % tp != 0) if kv >= tp else (tp % kv != 0):
+        bad.append(f"num_key_value_heads={kv}")
+    if bad:
+        ok = [d for d in range(1, model_config.num_qo_heads + 1) if all(
+            n % d == 0 for n in sizes.values()) and ((kv % d == 0) if kv >= d else (d % kv == 0))]  # fmt: skip
+        raise ValueError(
+            f"tensor parallelism tp={tp} cannot split this model: {', '.join(bad)} not divisible by {tp} "
+            f"(with fewer KV heads than ranks, tp must be a multiple of them); tp values that fit: {ok}"
+        )
 
 
 def _adjust_config(config: EngineConfig) -> EngineConfig:
     """Validate and resolve 'auto' choices so `engine.config` says what actually runs."""
+    check_tp_size(config.model_config, config.tp_info.size)
     if config.page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {config.page_size}")
     if config.max_running_req < 1:
@@ -226,18 +252,17 @@ class Engine:
         synchronize(self.device)
 
     def _init_communication(self, config: EngineConfig) -> Any:
+        """Join the other ranks (tp > 1 only): the device group (NCCL/gloo) for the layers'
+        collectives and a gloo CPU group for host-side agreement, which is returned."""
         if config.tp_info.size == 1:
             return None
-        init_process_group(
+        return init_process_group(
             config.distributed_addr, config.tp_info.rank, config.tp_info.size, self.device, config.distributed_timeout
         )
-        import torch.distributed as dist
-
-        # a gloo group for host-side agreement (memory min, scheduling metadata)
-        return dist.new_group(backend="gloo") if is_cuda(self.device) else dist.group.WORLD
 
     def _sync_get_memory(self) -> Tuple[int, int]:
-        """(total, free) bytes on this device; `free` is the minimum over TP ranks."""
+        """(total, free) bytes on this device; `free` is the minimum over TP ranks, so every
+        rank sizes the same KV pool and takes the same scheduling decisions."""
         if is_cuda(self.device):
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -245,11 +270,7 @@ class Engine:
         else:
             free, total = _host_available_memory(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if self.tp_cpu_group is not None:
-            import torch.distributed as dist
-
-            t = torch.tensor([free], dtype=torch.int64)
-            dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.tp_cpu_group)
-            free = int(t.item())
+            free = all_reduce_min_int(free)
         return total, free
 
     def _load_weight_state_dict(self, config: EngineConfig) -> dict[str, torch.Tensor]:
@@ -290,6 +311,7 @@ class Engine:
                     raise ValueError(
                         f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}"
                     )
+        self._move_inputs(batch)
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):
                 logits = self.graph_runner.replay(batch)
@@ -299,6 +321,10 @@ class Engine:
                 req.complete_one()
             logits = logits[: batch.size]
             next_tokens_gpu = self.sampler.sample(logits, args).to(torch.int32)
+            if self.config.tp_info.size > 1 and args.temperatures is not None:
+                # Every rank holds the same gathered logits, so greedy argmax agrees by itself; a
+                # random draw is rank 0's, so every rank's token pool gets the same token.
+                broadcast(next_tokens_gpu, src=0)
             next_tokens_cpu = next_tokens_gpu.to("cpu", non_blocking=True)
             logprobs = None
             if args.logprobs_k is not None:
@@ -312,6 +338,14 @@ class Engine:
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs)
+
+    def _move_inputs(self, batch: Batch) -> None:
+        """The seed's manual loop builds input_ids/positions on the host: move what is elsewhere
+        to the engine's device (a no-op for the scheduler's batches, already there)."""
+        for name in ("input_ids", "positions", "out_loc"):
+            t = getattr(batch, name, None)
+            if t is not None and t.device != self.device:
+                setattr(batch, name, t.to(self.device, non_blocking=True))
 
     def shutdown(self) -> None:
         """Free global state so another Engine can be built in this process."""

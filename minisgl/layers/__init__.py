@@ -1,8 +1,10 @@
 """Model building blocks, each with a tensor-parallel sharding contract.
 
 Contract for every layer holding weights: parameters are created at their *local* (per-rank)
-shape, and `shard(param_name, full_tensor, part)` returns this rank's slice of a checkpoint
-tensor. Layers whose parameter merges several checkpoint tensors (q/k/v, gate/up, experts) list
+shape, and `shard(param_name, full, part)` returns this rank's slice of a checkpoint tensor.
+`full` is a lazy `models.weight.CheckpointTensor` (shape, dtype, narrow, new_zeros, read): slice
+it with `narrow`/`narrow_rank`, which read only that slice from the file, or return it whole
+(replicated). Layers whose parameter merges several checkpoint tensors (q/k/v, gate/up, experts) list
 them in `parts(param_name)` and concatenate them with `merge(param_name, {part: shard})`.
 """
 

@@ -8,17 +8,23 @@ queued, so a bad one raises ValueError and leaves the LLM usable.
 from __future__ import annotations
 
 import itertools
+import signal
 import sys
+import threading
+import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
+from minisgl.engine.engine import check_tp_size
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
+from minisgl.scheduler.tp import LeaderScheduler, WorkerRanks, free_port
 from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_model_path
 from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
@@ -43,7 +49,15 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, model_path: str | None = None, *, dtype: str | torch.dtype = "auto", device: str = "auto", **config: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str = "auto",
+        tp: int = 1,
+        **config: Any,
+    ) -> None:
         path = resolve_model_path(model_path)
         target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
         resolved = auto_dtype(cached_load_hf_config(path), target) if dtype == "auto" else parse_dtype(dtype)
@@ -56,10 +70,49 @@ class LLM:
         # server's 8192: each prefill step is an eager forward whose launch cost (~30 ms of host
         # time on the H200 machine) the GPU mostly idles through, so fewer steps win throughput.
         config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS)
-        self.scheduler = Scheduler(
-            SchedulerConfig(model_path=path, tp_info=DistributedInfo(0, 1), dtype=resolved, device=device, **config)
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        if tp > 1 and "distributed_port" not in config and "dist_init_addr" not in config:
+            config["distributed_port"] = free_port()  # never collide with another LLM's ranks
+        sched_config = SchedulerConfig(
+            model_path=path, tp_info=DistributedInfo(0, tp), dtype=resolved, device=device, **config
         )
+        self._workers: WorkerRanks | None = None
+        if tp == 1:
+            self.scheduler: Scheduler = Scheduler(sched_config)
+        else:
+            self.scheduler = self._start_tp(sched_config)
+        self._closed = False
         self._uids = itertools.count()
+
+    def _start_tp(self, config: SchedulerConfig) -> Scheduler:
+        """Spawn ranks 1..tp-1 (each follows rank 0's schedule), then build rank 0 here."""
+        check_tp_size(config.model_config, config.tp_info.size)  # before any process starts
+        workers = WorkerRanks(config)
+        # Rank 0 lives in this process; the followers must not outlive it, even when the caller
+        # never calls shutdown() (weakref.finalize also runs at interpreter exit).
+        self._finalizer = weakref.finalize(self, workers.kill)
+        try:
+            workers.wait_started()
+        except BaseException:
+            workers.kill()
+            raise
+        try:
+            scheduler = LeaderScheduler(config)
+        except BaseException as exc:
+            details = workers.startup_errors()
+            workers.kill()
+            if details:
+                raise RuntimeError(f"tensor-parallel start-up failed: {exc}; {details}") from exc
+            raise
+        try:
+            workers.wait_ready(timeout=config.distributed_timeout)
+        except BaseException:
+            workers.kill()
+            scheduler.shutdown()
+            raise
+        self._workers = workers
+        return scheduler
 
     # ---- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, index: int = 0) -> List[int]:
@@ -120,32 +173,34 @@ class LLM:
         finals: Dict[int, Any] = {}
         prompt_lps: Dict[int, List[List[Any]]] = {}
         bar = _progress(len(requests), use_tqdm)
-        try:
-            while pending:
-                for out in self.scheduler.step():
-                    if out.uid not in pending:
-                        continue
-                    if out.prompt_logprobs is not None:
-                        prompt_lps[out.uid] = out.prompt_logprobs
-                    if out.token_id is not None:
-                        tokens[out.uid].append(out.token_id)
-                        if out.logprob is not None:
-                            logps[out.uid].append(out.logprob)
-                            tops[out.uid].append(out.top_logprobs or [])
-                    if out.finished:
-                        finals[out.uid] = out
-                        pending.discard(out.uid)
-                        if bar is not None:
-                            bar.update(1)
-            self.scheduler.run_until_idle()  # retire the step still in flight (overlap)
-        except BaseException:
-            for uid in pending:
-                self.scheduler.abort(uid)
-            self.scheduler.run_until_idle()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        with _interrupts_between_steps(self._workers is not None) as check_interrupt:
+            try:
+                while pending:
+                    for out in self.scheduler.step():
+                        if out.uid not in pending:
+                            continue
+                        if out.prompt_logprobs is not None:
+                            prompt_lps[out.uid] = out.prompt_logprobs
+                        if out.token_id is not None:
+                            tokens[out.uid].append(out.token_id)
+                            if out.logprob is not None:
+                                logps[out.uid].append(out.logprob)
+                                tops[out.uid].append(out.top_logprobs or [])
+                        if out.finished:
+                            finals[out.uid] = out
+                            pending.discard(out.uid)
+                            if bar is not None:
+                                bar.update(1)
+                    check_interrupt()  # Ctrl-C lands here, between steps, at tp > 1
+                self.scheduler.run_until_idle()  # retire the step still in flight (overlap)
+            except BaseException:
+                for uid in pending:
+                    self.scheduler.abort(uid)
+                self.scheduler.run_until_idle()
+                raise
+            finally:
+                if bar is not None:
+                    bar.close()
         results = []
         for req in requests:
             fin = finals[req.uid]
@@ -173,13 +228,49 @@ class LLM:
         return self.generate(convs, sampling_params)  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
+        """Stop the scheduler (and, at tp > 1, every worker rank: none is left behind)."""
+        if getattr(self, "_closed", True):
+            return  # already shut down, or __init__ failed before the scheduler existed
+        self._closed = True
+        try:
+            self.scheduler.shutdown()
+        finally:
+            if self._workers is not None:
+                self._workers.shutdown()
+                self._workers = None
+                self._finalizer.detach()
 
     def __enter__(self) -> "LLM":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+@contextmanager
+def _interrupts_between_steps(enabled: bool) -> Iterator[Callable[[], None]]:
+    """At tp > 1, a Ctrl-C (SIGINT) is held until the current step is over and raised between
+    steps: a step abandoned half-way would leave the worker ranks inside a collective, waiting for
+    rank 0 forever. Only the main thread receives signals, so elsewhere this does nothing."""
+    hit: List[int] = []
+
+    def check() -> None:
+        if hit:
+            hit.clear()
+            raise KeyboardInterrupt
+
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield check
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is signal.SIG_IGN or previous is None:
+        yield check
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: hit.append(signum))
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _is_token_list(prompt: Any) -> bool:

@@ -1,9 +1,10 @@
 """Stream checkpoint tensors into this rank's shards.
 
 Peak memory matters (a 14B model in bf16 is 28 GB): tensors are read one at a time straight
-from the file into their own buffers (no mmap, whose resident pages would count a second copy),
-sliced to this rank's shard, cast and moved to the device; merged parameters (q/k/v, gate/up,
-experts) wait only until their last part arrives.
+from the file into their own buffers (no mmap, whose resident pages would count a second copy);
+a sharded parameter reads only this rank's slice (CheckpointTensor.narrow), so at tp=N a rank
+reads and holds about 1/N of the checkpoint; each piece is cast and moved to the device; merged
+parameters (q/k/v, gate/up, experts) wait only until their last part arrives.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -32,8 +33,79 @@ _ST_DTYPES = {
 }
 
 
-def iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from one .safetensors file, reading each tensor into fresh memory."""
+class CheckpointTensor:
+    """One tensor of an open safetensors file, not read yet. A layer's `shard()` receives it as
+    `full` and slices it with `narrow` (through `narrow_rank`), which reads only this rank's
+    bytes from the file: at tp=N a rank never holds more than its 1/N of a sharded tensor.
+    `read()` reads the whole tensor (replicated parameters)."""
+
+    BLOCK_BYTES = 8 << 20  # a slice along dim > 0 is gathered from row blocks of at most this
+
+    def __init__(self, f: BinaryIO, path: Path, name: str, offset: int, nbytes: int, shape: List[int], dtype: torch.dtype) -> None:
+        self._f, self._path, self.name = f, path, name
+        self._offset, self._nbytes = offset, nbytes
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        if self.shape.numel() * dtype.itemsize != nbytes:
+            raise ValueError(f"{path.name}: tensor {name} has {nbytes} bytes, its shape {shape} needs {self.shape.numel() * dtype.itemsize}")
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def new_zeros(self, shape: Sequence[int]) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=self.dtype)
+
+    def _read_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of dim 0 (contiguous in the file), in fresh memory."""
+        row_bytes = self._nbytes // self.shape[0] if self.shape[0] else 0
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+        n = (stop - start) * row_bytes
+        if n:
+            self._f.seek(self._offset + start * row_bytes)
+            view = out.view(-1).view(torch.uint8).numpy()
+            if self._f.readinto(memoryview(view)) != n:
+                raise ValueError(f"{self._path.name}: tensor {self.name} is truncated")
+        return out
+
+    def read(self) -> torch.Tensor:
+        if self.shape.numel() == 0 or len(self.shape) == 0:
+            out = torch.empty(self.shape, dtype=self.dtype)
+            if self._nbytes:
+                self._f.seek(self._offset)
+                if self._f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != self._nbytes:
+                    raise ValueError(f"{self._path.name}: tensor {self.name} is truncated")
+            return out
+        return self._read_rows(0, self.shape[0])
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        dim = dim % len(self.shape)
+        if length == 0:
+            shape = list(self.shape)
+            shape[dim] = 0
+            return torch.empty(shape, dtype=self.dtype)
+        if not 0 <= start <= start + length <= self.shape[dim]:
+            raise IndexError(f"narrow({dim}, {start}, {length}) outside {tuple(self.shape)} of {self.name}")
+        if dim == 0:
+            return self._read_rows(start, start + length)
+        if start == 0 and length == self.shape[dim]:
+            return self.read()  # tp=1: the whole tensor, no block copies
+        shape = list(self.shape)
+        shape[dim] = length
+        out = torch.empty(shape, dtype=self.dtype)
+        row_bytes = max(1, self._nbytes // max(1, self.shape[0]))
+        step = max(1, self.BLOCK_BYTES // row_bytes)
+        for i in range(0, self.shape[0], step):
+            j = min(i + step, self.shape[0])
+            out[i:j].copy_(self._read_rows(i, j).narrow(dim, start, length))
+        return out
+
+
+def iter_checkpoint(path: Path) -> Iterator[Tuple[str, CheckpointTensor]]:
+    """Yield (name, CheckpointTensor) of one .safetensors file in file order; nothing is read
+    until a tensor is narrowed or read (the file stays open meanwhile)."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(header_len))
@@ -44,13 +116,13 @@ def iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
             dtype = _ST_DTYPES.get(info["dtype"])
             if dtype is None:
                 raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
-            tensor = torch.empty(info["shape"], dtype=dtype)
-            f.seek(base + start)
-            if end > start:
-                view = tensor.view(-1).view(torch.uint8).numpy()
-                if f.readinto(memoryview(view)) != end - start:
-                    raise ValueError(f"{path.name}: tensor {name} is truncated")
-            yield name, tensor
+            yield name, CheckpointTensor(f, path, name, base + start, end - start, info["shape"], dtype)
+
+
+def iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from one .safetensors file, reading each tensor into fresh memory."""
+    for name, lazy in iter_checkpoint(path):
+        yield name, lazy.read()
 
 
 def checkpoint_files(model_dir: str) -> list[Path]:
@@ -68,7 +140,7 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
     out: Dict[str, torch.Tensor] = {}
     pending: Dict[str, Dict[Any, torch.Tensor]] = {}
     for file in checkpoint_files(model_dir):
-        for ckpt_name, full in iter_safetensors(file):
+        for ckpt_name, full in iter_checkpoint(file):
             mapped = model.map_weight_name(ckpt_name)  # type: ignore[operator]
             if mapped is None:
                 continue
@@ -78,12 +150,13 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
                 module = model.get_submodule(module_path)
             except AttributeError:
                 raise ValueError(f"checkpoint weight {ckpt_name!r} does not belong to {type(model).__name__}") from None
-            piece = module.shard(param_name, full, part) if isinstance(module, ShardedModule) else full
+            # A sharded layer narrows `full`, which reads only this rank's slice from the file.
+            piece: Any = module.shard(param_name, full, part) if isinstance(module, ShardedModule) else full
+            if isinstance(piece, CheckpointTensor):
+                piece = piece.read()  # replicated
             target_dtype = dtype if piece.is_floating_point() else piece.dtype
             local = piece.to(device=device, dtype=target_dtype)
-            if local.data_ptr() == full.data_ptr() and local.numel() < full.numel():
-                local = local.clone()  # a view would keep the whole checkpoint tensor alive
-            del full, piece
+            del piece
             parts = module.parts(param_name) if isinstance(module, ShardedModule) else None
             if part is None or parts is None:
                 out[name] = local

@@ -59,6 +59,8 @@ class SchedulerLoop:
         self._last_stats_gen = 0
         self._last_stats: StatsMsg | None = None
         self._running = True
+        # TP rank 0 (scheduler/tp.py): a no-op broadcast while idle, so a dead rank shows at once
+        self._heartbeat = getattr(scheduler, "heartbeat", lambda: None)
 
     # ---- messages ----------------------------------------------------------------------------
     def _send(self, msg: Any) -> None:
@@ -150,6 +152,7 @@ class SchedulerLoop:
             idle = not self.scheduler.has_work()
             if idle:
                 self._maybe_send_stats(idle=True)
+                self._heartbeat()
                 if self.parent_pid is not None:
                     from minisgl.server.process_utils import parent_alive
 
@@ -217,12 +220,18 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
 
     parent = setup_child_process(f"minisgl-sched{rank}", args.log_level)
     try:
-        from minisgl.scheduler import Scheduler
+        from minisgl.scheduler.tp import LeaderScheduler, make_scheduler, run_server_follower
 
         config = args.scheduler_config(rank)
-        scheduler = Scheduler(config)
+        scheduler = make_scheduler(config)  # tp > 1: rank 0 leads, the others follow (scheduler/tp.py)
     except BaseException as exc:
-        fail_startup(ready_conn, "scheduler", exc)
+        fail_startup(ready_conn, f"scheduler rank {rank}" if rank else "scheduler", exc)
+    if rank != 0:
+        return run_server_follower(scheduler, ready_conn)
+    if isinstance(scheduler, LeaderScheduler):
+        import signal
+
+        signal.signal(signal.SIGTERM, lambda signum, frame: scheduler.request_stop())  # then tell the followers
 
     addrs = IpcAddrs.in_dir(args.ipc_dir)
     ctx = zmq.Context()

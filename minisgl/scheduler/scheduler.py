@@ -191,7 +191,9 @@ class Scheduler:
         try:
             return outputs + self._step()
         except Exception as exc:
-            if is_fatal(exc):
+            # With TP ranks in lockstep a rank cannot recover alone (the others may wait in a
+            # collective): any failure is fatal there.
+            if is_fatal(exc) or self.config.tp_info.size > 1:
                 raise
             failed = self._recover()
             raise StepFailed(failed, outputs, exc) from exc

@@ -23,6 +23,10 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"
     tp: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous (set by launch on one node)
+    dist_timeout: float = 60.0
     attention_backend: str = "auto"
     cache: str = "radix"
     max_running_requests: int | None = None
@@ -55,6 +59,26 @@ class ServerArgs:
         if self.model is None:
             return "SmolLM2-135M-Instruct"
         return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf") or self.model
+
+    @property
+    def local_ranks(self) -> List[int]:
+        """The TP ranks this launcher runs: node R runs ranks [R*tp/nnodes, (R+1)*tp/nnodes)."""
+        per_node = self.tp // self.nnodes
+        return list(range(self.node_rank * per_node, (self.node_rank + 1) * per_node))
+
+    def check_tp_layout(self) -> str | None:
+        """What is wrong with --tp/--nnodes/--node-rank/--dist-init-addr, or None."""
+        if self.tp % self.nnodes != 0:
+            return f"--tp {self.tp} is not divisible by --nnodes {self.nnodes} (every node runs tp/nnodes ranks)"
+        if not 0 <= self.node_rank < self.nnodes:
+            return f"--node-rank {self.node_rank} is outside [0, --nnodes {self.nnodes})"
+        if self.nnodes > 1 and not self.dist_init_addr:
+            return "--nnodes > 1 needs --dist-init-addr HOST:PORT (an address of node 0 every node can reach)"
+        if self.dist_init_addr:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                return f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}"
+        return None
 
     def scheduler_config(self, rank: int = 0) -> Any:
         """The SchedulerConfig of TP rank `rank` (imports torch: call it in the scheduler process)."""
@@ -91,6 +115,8 @@ class ServerArgs:
             max_extend_tokens=self.max_prefill_length,
             cache_type=self.cache,
             enable_overlap=False if self.disable_overlap else None,
+            dist_init_addr=self.dist_init_addr,
+            distributed_timeout=self.dist_timeout,
             **kwargs,
         )
 
@@ -243,6 +269,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error", "critical"],
         help="log level of every process",
     )
+    dist = parser.add_argument_group("tensor parallelism over several machines")
+    dist.add_argument("--nnodes", type=_positive_int, default=1, help="machines the --tp ranks are spread over")
+    dist.add_argument("--node-rank", type=int, default=0, help="this machine's index in [0, --nnodes); node 0 serves HTTP")
+    dist.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="HOST:PORT of node 0 for torch.distributed's TCP rendezvous (needed with --nnodes > 1; "
+        "default on one machine: a free loopback port)",
+    )
+    dist.add_argument("--dist-timeout", type=float, default=60.0, help="seconds to wait for every rank to join")
     return parser
 
 

@@ -2,7 +2,10 @@
 
     main process: API server (uvicorn + FastAPI) or the shell, plus a watchdog on the children
       ├─ tokenizer worker (minisgl.tokenizer.worker)
-      └─ scheduler rank 0 (minisgl.scheduler.process), owns the Engine
+      ├─ scheduler rank 0 (minisgl.scheduler.process), owns the Engine
+      └─ scheduler rank 1..N-1 with --tp N (follow rank 0's schedule, minisgl/scheduler/tp.py)
+
+With --nnodes K, node R > 0 runs only its tp/K scheduler ranks (no HTTP, no tokenizer).
 
 Children are started with the multiprocessing *spawn* context (fork after torch is unsafe), talk
 over ZeroMQ ipc:// sockets in a private temporary folder, and report readiness (or the error that
@@ -65,11 +68,21 @@ def _raise_shutdown(signum: int, frame: Any) -> None:
     raise ShutdownRequested(signum)
 
 
-def _scheduler_main(args: ServerArgs, ready_conn: Any) -> None:
+def _scheduler_main(args: ServerArgs, ready_conn: Any, rank: int = 0) -> None:
     # imported in the child only: `minisgl.scheduler` pulls in torch, which this process never needs
     from minisgl.scheduler.process import run_scheduler_process
 
-    run_scheduler_process(args, ready_conn)
+    run_scheduler_process(args, ready_conn, rank)
+
+
+def _child_targets(args: ServerArgs) -> List[tuple[str, Callable[..., None], tuple]]:
+    """(name, target, extra args): this node's scheduler ranks, and on node 0 the tokenizer."""
+    targets: List[tuple[str, Callable[..., None], tuple]] = [
+        ("scheduler" if rank == 0 else f"scheduler rank {rank}", _scheduler_main, (rank,)) for rank in args.local_ranks
+    ]
+    if args.node_rank == 0:
+        targets.append(("tokenizer", _tokenizer_main, ()))
+    return targets
 
 
 def _tokenizer_main(args: ServerArgs, ready_conn: Any) -> None:
@@ -82,13 +95,9 @@ def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
     """Spawn the workers (appending each to `children` at once, so that the caller can stop them
     whatever happens next) and wait until each is ready. Returns what each reported."""
     ctx = mp.get_context("spawn")
-    targets: List[tuple[str, Callable[..., None]]] = [
-        ("scheduler", _scheduler_main),
-        ("tokenizer", _tokenizer_main),
-    ]
-    for name, target in targets:
+    for name, target, extra in _child_targets(args):
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(args, send), name=f"minisgl-{name}", daemon=False)
+        proc = ctx.Process(target=target, args=(args, send, *extra), name=f"minisgl-{name.replace(' ', '-')}", daemon=False)
         proc.start()
         send.close()  # only the child holds the write end: EOF means it died
         children.append(Child(name, proc, recv))
@@ -281,15 +290,42 @@ async def _announce_when_started(holder: Dict[str, Any], args: ServerArgs, info:
     logger.info("serving on http://%s:%d (OpenAI API under /v1)", args.host, args.port)
 
 
+def serve_follower_node(args: ServerArgs, children: List[Child]) -> int:
+    """Node R > 0 of a multi-machine TP server: run this node's ranks until they exit (rank 0
+    tells them to when the server stops) or one dies; no HTTP here."""
+    logger.info(
+        "node %d of %d: TP ranks %s ready, following rank 0 at %s", args.node_rank, args.nnodes,
+        args.local_ranks, args.dist_init_addr,
+    )  # fmt: skip
+    sentinels = {c.process.sentinel: c for c in children}
+    while True:
+        ready = mp.connection.wait(list(sentinels), timeout=1.0)
+        for obj in ready:
+            child = sentinels.pop(obj)
+            child.process.join(1.0)
+            if child.process.exitcode != 0:
+                logger.error("the %s process (pid %d) %s; this node shuts down", child.name, child.process.pid,
+                             describe_exit(child.process.exitcode))  # fmt: skip
+                return 1
+        if not sentinels:
+            logger.info("every TP rank of this node exited: rank 0 stopped the server")
+            return 0
+
+
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) until a signal or a failure; returns the exit status
     (EXIT_OK, EXIT_FAILURE or EXIT_USAGE; argparse also exits 2 for a bad command line)."""
     configure_logging(args.log_level)
-    if args.tp != 1:
-        logger.error("--tp %d: the server runs one scheduler rank for now; use --tp 1", args.tp)
+    problem = args.check_tp_layout()
+    if problem is not None:
+        logger.error("%s", problem)
         return EXIT_USAGE
+    if args.tp > 1 and args.dist_init_addr is None:
+        from minisgl.server.process_utils import free_port
+
+        args.dist_init_addr = f"127.0.0.1:{free_port()}"
     listener: socket.socket | None = None
-    if not args.shell:
+    if not args.shell and args.node_rank == 0:  # follower nodes serve no HTTP
         try:
             listener = bind_listener(args.host, args.port)
         except PortInUse as exc:
@@ -312,6 +348,8 @@ def launch(args: ServerArgs) -> int:
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
             return EXIT_FAILURE
+        if args.node_rank != 0:
+            return serve_follower_node(args, children)
         if args.shell:
             from minisgl.shell import run_shell
 
@@ -328,6 +366,8 @@ def launch(args: ServerArgs) -> int:
             listener.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if args.tp > 1 and children and children[0].name == "scheduler":
+            stop_children(children[:1])  # TP rank 0 first: it tells the other ranks (other nodes too) to exit
         stop_children(children)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         for sig, handler in old_handlers.items():

@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import traceback
 from dataclasses import dataclass
@@ -35,6 +36,13 @@ class IpcAddrs:
             scheduler=f"ipc://{os.path.join(folder, 'scheduler')}",
             api=f"ipc://{os.path.join(folder, 'api')}",
         )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on now (for the TP rendezvous on one machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _libc() -> ctypes.CDLL | None:
