@@ -22,6 +22,8 @@ import torch
 
 from minisgl.layers.quant import Int4Weight, Int8Weight, QuantWeight
 
+GGUF_MARKER = "minisgl_gguf_source.txt"  # written by utils/hf.py's convert_gguf
+
 # GGUF tensor name inside a block -> (our module path in the layer, part of the merged parameter)
 _LAYER_TENSORS: Dict[str, Tuple[str, object]] = {
     "attn_q": ("self_attn.qkv_proj", "q"),
@@ -117,4 +119,10 @@ def gguf_source(model_path: str | None) -> str | None:
         except FileNotFoundError:
             return None
     p = Path(model_path).expanduser()
-    return str(p) if p.is_file() and p.suffix == ".gguf" else None
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p)
+    marker = p / GGUF_MARKER
+    if p.is_dir() and marker.exists():  # a folder converted from a GGUF (utils/hf.py)
+        src = Path(marker.read_text().strip())
+        return str(src) if src.is_file() else None
+    return None
