@@ -32,12 +32,11 @@ class EngineConfig:
     use_dummy_weight: bool = False
     max_seq_len_override: int | None = None
     num_page_override: int | None = None
-    # CPU only (see engine/cpu_decode.py): weight-only quantization of the decode GEMMs
-    # (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), a flat decode step,
-    # and torch.compile of that step.
+    # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
+    # GEMMs (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), and the flat
+    # decode step on fused C kernels (False: the module path, as on CUDA).
     quantization: str | None = None
     cpu_fast_decode: bool = True
-    cpu_compile: bool = False
 
     @cached_property
     def hf_config(self) -> Any:

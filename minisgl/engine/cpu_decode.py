@@ -7,9 +7,13 @@ through `CpuDecodeRunner.forward`, which walks the layers with the fewest torch 
 - q/k/v and gate/up are one GEMM each (already merged at load);
 - rotary tables are pre-cast to the model dtype, q and k rotate in one op chain;
 - attention reads the paged KV pool by slot index (no per-layer cast of every context to fp32);
-- optional weight-only int4/int8 GEMMs (`layers/quant.py`) for small batches;
-- optional `torch.compile` (inductor C++) of the whole step, which fuses the pointwise ops and
-  the attention's gather into a few C++ loops.
+- optional weight-only int4/int8 GEMMs (`layers/quant.py`) for small batches.
+
+With the C kernels (kernel/cpu) the runner also runs prefill: the same paged attention kernel
+takes any number of query rows per request (causal over the cached prefix and the new tokens).
+Without a C compiler, decode runs the same step on torch ops (`_forward`) and prefill the
+module path. torch.compile of this step was tried and dropped: 4 minutes of inductor compile on
+two cores for a slower step (see docs/PERFORMANCE.md).
 
 The arithmetic follows the module path (and so HF): RMSNorm statistics in fp32, scale in the
 model dtype; rotary in the model dtype; softmax in fp32. Prefill and anything this runner does
@@ -18,9 +22,8 @@ not cover (MoE, tensor parallelism, CUDA) run the model's own forward.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +84,6 @@ class CpuDecodeRunner:
         model: nn.Module,
         kv_cache: KVCachePool,
         quant: Dict[str, QuantWeight] | None = None,
-        compile: bool = False,
         dense_above: int = DEFAULT_DENSE_ABOVE,
     ) -> None:
         cfg = model.config  # type: ignore[attr-defined]
@@ -118,11 +120,8 @@ class CpuDecodeRunner:
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
-        self._step: Callable[..., torch.Tensor] = self._forward
-        if compile:
-            self._step = _compiled(self._forward)
         self.kernels = None
-        if not compile and dtype in SUFFIX:
+        if dtype in SUFFIX:
             k = cpu_kernels()
             g = self.hq // self.hk
             if k is not None and self.d <= k.max_head_dim and g <= k.max_group and self.d % 2 == 0:
@@ -158,19 +157,39 @@ class CpuDecodeRunner:
         bias.masked_fill_(pos[None, :] >= torch.tensor(lens)[:, None], float("-inf"))
         return slots, bias
 
+    def can_run(self, batch: Batch) -> bool:
+        """Decode always; prefill too when the C kernels are there (same kernels, any length)."""
+        return batch.is_decode or self.kernels is not None
+
     def forward(self, batch: Batch, page_table: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return self._forward_kernels(batch, page_table)
         slots, bias = self._metadata(batch, page_table)
-        return self._step(batch.input_ids, batch.positions, batch.out_loc.long(), slots, bias)
+        return self._forward(batch.input_ids, batch.positions, batch.out_loc.long(), slots, bias)
+
+    @staticmethod
+    def _token_rows(batch: Batch) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per fed token: its page-table row and how many keys it sees (causal, cached prefix
+        included); for prefill also the index of each request's last token (the LM head rows)."""
+        reqs = batch.padded_reqs
+        if batch.is_decode:
+            rows = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
+            return rows, torch.tensor([r.device_len for r in reqs], dtype=torch.int64), None
+        rows_l: List[int] = []
+        lens_l: List[int] = []
+        last_l: List[int] = []
+        for r in reqs:
+            rows_l += [r.table_idx] * r.extend_len
+            lens_l += range(r.cached_len + 1, r.device_len + 1)
+            last_l.append(len(lens_l) - 1)
+        return (torch.tensor(rows_l, dtype=torch.int64), torch.tensor(lens_l, dtype=torch.int64),
+                torch.tensor(last_l, dtype=torch.int64))  # fmt: skip
 
     def _forward_kernels(self, batch: Batch, page_table: torch.Tensor) -> torch.Tensor:
         """The step on the fused C kernels: 9 calls per layer (4 GEMMs, 5 kernels)."""
-        reqs = batch.padded_reqs
-        b = len(reqs)
+        b = batch.input_ids.shape[0]  # tokens fed (one per request in decode)
         hq, hk, d, eps = self.hq, self.hk, self.d, self.eps
-        table_row = torch.tensor([r.table_idx for r in reqs], dtype=torch.int64)
-        kv_len = torch.tensor([r.device_len for r in reqs], dtype=torch.int64)
+        table_row, kv_len, last = self._token_rows(batch)
         positions = batch.positions if batch.positions.dtype == torch.int32 else batch.positions.int()
         out_loc = batch.out_loc.long()
         assert page_table.dtype == torch.int32 and page_table.is_contiguous()
@@ -204,7 +223,7 @@ class CpuDecodeRunner:
             m = L.down(act)
             nxt = self._ptrs[i + 1][0] if i + 1 < n else self.final_norm.data_ptr()
             rms(m.data_ptr(), pres, nxt, ph, b, hidden, eps, 1)
-        return self.lm_head(h)
+        return self.lm_head(h if last is None else h[last])
 
     # ---- the step -----------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer_id: int, slots: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -254,13 +273,6 @@ class CpuDecodeRunner:
         return self.lm_head(h)
 
 
-def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    # dynamic: one graph for every batch size and context length (plus the size-1
-    # specialisations dynamo always makes); the FX/inductor caches persist across runs.
-    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
-    return torch.compile(fn, dynamic=True, fullgraph=False)
-
-
 QUANTIZATIONS = ("none", "gguf", "int4", "int8")
 
 
@@ -302,11 +314,9 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
     if why_not is not None:
         if method != "none":
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
-        if config.cpu_compile:
-            raise ValueError(f"cpu_compile needs the CPU decode path, unavailable here: {why_not}")
         return None
     quant = None
     if method != "none":
         quant = load_quant_weights(model, method, config.model_path, config.dtype)
         logger.info_rank0(f"CPU decode: {len(quant)} {method} weight matrices for batches <= {DEFAULT_DENSE_ABOVE}")
-    return CpuDecodeRunner(model, kv_cache, quant=quant, compile=config.cpu_compile)
+    return CpuDecodeRunner(model, kv_cache, quant=quant)

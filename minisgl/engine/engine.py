@@ -297,7 +297,7 @@ class Engine:
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):
                 logits = self.graph_runner.replay(batch)
-            elif self.cpu_runner is not None and batch.is_decode:
+            elif self.cpu_runner is not None and self.cpu_runner.can_run(batch):
                 logits = self.cpu_runner.forward(batch, self.page_table)
             else:
                 logits = self.model.forward()

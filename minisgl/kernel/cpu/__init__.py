@@ -24,7 +24,7 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 _SRC = Path(__file__).with_name("kernels.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
     "add_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
