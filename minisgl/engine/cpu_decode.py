@@ -185,11 +185,48 @@ class CpuDecodeRunner:
         return (torch.tensor(rows_l, dtype=torch.int64), torch.tensor(lens_l, dtype=torch.int64),
                 torch.tensor(last_l, dtype=torch.int64))  # fmt: skip
 
+    @staticmethod
+    def _sdpa_plan(batch: Batch) -> List[Tuple[int, int, int, int, int]] | None:
+        """(start, length, cached_len, device_len, table row) per request of a prefill.
+
+        Prefill attends through torch's SDPA, not the paged kernel (tuned for one query row per
+        request): 4-D bf16 inputs with enable_gqa take oneDNN's flash kernel, 1.0 ms per layer
+        for a 500-token prompt against 14 ms for the paged kernel (3-D inputs or repeated KV
+        heads fall back to the math path, ~9 ms)."""
+        if batch.is_decode:
+            return None
+        plan, start = [], 0
+        for r in batch.padded_reqs:
+            plan.append((start, r.extend_len, r.cached_len, r.device_len, r.table_idx))
+            start += r.extend_len
+        return plan
+
+    def _prefill_sdpa(self, qkv: torch.Tensor, out: torch.Tensor, layer_id: int, page_table: torch.Tensor,
+                      plan: List[Tuple[int, int, int, int, int]]) -> None:  # fmt: skip
+        hq, hk, d = self.hq, self.hk, self.d
+        qs, ks = hq * d, hk * d
+        for start, n, cached, total, row in plan:
+            rows = qkv[start : start + n]
+            q = rows[:, :qs].view(n, hq, d).transpose(0, 1).unsqueeze(0)
+            if cached == 0:  # keys are this step's own rows: causal, no gather
+                k = rows[:, qs : qs + ks].view(n, hk, d)
+                v = rows[:, qs + ks :].view(n, hk, d)
+                mask = None
+            else:  # a cached prefix: all keys from the pool (this step's are stored already)
+                slots = page_table[row, :total].long()
+                k, v = self.kv.k_cache(layer_id)[slots], self.kv.v_cache(layer_id)[slots]
+                pos = torch.arange(cached, total)
+                mask = torch.arange(total)[None, :] <= pos[:, None]
+            k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            out[start : start + n] = o[0].transpose(0, 1).reshape(n, qs)
+
     def _forward_kernels(self, batch: Batch, page_table: torch.Tensor) -> torch.Tensor:
         """The step on the fused C kernels: 9 calls per layer (4 GEMMs, 5 kernels)."""
         b = batch.input_ids.shape[0]  # tokens fed (one per request in decode)
         hq, hk, d, eps = self.hq, self.hk, self.d, self.eps
         table_row, kv_len, last = self._token_rows(batch)
+        sdpa_plan = self._sdpa_plan(batch)
         positions = batch.positions if batch.positions.dtype == torch.int32 else batch.positions.int()
         out_loc = batch.out_loc.long()
         assert page_table.dtype == torch.int32 and page_table.is_contiguous()
@@ -214,7 +251,10 @@ class CpuDecodeRunner:
             qkv = L.qkv(h)
             pq = qkv.data_ptr()
             rope(pq, ppos, pcos, psin, qn, kn, eps, kc, vc, ploc, b, hq, hk, d)
-            attend(pq, width, kc, vc, ppt, pt_stride, prow, plen, pattn, b, hq, hk, d, scale, nt)
+            if sdpa_plan is not None:
+                self._prefill_sdpa(qkv, attn, i, page_table, sdpa_plan)
+            else:
+                attend(pq, width, kc, vc, ppt, pt_stride, prow, plen, pattn, b, hq, hk, d, scale, nt)
             # (each GEMM result is bound to a name: a temporary would be freed before the call)
             a = L.o(attn)
             rms(a.data_ptr(), pres, ln2, ph, b, hidden, eps, 1)

@@ -26,11 +26,11 @@ static inline uint16_t f_to_bf16(float f) {  /* round to nearest even, as torch 
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
-/* exp(x) for x <= 0 (softmax arguments), branch-free so loops over it vectorize (libm's expf
+/* exp(x), branch-free so loops over it vectorize (libm's expf
  * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
- * polynomial on [-0.5, 0.5]; relative error ~2e-7. Underflows to 0 below -87. */
+ * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
 static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : x;
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float t = x * 1.44269504088896341f;
     float n = __builtin_rintf(t);
     float f = t - n;
@@ -58,6 +58,7 @@ static inline float rnd_bf16(float v) { return bf16_to_f(f_to_bf16(v)); }
  * has_residual = 0: residual = x (the first layer). x may alias out. */                        \
 void add_rms_norm_##SUF(const T *x, T *residual, const T *w, T *out, long rows, long h,         \
                         float eps, int has_residual) {                                          \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long r = 0; r < rows; r++) {                                                           \
         const T *xr = x + r * h;                                                                \
         T *rr = residual + r * h;                                                               \
@@ -77,11 +78,12 @@ void add_rms_norm_##SUF(const T *x, T *residual, const T *w, T *out, long rows, 
                                                                                                 \
 /* out[r, i] = silu(gate) * up over gu = [gate | up] rows of width 2 * inter. */                \
 void silu_mul_##SUF(const T *gu, T *out, long rows, long inter) {                               \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long r = 0; r < rows; r++) {                                                           \
         const T *g = gu + r * 2 * inter, *u = g + inter;                                        \
         for (long i = 0; i < inter; i++) {                                                      \
             float a = ld_##SUF(g, i);                                                           \
-            float s = rnd_##SUF(a / (1.0f + expf(-a)));                                         \
+            float s = rnd_##SUF(a / (1.0f + fast_exp(-a)));                                         \
             st_##SUF(out + r * inter, i, s * ld_##SUF(u, i));                                   \
         }                                                                                       \
     }                                                                                           \
@@ -116,6 +118,7 @@ void rope_store_##SUF(T *qkv, const int32_t *positions, const T *cos, const T *s
                       const T *q_norm, const T *k_norm, float eps, T *k_cache, T *v_cache,      \
                       const int64_t *out_loc, long rows, long hq, long hk, long d) {            \
     long width = (hq + 2 * hk) * d;                                                             \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long t = 0; t < rows; t++) {                                                           \
         T *row = qkv + t * width;                                                               \
         const T *c = cos + (long)positions[t] * d, *s = sin + (long)positions[t] * d;           \
