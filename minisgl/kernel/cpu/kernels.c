@@ -53,6 +53,126 @@ static inline float ld_bf16(const uint16_t *p, long i) { return bf16_to_f(p[i]);
 static inline void st_bf16(uint16_t *p, long i, float v) { p[i] = f_to_bf16(v); }
 static inline float rnd_bf16(float v) { return bf16_to_f(f_to_bf16(v)); }
 
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The decode attention hot loop in AVX-512 for head_dim D in {64, 128}: the G query heads of one
+ * KV head stay in registers; keys go in blocks of 16 whose scores form one vector, so the
+ * online-softmax max, exp and rescale run once per block and 16 lanes wide. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+static inline __m512 ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16_bf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+#define DEFINE_FAST_ATTN(SUF, T, D)                                                              \
+static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache,               \
+                                  const int32_t *slots, long n, long hk, long kh, long g,         \
+                                  float scale, T *out) {                                          \
+    enum { V = D / 16 };                                                                          \
+    __m512 qv[8][V], acc[8][V];                                                                   \
+    float mx[8], den[8];                                                                          \
+    for (long j = 0; j < g; j++) {                                                                \
+        for (int c = 0; c < V; c++) {                                                             \
+            float tmp[16];                                                                        \
+            for (int i = 0; i < 16; i++) tmp[i] = ld_##SUF(q + j * D, c * 16 + i) * scale;        \
+            qv[j][c] = _mm512_loadu_ps(tmp);                                                      \
+            acc[j][c] = _mm512_setzero_ps();                                                      \
+        }                                                                                         \
+        mx[j] = -INFINITY; den[j] = 0.f;                                                          \
+    }                                                                                             \
+    for (long s0 = 0; s0 < n; s0 += 16) {                                                         \
+        int nb = n - s0 < 16 ? (int)(n - s0) : 16;                                                \
+        __mmask16 live = (__mmask16)((1u << nb) - 1u);                                            \
+        float sc[8][16];                                                                          \
+        /* slots are scattered over the pool: prefetch the next block's rows so the loads below   \
+         * stream instead of waiting on DRAM latency one row at a time */                         \
+        for (long b = s0 + 16; b < s0 + 32 && b < n; b++) {                                       \
+            const char *kp = (const char *)(k_cache + ((long)slots[b] * hk + kh) * D);            \
+            const char *vp = (const char *)(v_cache + ((long)slots[b] * hk + kh) * D);            \
+            for (int off = 0; off < (int)(D * sizeof(T)); off += 64) {                            \
+                _mm_prefetch(kp + off, _MM_HINT_T0);                                              \
+                _mm_prefetch(vp + off, _MM_HINT_T0);                                              \
+            }                                                                                     \
+        }                                                                                         \
+        for (int b = 0; b < nb; b++) {                                                            \
+            const T *kr = k_cache + ((long)slots[s0 + b] * hk + kh) * D;                          \
+            __m512 kv[V];                                                                         \
+            for (int c = 0; c < V; c++) kv[c] = ld16_##SUF(kr + c * 16);                          \
+            for (long j = 0; j < g; j++) {                                                        \
+                __m512 dot = _mm512_mul_ps(qv[j][0], kv[0]);                                      \
+                for (int c = 1; c < V; c++) dot = _mm512_fmadd_ps(qv[j][c], kv[c], dot);          \
+                sc[j][b] = _mm512_reduce_add_ps(dot);                                             \
+            }                                                                                     \
+        }                                                                                         \
+        float pj[8][16];                                                                          \
+        for (long j = 0; j < g; j++) {                                                            \
+            __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[j]);             \
+            float bm = _mm512_reduce_max_ps(sv);                                                  \
+            if (bm > mx[j]) {                                                                     \
+                __m512 corr = _mm512_set1_ps(fast_exp(mx[j] - bm));                               \
+                den[j] *= fast_exp(mx[j] - bm);                                                   \
+                for (int c = 0; c < V; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], corr);           \
+                mx[j] = bm;                                                                       \
+            }                                                                                     \
+            __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx[j])))); \
+            den[j] += _mm512_reduce_add_ps(pv);                                                   \
+            _mm512_storeu_ps(pj[j], pv);                                                          \
+        }                                                                                         \
+        for (int b = 0; b < nb; b++) {                                                            \
+            const T *vr = v_cache + ((long)slots[s0 + b] * hk + kh) * D;                          \
+            __m512 vv[V];                                                                         \
+            for (int c = 0; c < V; c++) vv[c] = ld16_##SUF(vr + c * 16);                          \
+            for (long j = 0; j < g; j++) {                                                        \
+                __m512 w = _mm512_set1_ps(pj[j][b]);                                              \
+                for (int c = 0; c < V; c++) acc[j][c] = _mm512_fmadd_ps(w, vv[c], acc[j][c]);     \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (long j = 0; j < g; j++) {                                                                \
+        float inv = n > 0 ? 1.0f / den[j] : 0.f;                                                  \
+        float tmp[D];                                                                             \
+        for (int c = 0; c < V; c++) _mm512_storeu_ps(tmp + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv))); \
+        for (int i = 0; i < D; i++) st_##SUF(out + j * D, i, tmp[i]);                             \
+    }                                                                                             \
+}
+DEFINE_FAST_ATTN(f32, float, 64)
+DEFINE_FAST_ATTN(f32, float, 128)
+DEFINE_FAST_ATTN(bf16, uint16_t, 64)
+DEFINE_FAST_ATTN(bf16, uint16_t, 128)
+#define FAST_ATTN(SUF)                                                                           \
+    if (d == 64 || d == 128) {                                                                   \
+        int nt = (work * hk * d < 65536) ? 1 : nthreads;                                         \
+        _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")                         \
+        for (long task = 0; task < rows * hk; task++) {                                          \
+            long t = task / hk, kh = task % hk;                                                  \
+            const int32_t *slots = page_table + table_row[t] * pt_stride;                        \
+            const void *qh = q + t * q_stride + kh * g * d;                                      \
+            void *o = out + t * hq * d + kh * g * d;                                             \
+            if (d == 64) attn_task_##SUF##_64((const void *)qh, k_cache, v_cache, slots, kv_len[t], hk, kh, g, scale, o); \
+            else attn_task_##SUF##_128((const void *)qh, k_cache, v_cache, slots, kv_len[t], hk, kh, g, scale, o); \
+        }                                                                                        \
+        return;                                                                                  \
+    }
+#else
+#define FAST_ATTN(SUF)
+#endif
+
 #define DEFINE_KERNELS(SUF, T)                                                                   \
 /* residual = x (+ residual);  out = w * T(residual * rsqrt(mean(residual^2) + eps)).        \
  * has_residual = 0: residual = x (the first layer). x may alias out. */                        \
@@ -141,6 +261,7 @@ void paged_attention_##SUF(const T *q, long q_stride, const T *k_cache, const T 
     long tasks = rows * hk;                                                                     \
     long work = 0;                                                                              \
     for (long t = 0; t < rows; t++) work += kv_len[t];                                          \
+    FAST_ATTN(SUF)                                                                              \
     int nt = (work * hk * d < 65536) ? 1 : nthreads;                                            \
     _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")                            \
     for (long task = 0; task < tasks; task++) {                                                 \
