@@ -346,26 +346,27 @@ def _hugepage_pool(kv_cache: KVCachePool) -> None:
     """Re-allocate the KV pool on transparent huge pages (Linux, THP in madvise mode).
 
     Decode attention reads each request's slots, which the allocator scatters over the pool:
-    on 4 KiB pages nearly every 128-byte key row costs a TLB miss (measured: the 64-request
-    decode attention took 2.2x longer). The pool is still untouched memory when this runs, so
-    madvise before the first write is enough; anything failing leaves the pool as it was."""
+    on 4 KiB pages nearly every 128-byte key row costs a TLB miss (measured, with the kernel's
+    prefetching already in: a 64-request decode step's attention 40 -> 36 ms). The new pool is advised before its first write, so its
+    pages fault in huge; where madvise is unavailable it is a plain zeroed pool."""
     import ctypes
     import sys
 
     if not sys.platform.startswith("linux") or kv_cache.nbytes < (64 << 20):
         return
+    shape, dtype = kv_cache.buffer.shape, kv_cache.buffer.dtype
+    kv_cache.buffer = torch.empty(0, dtype=dtype)  # free the old pool first: no 2x peak
+    buf = torch.empty(shape, dtype=dtype)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        buf = torch.empty_like(kv_cache.buffer)
         huge = 2 << 20
         start = -(-buf.data_ptr() // huge) * huge
-        end = (buf.data_ptr() + kv_cache.nbytes) // huge * huge
+        end = (buf.data_ptr() + buf.numel() * buf.element_size()) // huge * huge
         if end > start:
             libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
-        buf.zero_()
-        kv_cache.buffer = buf
     except (OSError, AttributeError):
         pass
+    kv_cache.buffer = buf.zero_()
 
 
 def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.device, config) -> CpuDecodeRunner | None:  # type: ignore[no-untyped-def]
