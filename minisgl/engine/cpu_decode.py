@@ -22,6 +22,7 @@ not cover (MoE, tensor parallelism, CUDA) run the model's own forward.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -32,7 +33,7 @@ from torch import nn
 from minisgl.core import Batch
 from minisgl.kernel.cpu import SUFFIX, CpuKernels, cpu_kernels
 from minisgl.kvcache.pool import KVCachePool
-from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight
+from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight, pack_bf16
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -94,13 +95,16 @@ class CpuDecodeRunner:
         self.scale = self.d**-0.5
         quant = quant or {}
         self.quantized = bool(quant)
+        # oneDNN-packed copies of the bf16 GEMM weights (memory: one more copy of them)
+        pack = os.environ.get("MINISGL_CPU_PACKED", "1") != "0"
         self.layers: List[_Layer] = []
         for i, layer in enumerate(model.model.layers):  # type: ignore[attr-defined]
             attn, mlp = layer.self_attn, layer.mlp
             prefix = f"model.layers.{i}."
 
             def lin(mod: nn.Module, name: str) -> QuantLinear:
-                return QuantLinear(mod.weight, quant.get(prefix + name), mod.bias, dense_above)
+                q = quant.get(prefix + name)
+                return QuantLinear(mod.weight, q, mod.bias, dense_above, pack_bf16(mod.weight) if pack else None)
 
             self.layers.append(
                 _Layer(
@@ -116,7 +120,8 @@ class CpuDecodeRunner:
             )
         self.embed = model.model.embed_tokens.weight  # type: ignore[attr-defined]
         self.final_norm = model.model.norm.weight  # type: ignore[attr-defined]
-        self.lm_head = QuantLinear(model.lm_head.weight, quant.get("lm_head"), None, dense_above)  # type: ignore[attr-defined]
+        head = model.lm_head.weight  # type: ignore[attr-defined]
+        self.lm_head = QuantLinear(head, quant.get("lm_head"), None, dense_above, pack_bf16(head) if pack else None)
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
