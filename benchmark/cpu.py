@@ -6,8 +6,9 @@
 
 Parts (comma-separated --parts, default all but the plot sweep):
 - latency: batch-1 decode tok/s and TTFT for a --prompt-len (500) token prompt, through the real
-  scheduler; HF `generate` on the same prompt (TTFT = a 1-token generate, decode rate from a
-  --gen-len generate minus it); llama.cpp when `llama_cpp` imports.
+  scheduler; HF `generate` on the same prompt, timed per token by a streamer. Both: min TTFT and
+  median inter-token gap over --reps runs (robust to a neighbour's burst on a shared machine);
+  llama.cpp when `llama_cpp` imports.
 - offline: --num-requests (64) prompts of U[100, 300] random token ids, --max-tokens (128) new
   tokens each, EOS ignored, greedy; HF on the first --hf-requests of them in one static batch.
 - sweep: decode tok/s vs batch size (1..64, --sweep-context tokens of context) for minisgl
@@ -31,9 +32,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from latency import copy_bandwidth, decode_step_time, single_request_latency  # noqa: E402
+from latency import copy_bandwidth, decode_step_time  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.scheduler import UserRequest  # noqa: E402
 from minisgl.utils.hf import resolve_model_path  # noqa: E402
 
 
@@ -74,7 +76,25 @@ def hf_model(dtype: torch.dtype) -> Any:
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=dtype).eval()
 
 
-def hf_generate(model: Any, prompts: List[List[int]], new_tokens: int) -> float:
+def _median(xs: List[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+class _Stamps:
+    """A transformers streamer that only records when each new token arrived."""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model: Any, prompts: List[List[int]], new_tokens: int, stamps: _Stamps | None = None) -> float:
     """Seconds for one static-batch greedy generate (left padding, EOS ignored)."""
     from transformers import GenerationConfig
 
@@ -88,7 +108,7 @@ def hf_generate(model: Any, prompts: List[List[int]], new_tokens: int) -> float:
                            min_new_tokens=new_tokens)  # fmt: skip
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, streamer=stamps)
     assert out.shape[1] - width == new_tokens
     return time.perf_counter() - t0
 
@@ -120,6 +140,41 @@ def make_llm(a: argparse.Namespace, max_running: int, max_seq: int) -> Any:
                max_seq_len_override=max_seq, cpu_kv_cache_bytes=4 << 30)  # fmt: skip
 
 
+def minisgl_latency(sched: Any, prompt: List[int], gen_len: int, reps: int) -> Dict[str, float]:
+    """Through the real scheduler: TTFT (min of `reps` runs, prefix cache reset between them) and
+    the median inter-token gap, which intermittent load on a shared machine moves least."""
+    sched.add_request(UserRequest(10**9, prompt[:8], SamplingParams(max_tokens=4, ignore_eos=True)))
+    sched.run_until_idle()
+    ttfts, gaps = [], []
+    for rep in range(reps):
+        sched.reset_prefix_cache()
+        start = time.perf_counter()
+        sched.add_request(UserRequest(10**9 + 1 + rep, prompt, SamplingParams(max_tokens=gen_len, ignore_eos=True)))
+        stamps: List[float] = []
+        while sched.has_work():
+            for o in sched.step():
+                if o.token_id is not None:
+                    stamps.append(time.perf_counter())
+        ttfts.append(stamps[0] - start)
+        gaps += [b - a for a, b in zip(stamps, stamps[1:])]
+    itl = _median(gaps)
+    return {"ttft_ms": min(ttfts) * 1e3, "itl_ms": itl * 1e3, "decode_tok_s": 1 / itl}
+
+
+def hf_latency(hf: Any, prompt: List[int], gen_len: int, reps: int) -> Dict[str, float]:
+    hf_generate(hf, [prompt[:16]], 2)  # warm-up
+    ttfts, gaps = [], []
+    for _ in range(reps):
+        st = _Stamps()
+        t0 = time.perf_counter()
+        hf_generate(hf, [prompt], gen_len, st)
+        # put() is called with the prompt first, then once per new token
+        ttfts.append(st.times[1] - t0)
+        gaps += [b - a for a, b in zip(st.times[1:], st.times[2:])]
+    itl = _median(gaps)
+    return {"ttft_ms": min(ttfts) * 1e3, "itl_ms": itl * 1e3, "decode_tok_s": 1 / itl}
+
+
 def part_latency(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
     llm = make_llm(a, 4, a.prompt_len + a.gen_len + 64)
     engine = llm.scheduler.engine
@@ -130,18 +185,14 @@ def part_latency(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
     out["roofline"] = {"copy_GBps": bw / 1e9, "weight_MB": {k: v / 1e6 for k, v in wb.items()}, "tok_s": roof}
     print(f"memory roofline, batch-1 decode: copy {bw / 1e9:.1f} GB/s; "
           + ", ".join(f"{k} {wb[k] / 1e6:.0f} MB/step -> {roof[k]:.0f} tok/s" for k in wb))  # fmt: skip
-    ours = single_request_latency(llm.scheduler, a.prompt_len, a.gen_len, vocab)
-    ours["decode_tok_s"] = 1e3 / ours["itl_ms"]
-    llm.shutdown()
-    out["latency"] = {"minisgl": ours}
     rng = random.Random(0)
     prompt = [rng.randrange(min(vocab, 10000)) for _ in range(a.prompt_len)]
+    ours = minisgl_latency(llm.scheduler, prompt, a.gen_len, a.reps)
+    llm.shutdown()
+    out["latency"] = {"minisgl": ours}
     line = f"batch 1, {a.prompt_len}-token prompt: minisgl TTFT {ours['ttft_ms']:.0f} ms, decode {ours['decode_tok_s']:.1f} tok/s"
     if hf is not None:
-        hf_generate(hf, [prompt[:16]], 2)  # warm-up
-        t1 = hf_generate(hf, [prompt], 1)
-        tn = hf_generate(hf, [prompt], a.gen_len)
-        h = {"ttft_ms": t1 * 1e3, "decode_tok_s": (a.gen_len - 1) / max(tn - t1, 1e-9)}
+        h = hf_latency(hf, prompt, a.gen_len, a.reps)
         out["latency"]["hf"] = h
         line += (f" | HF TTFT {h['ttft_ms']:.0f} ms, decode {h['decode_tok_s']:.1f} tok/s"
                  f" | TTFT ratio {ours['ttft_ms'] / h['ttft_ms']:.2f}, decode ratio {ours['decode_tok_s'] / h['decode_tok_s']:.2f}x")  # fmt: skip
@@ -227,6 +278,7 @@ def main() -> None:
     p.add_argument("--quantization", default=None, help="none | gguf | int4 | int8")
     p.add_argument("--prompt-len", type=int, default=500)
     p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="latency repetitions (min TTFT, median inter-token gap)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--hf-requests", type=int, default=16, help="offline requests HF runs (one static batch)")
