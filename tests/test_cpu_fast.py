@@ -94,17 +94,23 @@ def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
 
 
 # ---- the runner on tiny models (fp32, exact) -----------------------------------------------------
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral"])
-def test_runner_matches_module_path(tiny_model_dir, name):
-    """The same prompts through the runner (C kernels, prefill and decode) and through the module
-    path: identical greedy tokens, and decode logits within float32 noise."""
+@pytest.mark.parametrize("name,kernels", [("llama", True), ("qwen3", True), ("mistral", True), ("qwen3", False)])
+def test_runner_matches_module_path(tiny_model_dir, name, kernels, monkeypatch, request):
+    """The same prompts through the runner (C kernels for prefill and decode, or without them the
+    torch-op decode step) and through the module path: identical greedy tokens, and decode
+    logits within float32 noise."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    monkeypatch.setenv("MINISGL_CPU_KERNELS", "1" if kernels else "0")
+    cpu_kernels.cache_clear()
+    request.addfinalizer(cpu_kernels.cache_clear)  # later tests see the environment's setting
     prompts = [[3, 17, 42, 9, 100, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 200]]
     outs, logits = {}, {}
     for fast in (False, True):
         with running_engine(tiny_model_dir(name), max_running_req=2, cpu_fast_decode=fast) as engine:
             assert (engine.cpu_runner is not None) == fast
             if fast:
-                assert engine.cpu_runner.kernels is not None, "the C kernels did not build"
+                assert (engine.cpu_runner.kernels is not None) == kernels, "the C kernels did not build"
             outs[fast] = _generate(engine, prompts, 8)
             reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 6) for row, (p, o) in
                     enumerate(zip(prompts, outs[fast]))]  # fmt: skip
