@@ -222,6 +222,7 @@ class Engine:
             vocab_size=model_config.vocab_size,
             dummy_req=self.dummy_req,
         )
+        self.cpu_runner = self._build_cpu_runner(config)
         self._warmup_prefill()
 
     # ---- init helpers ------------------------------------------------------------------------
@@ -250,6 +251,11 @@ class Engine:
             self.attn_backend.prepare_metadata(batch)
             self.forward_batch(batch, self.sampler.prepare(batch))
         synchronize(self.device)
+
+    def _build_cpu_runner(self, config: EngineConfig) -> Any:
+        from minisgl.engine.cpu_decode import build_cpu_runner
+
+        return build_cpu_runner(self.model, self.kv_cache, self.device, config)
 
     def _init_communication(self, config: EngineConfig) -> Any:
         """Join the other ranks (tp > 1 only): the device group (NCCL/gloo) for the layers'
@@ -315,6 +321,8 @@ class Engine:
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):
                 logits = self.graph_runner.replay(batch)
+            elif self.cpu_runner is not None and batch.prompt_logprob_rows is None and self.cpu_runner.can_run(batch):
+                logits = self.cpu_runner.forward(batch, self.page_table)
             else:
                 logits = self.model.forward()
             for req in batch.reqs:
@@ -352,7 +360,7 @@ class Engine:
         runner = getattr(self, "graph_runner", None)
         if runner is not None:
             runner.destroy()
-        for name in ("graph_runner", "attn_backend", "moe_backend", "kv_cache", "page_table", "model"):
+        for name in ("cpu_runner", "graph_runner", "attn_backend", "moe_backend", "kv_cache", "page_table", "model"):
             if hasattr(self, name):
                 delattr(self, name)
         clear_global_ctx()

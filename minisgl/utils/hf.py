@@ -64,7 +64,10 @@ def convert_gguf(gguf_file: str) -> str:
     stat = src.stat()
     key = f"{src}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
     out = _cache_root() / f"{src.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    marker = "minisgl_gguf_source.txt"  # lets quantization='gguf' find the codes again
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        if not (out / marker).exists():
+            (out / marker).write_text(str(src))
         return str(out)
 
     logger.warning("converting %s to a cached HF folder at %s (once per file)", src.name, out)
@@ -84,6 +87,7 @@ def convert_gguf(gguf_file: str) -> str:
     if model.generation_config is not None:
         model.generation_config.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
+    (tmp / marker).write_text(str(src))
     try:
         os.rename(tmp, out)  # atomic: a concurrent converter either wins or finds it done
     except OSError:

@@ -1,0 +1,324 @@
+"""CPU serving benchmark on the embedded SmolLM2-135M, next to HF transformers from the same run.
+
+    python benchmark/cpu.py                        # bf16, dense
+    python benchmark/cpu.py --quantization gguf    # the GGUF's own Q4_1 codes for small batches
+    python benchmark/cpu.py --parts latency --plot docs/cpu_batch_scaling.png
+
+Parts (comma-separated --parts, default all but the plot sweep):
+- latency: batch-1 decode tok/s and TTFT for a --prompt-len (500) token prompt, through the real
+  scheduler; HF `generate` on the same prompt, timed per token by a streamer. Both: min TTFT and
+  median inter-token gap over --reps runs (robust to a neighbour's burst on a shared machine);
+  llama.cpp when `llama_cpp` imports.
+- offline: --num-requests (64) prompts of U[100, 300] random token ids, --max-tokens (128) new
+  tokens each, EOS ignored, greedy; HF on the first --hf-requests of them in one static batch.
+- sweep: decode tok/s vs batch size (1..64, --sweep-context tokens of context) for minisgl
+  (engine decode steps) and HF (generate), plotted to --plot when given.
+Also printed: the memory roofline of batch-1 decode (weight bytes read per step / measured
+copy bandwidth) and the load average at start and end, which says whether the machine was
+quiet (docs/PERFORMANCE.md compares only runs of one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Any, Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from latency import copy_bandwidth, decode_step_time  # noqa: E402
+
+from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.scheduler import UserRequest  # noqa: E402
+from minisgl.utils.hf import resolve_model_path  # noqa: E402
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def random_prompts(num: int, lo: int, hi: int, seed: int = 0) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10000) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+
+
+def step_weight_bytes(engine: Any) -> Dict[str, int]:
+    """Bytes of weights one batch-1 decode step reads: dense (each storage once, the tied LM head
+    is the embedding) and, when quantized, with the quantized copies in place of the GEMMs'."""
+    seen: Dict[int, int] = {}
+    for p in engine.model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    dense = sum(seen.values())
+    out = {"dense": dense}
+    runner = getattr(engine, "cpu_runner", None)
+    if runner is not None and runner.quantized:
+        lins = [runner.lm_head] + [x for L in runner.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
+        gemm = {lin.dense.data_ptr() for lin in lins}
+        emb = engine.model.model.embed_tokens.weight
+        q = sum(v for ptr, v in seen.items() if ptr not in gemm and ptr != emb.data_ptr())  # norms
+        q += emb.shape[1] * emb.element_size()  # the lookup reads one row
+        for lin in lins:
+            q += lin.quant.nbytes if lin.quant is not None else lin.dense.numel() * lin.dense.element_size()
+        out["quantized"] = q
+    return out
+
+
+# ---- HF transformers ---------------------------------------------------------------------------
+def hf_model(dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=dtype).eval()
+
+
+def _median(xs: List[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+class _Stamps:
+    """A transformers streamer that only records when each new token arrived."""
+
+    def __init__(self) -> None:
+        self.times: List[float] = []
+
+    def put(self, value: Any) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_generate(model: Any, prompts: List[List[int]], new_tokens: int, stamps: _Stamps | None = None) -> float:
+    """Seconds for one static-batch greedy generate (left padding, EOS ignored)."""
+    from transformers import GenerationConfig
+
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    cfg = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens)  # fmt: skip
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg, streamer=stamps)
+    assert out.shape[1] - width == new_tokens
+    return time.perf_counter() - t0
+
+
+def llama_cpp_latency(prompt: List[int], gen_len: int, threads: int) -> Dict[str, float] | None:
+    try:
+        from llama_cpp import Llama  # type: ignore[import-not-found]
+    except Exception:  # not installed, or its native library fails to load
+        return None
+    from minisgl.models.gguf_quant import gguf_source
+
+    llm = Llama(model_path=gguf_source(None), n_ctx=2048, n_threads=threads, verbose=False)
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for tok in llm.generate(prompt[-1:], temp=0.0, reset=False):
+        gen_len -= 1
+        if gen_len <= 0:
+            break
+    return {"ttft_ms": ttft * 1e3, "decode_tok_s": 0 if gen_len else (gen_len + 1) / (time.perf_counter() - t0)}
+
+
+# ---- parts ---------------------------------------------------------------------------------------
+def make_llm(a: argparse.Namespace, max_running: int, max_seq: int) -> Any:
+    from minisgl.llm import LLM
+
+    return LLM(None, dtype=a.dtype, quantization=a.quantization, max_running_req=max_running,
+               max_seq_len_override=max_seq, cpu_kv_cache_bytes=4 << 30)  # fmt: skip
+
+
+def minisgl_latency(sched: Any, prompt: List[int], gen_len: int, reps: int) -> Dict[str, float]:
+    """Through the real scheduler: TTFT (min of `reps` runs, prefix cache reset between them) and
+    the median inter-token gap, which intermittent load on a shared machine moves least."""
+    sched.add_request(UserRequest(10**9, prompt[:8], SamplingParams(max_tokens=4, ignore_eos=True)))
+    sched.run_until_idle()
+    ttfts, gaps = [], []
+    for rep in range(reps):
+        sched.reset_prefix_cache()
+        start = time.perf_counter()
+        sched.add_request(UserRequest(10**9 + 1 + rep, prompt, SamplingParams(max_tokens=gen_len, ignore_eos=True)))
+        stamps: List[float] = []
+        while sched.has_work():
+            for o in sched.step():
+                if o.token_id is not None:
+                    stamps.append(time.perf_counter())
+        ttfts.append(stamps[0] - start)
+        gaps += [b - a for a, b in zip(stamps, stamps[1:])]
+    itl = _median(gaps)
+    return {"ttft_ms": min(ttfts) * 1e3, "itl_ms": itl * 1e3, "decode_tok_s": 1 / itl}
+
+
+def hf_latency(hf: Any, prompt: List[int], gen_len: int, reps: int) -> Dict[str, float]:
+    hf_generate(hf, [prompt[:16]], 2)  # warm-up
+    ttfts, gaps = [], []
+    for _ in range(reps):
+        st = _Stamps()
+        t0 = time.perf_counter()
+        hf_generate(hf, [prompt], gen_len, st)
+        # put() is called with the prompt first, then once per new token
+        ttfts.append(st.times[1] - t0)
+        gaps += [b - a for a, b in zip(st.times[1:], st.times[2:])]
+    itl = _median(gaps)
+    return {"ttft_ms": min(ttfts) * 1e3, "itl_ms": itl * 1e3, "decode_tok_s": 1 / itl}
+
+
+def part_latency(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
+    llm = make_llm(a, 4, a.prompt_len + a.gen_len + 64)
+    engine = llm.scheduler.engine
+    vocab = engine.config.model_config.vocab_size
+    bw = copy_bandwidth(engine.device)
+    wb = step_weight_bytes(engine)
+    roof = {k: bw / v for k, v in wb.items()}
+    out["roofline"] = {"copy_GBps": bw / 1e9, "weight_MB": {k: v / 1e6 for k, v in wb.items()}, "tok_s": roof}
+    print(f"memory roofline, batch-1 decode: copy {bw / 1e9:.1f} GB/s; "
+          + ", ".join(f"{k} {wb[k] / 1e6:.0f} MB/step -> {roof[k]:.0f} tok/s" for k in wb))  # fmt: skip
+    rng = random.Random(0)
+    prompt = [rng.randrange(min(vocab, 10000)) for _ in range(a.prompt_len)]
+    ours = minisgl_latency(llm.scheduler, prompt, a.gen_len, a.reps)
+    llm.shutdown()
+    out["latency"] = {"minisgl": ours}
+    line = f"batch 1, {a.prompt_len}-token prompt: minisgl TTFT {ours['ttft_ms']:.0f} ms, decode {ours['decode_tok_s']:.1f} tok/s"
+    if hf is not None:
+        h = hf_latency(hf, prompt, a.gen_len, a.reps)
+        out["latency"]["hf"] = h
+        line += (f" | HF TTFT {h['ttft_ms']:.0f} ms, decode {h['decode_tok_s']:.1f} tok/s"
+                 f" | TTFT ratio {ours['ttft_ms'] / h['ttft_ms']:.2f}, decode ratio {ours['decode_tok_s'] / h['decode_tok_s']:.2f}x")  # fmt: skip
+    print(line)
+    lc = llama_cpp_latency(prompt, a.gen_len, torch.get_num_threads())
+    out["latency"]["llama_cpp"] = lc
+    print("llama.cpp:", "not importable" if lc is None else f"TTFT {lc['ttft_ms']:.0f} ms, decode {lc['decode_tok_s']:.1f} tok/s")
+
+
+def part_offline(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
+    prompts = random_prompts(a.num_requests, 100, 300)
+    llm = make_llm(a, a.num_requests, 300 + a.max_tokens + 8)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=a.max_tokens)
+    llm.generate([prompts[0][:32]], SamplingParams(ignore_eos=True, max_tokens=4))  # warm-up
+    llm.scheduler.reset_prefix_cache()
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = llm.generate(prompts, params)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    llm.shutdown()
+    n = sum(r.completion_tokens for r in res)
+    assert n == a.num_requests * a.max_tokens
+    ours = {"tok_s": n / wall, "wall_s": wall, "cpu_s": cpu, "output_tokens": n}
+    out["offline"] = {"minisgl": ours}
+    line = f"offline, {a.num_requests} requests x {a.max_tokens} tokens: minisgl {ours['tok_s']:.0f} tok/s ({wall:.1f} s wall, {cpu:.0f} s CPU)"
+    if hf is not None and a.hf_requests > 0:
+        sub = prompts[: a.hf_requests]
+        hf_generate(hf, [sub[0][:16]], 2)
+        t = hf_generate(hf, sub, a.max_tokens)
+        h = {"tok_s": len(sub) * a.max_tokens / t, "wall_s": t, "requests": len(sub)}
+        out["offline"]["hf"] = h
+        line += f" | HF static batch of {len(sub)}: {h['tok_s']:.0f} tok/s | ratio {ours['tok_s'] / h['tok_s']:.2f}x"
+    print(line)
+
+
+def part_sweep(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
+    """Decode tok/s per batch size: ours = batch / (min over 3 runs of the mean of 5 engine decode
+    steps); HF = batch / median gap between generated tokens of a 9-token generate (one gap is one
+    batched decode step). Min and median keep a neighbour's burst out of the figure."""
+    sizes = [int(x) for x in a.sweep_sizes.split(",")]
+    ctx = a.sweep_context
+    llm = make_llm(a, max(sizes), ctx + 64)
+    engine = llm.scheduler.engine
+    rows = []
+    for bs in sizes:
+        t = min(decode_step_time(engine, bs, ctx, 5) for _ in range(3))
+        rows.append({"batch": bs, "minisgl_tok_s": bs / t})
+    llm.shutdown()
+    if hf is not None:
+        for row in rows:
+            bs = row["batch"]
+            st = _Stamps()
+            hf_generate(hf, random_prompts(bs, ctx, ctx, seed=bs), 9, st)
+            row["hf_tok_s"] = bs / _median([b - t for t, b in zip(st.times[1:], st.times[2:])])
+    out["sweep"] = {"context": ctx, "rows": rows, "label": f"minisgl ({a.dtype}, quantization={a.quantization})"}
+    for row in rows:
+        print(f"batch {row['batch']:>3}: minisgl {row['minisgl_tok_s']:>7.0f} tok/s"
+              + (f", HF {row['hf_tok_s']:>6.0f} tok/s" if "hf_tok_s" in row else ""))  # fmt: skip
+
+
+def plot_sweep(summary: Dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = summary["sweep"]
+    rows = sweep["rows"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bss = [r["batch"] for r in rows]
+    ax.plot(bss, [r["minisgl_tok_s"] for r in rows], "o-", label=sweep.get("label", "minisgl"))
+    if all("hf_tok_s" in r for r in rows):
+        ax.plot(bss, [r["hf_tok_s"] for r in rows], "s--", label=f"HF transformers generate ({summary['dtype']})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(bss, [str(b) for b in bss])
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"SmolLM2-135M decode, 2-core CPU, context {sweep['context']}\n"
+                 f"load average {summary['loadavg_start']:.1f} -> {summary['loadavg_end']:.1f}")  # fmt: skip
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="latency,offline")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, help="none | gguf | int4 | int8")
+    p.add_argument("--prompt-len", type=int, default=500)
+    p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3, help="latency repetitions (min TTFT, median inter-token gap)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--hf-requests", type=int, default=16, help="offline requests HF runs (one static batch)")
+    p.add_argument("--sweep-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--sweep-context", type=int, default=200)
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--plot", default=None, help="plot the sweep to this file")
+    p.add_argument("--plot-from", default=None, help="only plot the sweep of this JSON summary")
+    p.add_argument("--out", default=None, help="write the JSON summary here")
+    a = p.parse_args()
+    if a.plot_from:
+        with open(a.plot_from) as f:
+            plot_sweep(json.load(f), a.plot or "docs/cpu_batch_scaling.png")
+        return
+    from minisgl.utils.torch_utils import parse_dtype
+
+    dtype = parse_dtype(a.dtype)
+    out: Dict[str, Any] = {"loadavg_start": loadavg(), "dtype": a.dtype, "quantization": a.quantization,
+                           "threads": torch.get_num_threads()}  # fmt: skip
+    print(f"load average at start: {out['loadavg_start']:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    hf = None if a.no_hf else hf_model(dtype)
+    for part in a.parts.split(","):
+        {"latency": part_latency, "offline": part_offline, "sweep": part_sweep}[part](a, hf, out)
+    out["loadavg_end"] = loadavg()
+    print(f"load average at end: {out['loadavg_end']:.2f}")
+    print(json.dumps(out))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=2)
+    if a.plot and "sweep" in out:
+        plot_sweep(out, a.plot)
+
+
+if __name__ == "__main__":
+    main()

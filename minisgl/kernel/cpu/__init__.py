@@ -1,0 +1,93 @@
+"""Fused C kernels for the CPU decode step, built on first use and called through ctypes.
+
+`kernels.c` is compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
+a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
+headers, so no minute-long extension build. Without a compiler, or with MINISGL_CPU_KERNELS=0,
+`cpu_kernels()` returns None and callers use their torch-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+_SRC = Path(__file__).with_name("kernels.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+_P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
+_SIGNATURES = {
+    "add_rms_norm": [_P, _P, _P, _P, _L, _L, _F, _I],
+    "silu_mul": [_P, _P, _L, _L],
+    "rope_store": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _L, _L, _L, _L],
+    "paged_attention": [_P, _L, _P, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _F, _I],
+}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl")) / "cpu_kernels"
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return hashlib.sha1(line.encode()).hexdigest()[:8]
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    src = _SRC.read_bytes()
+    key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"minisgl_cpu_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}.so")
+    proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(_SRC), "-lm"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
+    os.replace(tmp, out)  # atomic: concurrent builders produce the same file
+    return out
+
+
+class CpuKernels:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for name, sig in _SIGNATURES.items():
+            for suf in SUFFIX.values():
+                fn = getattr(lib, f"{name}_{suf}")
+                fn.argtypes, fn.restype = sig, None
+        lib.max_head_dim.restype = lib.max_group.restype = ctypes.c_long
+        self.max_head_dim, self.max_group = lib.max_head_dim(), lib.max_group()
+
+    def get(self, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")
+
+
+@lru_cache(maxsize=1)
+def cpu_kernels() -> CpuKernels | None:
+    if os.environ.get("MINISGL_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(_build())))
+    except (OSError, RuntimeError) as exc:
+        logger.warning(f"CPU C kernels unavailable, using torch ops: {exc}")
+        return None

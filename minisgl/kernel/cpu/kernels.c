@@ -1,0 +1,327 @@
+/* Fused CPU kernels for the decode step (engine/cpu_decode.py), called through ctypes.
+ *
+ * Why C and not torch ops: a decode step of SmolLM2-135M on two cores spends more time in the
+ * ~50 torch ops per layer (dispatch, allocation) than in their arithmetic. Each function below
+ * replaces a chain of them, with the same roundings as the torch/HF path (every bf16 op result
+ * rounded to bf16, reductions in fp32), so bf16 results agree with HF up to summation order.
+ *
+ * Every kernel exists for T = float (suffix _f32) and T = bf16 stored as uint16_t (_bf16).
+ * Parallelism: OpenMP, which resolves to the libgomp torch already loaded (same thread pool).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t f_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+/* exp(x), branch-free so loops over it vectorize (libm's expf
+ * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
+ * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float n = __builtin_rintf(t);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+static inline float ld_f32(const float *p, long i) { return p[i]; }
+static inline void st_f32(float *p, long i, float v) { p[i] = v; }
+static inline float rnd_f32(float v) { return v; }
+static inline float ld_bf16(const uint16_t *p, long i) { return bf16_to_f(p[i]); }
+static inline void st_bf16(uint16_t *p, long i, float v) { p[i] = f_to_bf16(v); }
+static inline float rnd_bf16(float v) { return bf16_to_f(f_to_bf16(v)); }
+
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The decode attention hot loop in AVX-512 for head_dim D in {64, 128}: the G query heads of one
+ * KV head stay in registers; keys go in blocks of 16 whose scores form one vector, so the
+ * online-softmax max, exp and rescale run once per block and 16 lanes wide. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+static inline __m512 ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16_bf16(const uint16_t *p) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+#define DEFINE_FAST_ATTN(SUF, T, D)                                                              \
+static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache,               \
+                                  const int32_t *slots, long n, long hk, long kh, long g,         \
+                                  float scale, T *out) {                                          \
+    enum { V = D / 16 };                                                                          \
+    __m512 qv[8][V], acc[8][V];                                                                   \
+    float mx[8], den[8];                                                                          \
+    for (long j = 0; j < g; j++) {                                                                \
+        for (int c = 0; c < V; c++) {                                                             \
+            float tmp[16];                                                                        \
+            for (int i = 0; i < 16; i++) tmp[i] = ld_##SUF(q + j * D, c * 16 + i) * scale;        \
+            qv[j][c] = _mm512_loadu_ps(tmp);                                                      \
+            acc[j][c] = _mm512_setzero_ps();                                                      \
+        }                                                                                         \
+        mx[j] = -INFINITY; den[j] = 0.f;                                                          \
+    }                                                                                             \
+    for (long s0 = 0; s0 < n; s0 += 16) {                                                         \
+        int nb = n - s0 < 16 ? (int)(n - s0) : 16;                                                \
+        __mmask16 live = (__mmask16)((1u << nb) - 1u);                                            \
+        float sc[8][16];                                                                          \
+        /* slots are scattered over the pool: prefetch the next block's rows so the loads below   \
+         * stream instead of waiting on DRAM latency one row at a time */                         \
+        for (long b = s0 + 16; b < s0 + 32 && b < n; b++) {                                       \
+            const char *kp = (const char *)(k_cache + ((long)slots[b] * hk + kh) * D);            \
+            const char *vp = (const char *)(v_cache + ((long)slots[b] * hk + kh) * D);            \
+            for (int off = 0; off < (int)(D * sizeof(T)); off += 64) {                            \
+                _mm_prefetch(kp + off, _MM_HINT_T0);                                              \
+                _mm_prefetch(vp + off, _MM_HINT_T0);                                              \
+            }                                                                                     \
+        }                                                                                         \
+        for (int b = 0; b < nb; b++) {                                                            \
+            const T *kr = k_cache + ((long)slots[s0 + b] * hk + kh) * D;                          \
+            __m512 kv[V];                                                                         \
+            for (int c = 0; c < V; c++) kv[c] = ld16_##SUF(kr + c * 16);                          \
+            for (long j = 0; j < g; j++) {                                                        \
+                __m512 dot = _mm512_mul_ps(qv[j][0], kv[0]);                                      \
+                for (int c = 1; c < V; c++) dot = _mm512_fmadd_ps(qv[j][c], kv[c], dot);          \
+                sc[j][b] = _mm512_reduce_add_ps(dot);                                             \
+            }                                                                                     \
+        }                                                                                         \
+        float pj[8][16];                                                                          \
+        for (long j = 0; j < g; j++) {                                                            \
+            __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[j]);             \
+            float bm = _mm512_reduce_max_ps(sv);                                                  \
+            if (bm > mx[j]) {                                                                     \
+                __m512 corr = _mm512_set1_ps(fast_exp(mx[j] - bm));                               \
+                den[j] *= fast_exp(mx[j] - bm);                                                   \
+                for (int c = 0; c < V; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], corr);           \
+                mx[j] = bm;                                                                       \
+            }                                                                                     \
+            __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx[j])))); \
+            den[j] += _mm512_reduce_add_ps(pv);                                                   \
+            _mm512_storeu_ps(pj[j], pv);                                                          \
+        }                                                                                         \
+        for (int b = 0; b < nb; b++) {                                                            \
+            const T *vr = v_cache + ((long)slots[s0 + b] * hk + kh) * D;                          \
+            __m512 vv[V];                                                                         \
+            for (int c = 0; c < V; c++) vv[c] = ld16_##SUF(vr + c * 16);                          \
+            for (long j = 0; j < g; j++) {                                                        \
+                __m512 w = _mm512_set1_ps(pj[j][b]);                                              \
+                for (int c = 0; c < V; c++) acc[j][c] = _mm512_fmadd_ps(w, vv[c], acc[j][c]);     \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (long j = 0; j < g; j++) {                                                                \
+        float inv = n > 0 ? 1.0f / den[j] : 0.f;                                                  \
+        float tmp[D];                                                                             \
+        for (int c = 0; c < V; c++) _mm512_storeu_ps(tmp + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv))); \
+        for (int i = 0; i < D; i++) st_##SUF(out + j * D, i, tmp[i]);                             \
+    }                                                                                             \
+}
+DEFINE_FAST_ATTN(f32, float, 64)
+DEFINE_FAST_ATTN(f32, float, 128)
+DEFINE_FAST_ATTN(bf16, uint16_t, 64)
+DEFINE_FAST_ATTN(bf16, uint16_t, 128)
+#define FAST_ATTN(SUF)                                                                           \
+    if (d == 64 || d == 128) {                                                                   \
+        int nt = (work * hk * d < 65536) ? 1 : nthreads;                                         \
+        _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")                         \
+        for (long task = 0; task < rows * hk; task++) {                                          \
+            long t = task / hk, kh = task % hk;                                                  \
+            const int32_t *slots = page_table + table_row[t] * pt_stride;                        \
+            const void *qh = q + t * q_stride + kh * g * d;                                      \
+            void *o = out + t * hq * d + kh * g * d;                                             \
+            if (d == 64) attn_task_##SUF##_64((const void *)qh, k_cache, v_cache, slots, kv_len[t], hk, kh, g, scale, o); \
+            else attn_task_##SUF##_128((const void *)qh, k_cache, v_cache, slots, kv_len[t], hk, kh, g, scale, o); \
+        }                                                                                        \
+        return;                                                                                  \
+    }
+#else
+#define FAST_ATTN(SUF)
+#endif
+
+#define DEFINE_KERNELS(SUF, T)                                                                   \
+/* residual = x (+ residual);  out = w * T(residual * rsqrt(mean(residual^2) + eps)).        \
+ * has_residual = 0: residual = x (the first layer). x may alias out. */                        \
+void add_rms_norm_##SUF(const T *x, T *residual, const T *w, T *out, long rows, long h,         \
+                        float eps, int has_residual) {                                          \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
+    for (long r = 0; r < rows; r++) {                                                           \
+        const T *xr = x + r * h;                                                                \
+        T *rr = residual + r * h;                                                               \
+        T *orow = out + r * h;                                                                  \
+        float ss = 0.f;                                                                         \
+        for (long i = 0; i < h; i++) {                                                          \
+            float v = ld_##SUF(xr, i);                                                          \
+            if (has_residual) v = rnd_##SUF(v + ld_##SUF(rr, i));                               \
+            st_##SUF(rr, i, v);                                                                 \
+            ss += v * v;                                                                        \
+        }                                                                                       \
+        float inv = 1.0f / sqrtf(ss / (float)h + eps);                                          \
+        for (long i = 0; i < h; i++)                                                            \
+            st_##SUF(orow, i, ld_##SUF(w, i) * rnd_##SUF(ld_##SUF(rr, i) * inv));               \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* out[r, i] = silu(gate) * up over gu = [gate | up] rows of width 2 * inter. */                \
+void silu_mul_##SUF(const T *gu, T *out, long rows, long inter) {                               \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
+    for (long r = 0; r < rows; r++) {                                                           \
+        const T *g = gu + r * 2 * inter, *u = g + inter;                                        \
+        for (long i = 0; i < inter; i++) {                                                      \
+            float a = ld_##SUF(g, i);                                                           \
+            float s = rnd_##SUF(a / (1.0f + fast_exp(-a)));                                         \
+            st_##SUF(out + r * inter, i, s * ld_##SUF(u, i));                                   \
+        }                                                                                       \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* Optional per-head RMSNorm (q_norm / k_norm may be NULL), then rotate-half rotary, HF's    \
+ * roundings: T(x*cos) + T(rot*sin). In place on one head of d values. */                        \
+static void head_norm_rope_##SUF(T *x, const T *nw, float eps, const T *cos, const T *sin,      \
+                                 long d) {                                                      \
+    float buf[1024];                                                                            \
+    if (nw) {                                                                                   \
+        float ss = 0.f;                                                                         \
+        for (long i = 0; i < d; i++) { float v = ld_##SUF(x, i); ss += v * v; }                 \
+        float inv = 1.0f / sqrtf(ss / (float)d + eps);                                          \
+        for (long i = 0; i < d; i++)                                                            \
+            buf[i] = rnd_##SUF(ld_##SUF(nw, i) * rnd_##SUF(ld_##SUF(x, i) * inv));              \
+    } else {                                                                                    \
+        for (long i = 0; i < d; i++) buf[i] = ld_##SUF(x, i);                                   \
+    }                                                                                           \
+    long half = d / 2;                                                                          \
+    for (long i = 0; i < d; i++) {                                                              \
+        float rot = i < half ? -buf[i + half] : buf[i - half];                                  \
+        float a = rnd_##SUF(buf[i] * ld_##SUF(cos, i));                                         \
+        float b = rnd_##SUF(rot * ld_##SUF(sin, i));                                            \
+        st_##SUF(x, i, a + b);                                                                  \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* qkv rows [T, (hq + 2 hk) * d]: q and k normed/rotated in place, then k and v copied into   \
+ * the pool slots out_loc[t] (k_cache/v_cache [slots, hk, d]). */                                \
+void rope_store_##SUF(T *qkv, const int32_t *positions, const T *cos, const T *sin,             \
+                      const T *q_norm, const T *k_norm, float eps, T *k_cache, T *v_cache,      \
+                      const int64_t *out_loc, long rows, long hq, long hk, long d) {            \
+    long width = (hq + 2 * hk) * d;                                                             \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
+    for (long t = 0; t < rows; t++) {                                                           \
+        T *row = qkv + t * width;                                                               \
+        const T *c = cos + (long)positions[t] * d, *s = sin + (long)positions[t] * d;           \
+        for (long h = 0; h < hq; h++) head_norm_rope_##SUF(row + h * d, q_norm, eps, c, s, d);  \
+        for (long h = 0; h < hk; h++)                                                           \
+            head_norm_rope_##SUF(row + (hq + h) * d, k_norm, eps, c, s, d);                     \
+        memcpy(k_cache + out_loc[t] * hk * d, row + hq * d, hk * d * sizeof(T));                \
+        memcpy(v_cache + out_loc[t] * hk * d, row + (hq + hk) * d, hk * d * sizeof(T));         \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* Attention of query rows over the paged pool, read in place. Query row t (q: [T, hq, d],     \
+ * taken with stride q_stride between rows) attends to the kv_len[t] slots                      \
+ * page_table[table_row[t], 0 : kv_len[t]]. fp32 scores and softmax; out [T, hq * d]. */        \
+void paged_attention_##SUF(const T *q, long q_stride, const T *k_cache, const T *v_cache,       \
+                           const int32_t *page_table, long pt_stride, const int64_t *table_row,  \
+                           const int64_t *kv_len, T *out, long rows, long hq, long hk, long d,   \
+                           float scale, int nthreads) {                                         \
+    long g = hq / hk;                                                                           \
+    long tasks = rows * hk;                                                                     \
+    long work = 0;                                                                              \
+    for (long t = 0; t < rows; t++) work += kv_len[t];                                          \
+    FAST_ATTN(SUF)                                                                              \
+    int nt = (work * hk * d < 65536) ? 1 : nthreads;                                            \
+    _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")                            \
+    for (long task = 0; task < tasks; task++) {                                                 \
+        long t = task / hk, kh = task % hk, n = kv_len[t];                                      \
+        const int32_t *slots = page_table + table_row[t] * pt_stride;                           \
+        float qf[8][256];                                                                       \
+        float acc[8][256];                                                                      \
+        float mx[8], den[8];                                                                    \
+        for (long j = 0; j < g; j++) {                                                          \
+            const T *qh = q + t * q_stride + (kh * g + j) * d;                                  \
+            for (long i = 0; i < d; i++) { qf[j][i] = ld_##SUF(qh, i) * scale; acc[j][i] = 0.f; } \
+            mx[j] = -INFINITY; den[j] = 0.f;                                                    \
+        }                                                                                       \
+        /* keys in blocks of 16: one max update (rescale) per block, exps as a vector loop */ \
+        for (long s0 = 0; s0 < n; s0 += 16) {                                                   \
+            long nb = n - s0 < 16 ? n - s0 : 16;                                                \
+            float kf[16][256], vf[16][256];                                                     \
+            for (long b = 0; b < nb; b++) {                                                     \
+                const T *kr = k_cache + ((long)slots[s0 + b] * hk + kh) * d;                    \
+                const T *vr = v_cache + ((long)slots[s0 + b] * hk + kh) * d;                    \
+                for (long i = 0; i < d; i++) { kf[b][i] = ld_##SUF(kr, i); vf[b][i] = ld_##SUF(vr, i); } \
+            }                                                                                   \
+            for (long j = 0; j < g; j++) {                                                      \
+                float sc[16], bm = -INFINITY;                                                   \
+                for (long b = 0; b < nb; b++) {                                                 \
+                    float dot = 0.f;                                                            \
+                    _Pragma("omp simd reduction(+:dot)")                                        \
+                    for (long i = 0; i < d; i++) dot += qf[j][i] * kf[b][i];                    \
+                    sc[b] = dot;                                                                \
+                    bm = dot > bm ? dot : bm;                                                   \
+                }                                                                               \
+                if (bm > mx[j]) {                                                               \
+                    float corr = fast_exp(mx[j] - bm);                                          \
+                    den[j] *= corr;                                                             \
+                    for (long i = 0; i < d; i++) acc[j][i] *= corr;                             \
+                    mx[j] = bm;                                                                 \
+                }                                                                               \
+                float m = mx[j], sum = 0.f;                                                     \
+                _Pragma("omp simd reduction(+:sum)")                                            \
+                for (long b = 0; b < nb; b++) { sc[b] = fast_exp(sc[b] - m); sum += sc[b]; }    \
+                den[j] += sum;                                                                  \
+                for (long b = 0; b < nb; b++) {                                                 \
+                    float p = sc[b];                                                            \
+                    _Pragma("omp simd")                                                         \
+                    for (long i = 0; i < d; i++) acc[j][i] += p * vf[b][i];                     \
+                }                                                                               \
+            }                                                                                   \
+        }                                                                                       \
+        for (long j = 0; j < g; j++) {                                                          \
+            T *o = out + t * hq * d + (kh * g + j) * d;                                         \
+            float inv = n > 0 ? 1.0f / den[j] : 0.f;                                            \
+            for (long i = 0; i < d; i++) st_##SUF(o, i, acc[j][i] * inv);                       \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+
+DEFINE_KERNELS(f32, float)
+DEFINE_KERNELS(bf16, uint16_t)
+
+/* Capability probe: the Python side checks the limits it relies on. */
+long max_head_dim(void) { return 256; }
+long max_group(void) { return 8; }
