@@ -77,6 +77,7 @@ async def chat_completions(request: Request) -> Response:
         )
         for i in range(body.n)
     ]
+    one_call = body.parallel_tool_calls is False  # at most one call per choice
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     want_lp = k is not None
@@ -84,8 +85,8 @@ async def chat_completions(request: Request) -> Response:
         request,
         msgs,
         body.stream,
-        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning),
-        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning),
+        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call),
+        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call),
     )
 
 
@@ -108,7 +109,7 @@ def _finish_reason(reason: str | None, calls: List[ToolCall]) -> str | None:
 
 
 def _chat_response(
-    results: List[Result], rid: str, model: str, want_lp: bool, parser: ToolParser | None, reasoning: bool
+    results: List[Result], rid: str, model: str, want_lp: bool, parser: ToolParser | None, reasoning: bool, one_call: bool = False
 ) -> Dict[str, Any]:
     choices = []
     for i, r in enumerate(results):
@@ -119,6 +120,7 @@ def _chat_response(
         calls: List[ToolCall] = []
         if parser is not None:
             content, calls = parser.parse(content or "")
+            calls = calls[:1] if one_call else calls
         message: Dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if thought is not None:
             message["reasoning_content"] = message["reasoning"] = thought
@@ -152,6 +154,7 @@ async def _chat_stream(
     want_lp: bool,
     parser: ToolParser | None,
     reasoning: bool,
+    one_call: bool = False,
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage)
     results = [Result() for _ in stream.uids]
@@ -192,6 +195,7 @@ async def _chat_stream(
             calls: List[ToolCall] = []
             if tool_streams is not None:
                 rest, calls = tool_streams[index].finish()
+                calls = calls[:1] if one_call else calls
                 if rest:
                     yield chunk(index, {"content": rest})
                 if calls:
