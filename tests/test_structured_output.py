@@ -1,7 +1,8 @@
 """Structured output: grammar-constrained decoding with xgrammar in the batched sampler.
 
-A tiny random Llama with the embedded SmolLM2 tokenizer (test_server.py) cannot write JSON on its
-own, so whatever valid JSON comes out is the grammar's doing. Every schema bounds its strings,
+A tiny random Llama with a small byte-level BPE tokenizer trained here (so the test needs no model
+package and runs on CUDA too: MINISGL_TEST_DEVICE=cuda) cannot write JSON on its own, so whatever
+valid JSON comes out is the grammar's doing. Every schema bounds its strings,
 numbers and arrays, so a random model also has to finish within max_tokens. Checked with an
 independent validator (jsonschema) and `re.fullmatch`; free requests sharing the batch must be
 token-exact with running alone.
@@ -14,7 +15,8 @@ import re
 from typing import Any, Dict, List
 
 import pytest
-from test_server import tiny_chat_model  # noqa: F401  (fixture)
+import torch
+from helpers import TEST_DEVICE
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -32,9 +34,36 @@ SCHEMAS: List[Dict[str, Any]] = [
 ]  # fmt: skip
 
 
+CORPUS = [
+    '{"name": "Ada", "age": 36, "ok": true, "tags": ["a", "b"], "point": {"x": 0.5, "y": 1}}',
+    "[1, 2, 3, -4, 5] yes no maybe red green blue on off answer: code: 123-AB",
+    "The quick brown fox jumps over the lazy dog. Write some JSON number 42 email: abc@def.com org",
+] * 20
+
+
+def build_tiny_bpe_model(out: Any) -> str:
+    """A byte-level BPE tokenizer (every string encodable) trained on CORPUS, and a tiny Llama."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS, vocab_size=420, min_frequency=2, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    tok.save_pretrained(out)
+    torch.manual_seed(7)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    config = LlamaConfig(
+        vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.2, bos_token_id=eos, eos_token_id=eos,
+    )  # fmt: skip
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    return str(out)
+
+
 @pytest.fixture(scope="module")
-def llm(tiny_chat_model: str):  # noqa: F811
-    engine = LLM(tiny_chat_model, dtype="float32", max_seq_len_override=512, num_page_override=8192, max_running_req=16)
+def llm(tmp_path_factory: pytest.TempPathFactory):
+    path = build_tiny_bpe_model(tmp_path_factory.mktemp("bpe_llama"))
+    engine = LLM(path, dtype="float32", device=TEST_DEVICE, max_seq_len_override=512, num_page_override=8192, max_running_req=16)
     try:
         yield engine
     finally:
