@@ -38,8 +38,12 @@ for part in $parts; do
                $RECIPE --peer none --repeat 2 --attention-backend flashinfer 2>&1 | grep -v Warn | tee "$OUT/flashinfer.log" ;;
     offline14b) timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
                --model benchmark/models/qwen3-14b --dummy-weights --peer none 2>&1 | tee "$OUT/offline14b.log" ;;
-    tests) MINISGL_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
-               tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_prompt_logprobs.py \
+    tests) # structured output needs xgrammar (+ jsonschema for the checks): carried wheels in .whl/
+           if ls .whl/xgrammar-*.whl >/dev/null 2>&1; then
+             python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+           fi
+           MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
+               tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_prompt_logprobs.py tests/test_structured_output.py \
                -k "not embedded" 2>&1 | tee "$OUT/tests_cuda.log" ;;
   esac
 done
