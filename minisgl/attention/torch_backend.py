@@ -49,8 +49,8 @@ class TorchAttnBackend(BaseAttnBackend):
             seq_lens = make_device_tensor([r.device_len for r in reqs], torch.int64, self.device)
             max_len = max(r.device_len for r in reqs)
             slots = self.page_table[rows, :max_len].long()
-            mask = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
-            batch.attn_metadata = TorchAttnMetadata(last, decode_slots=slots, decode_mask=mask[:, None, None, :])
+            valid = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
+            batch.attn_metadata = TorchAttnMetadata(last, decode_slots=slots, decode_mask=valid[:, None, None, :])
             return
         seqs: List[TorchPrefillSeq] = []
         start = 0

@@ -122,6 +122,7 @@ class TritonAttnBackend(BaseAttnBackend):
                 B, Hq, D = q.shape
                 meta.mid_o = torch.empty((B, Hq, meta.grid_splits, D), dtype=torch.float32, device=q.device)
                 meta.mid_lse = torch.empty((B, Hq, meta.grid_splits), dtype=torch.float32, device=q.device)
+            assert meta.mid_lse is not None
             decode_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits,
                 meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order,

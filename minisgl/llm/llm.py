@@ -130,7 +130,7 @@ class LLM:
         if _is_token_list(prompt):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty")
-            return list(prompt)
+            return [int(t) for t in prompt]  # type: ignore[arg-type]  # checked by _is_token_list
         raise ValueError(
             f"prompt {index} must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
         )

@@ -7,7 +7,7 @@ HF checkpoints (model.layers.N.self_attn..., lm_head) so weight names map with a
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: list[nn.Module]) -> None:
+    def __init__(self, cfg: ModelConfig, layers: Sequence[nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layers)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, BinaryIO, Dict, Iterator, List, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -147,7 +147,7 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             name, part = mapped
             module_path, _, param_name = name.rpartition(".")
             try:
-                module = model.get_submodule(module_path)
+                module: Any = model.get_submodule(module_path)  # a ShardedModule (parts/shard/merge)
             except AttributeError:
                 raise ValueError(f"checkpoint weight {ckpt_name!r} does not belong to {type(model).__name__}") from None
             # A sharded layer narrows `full`, which reads only this rank's slice from the file.
@@ -169,7 +169,7 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
         name, bucket = next(iter(pending.items()))
         raise ValueError(
             f"checkpoint is missing parts of {name}: found {sorted(map(str, bucket))}, "
-            f"need {len(model.get_submodule(name.rpartition('.')[0]).parts(name.rpartition('.')[2]))} parts"
+            f"need {len(cast(Any, model.get_submodule(name.rpartition('.')[0])).parts(name.rpartition('.')[2]))} parts"
         )
     return out
 

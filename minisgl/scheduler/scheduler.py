@@ -476,6 +476,7 @@ class Scheduler:
             assert isinstance(req, SchedReq)
             n = flight.batch.prompt_logprob_counts[i] if plp is not None else 0
             if n:  # this chunk's prompt logprobs (rows in batch order)
+                assert plp is not None
                 k = req.sampling_params.prompt_logprobs or 0
                 start = len(req.prompt_lp)  # logprobs so far = prompt position of the next one
                 targets = req.token_ids[start + 1 : start + 1 + n]

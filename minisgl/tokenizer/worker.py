@@ -186,7 +186,7 @@ class TokenizerWorker:
         if state.want_logprobs and out.token_id is not None and out.logprob is not None:
             tops = [[self._piece(int(t)), _finite(lp)] for t, lp in (out.top_logprobs or [])]
             logprobs = [[self._piece(out.token_id), _finite(out.logprob), tops, out.token_id]]
-        prompt_lp = None
+        prompt_lp: List[List[Any]] | None = None
         if out.prompt_logprobs is not None:
             first = state.prompt_ids[0] if state.prompt_ids else None
             prompt_lp = [[self._piece(first), None, [], first]] if first is not None else []

@@ -132,10 +132,10 @@ def _completion_response(
                 "stop_reason": None if score_only else r.matched_stop,
             }
         )
-    out = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices, "usage": usage(results, n)}
-    if score_only:
-        out["usage"] = {**out["usage"], "completion_tokens": 0, "total_tokens": out["usage"]["prompt_tokens"]}
-    return out
+    counts = usage(results, n)
+    if score_only:  # the one token generated to finish the prefill is not returned, nor counted
+        counts = {**counts, "completion_tokens": 0, "total_tokens": counts["prompt_tokens"]}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices, "usage": counts}
 
 
 async def _completion_stream(
