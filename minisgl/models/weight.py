@@ -42,7 +42,8 @@ class CheckpointTensor:
     BLOCK_BYTES = 8 << 20  # a slice along dim > 0 is gathered from row blocks of at most this
 
     def __init__(self, f: BinaryIO, path: Path, name: str, offset: int, nbytes: int, shape: List[int], dtype: torch.dtype) -> None:
-        self._f, self._path, self.name = f, path, name
+        self._f: Any = f  # a buffered binary file: readinto fills tensors in place
+        self._path, self.name = path, name
         self._offset, self._nbytes = offset, nbytes
         self.shape = torch.Size(shape)
         self.dtype = dtype
@@ -66,7 +67,7 @@ class CheckpointTensor:
         if n:
             self._f.seek(self._offset + start * row_bytes)
             view = out.view(-1).view(torch.uint8).numpy()
-            if self._f.readinto(memoryview(view)) != n:
+            if self._f.readinto(memoryview(view)) != n:  # type: ignore[arg-type]
                 raise ValueError(f"{self._path.name}: tensor {self.name} is truncated")
         return out
 
@@ -75,7 +76,8 @@ class CheckpointTensor:
             out = torch.empty(self.shape, dtype=self.dtype)
             if self._nbytes:
                 self._f.seek(self._offset)
-                if self._f.readinto(memoryview(out.view(-1).view(torch.uint8).numpy())) != self._nbytes:
+                buffer = memoryview(out.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
+                if self._f.readinto(buffer) != self._nbytes:
                     raise ValueError(f"{self._path.name}: tensor {self.name} is truncated")
             return out
         return self._read_rows(0, self.shape[0])
@@ -151,7 +153,7 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             except AttributeError:
                 raise ValueError(f"checkpoint weight {ckpt_name!r} does not belong to {type(model).__name__}") from None
             # A sharded layer narrows `full`, which reads only this rank's slice from the file.
-            piece: Any = module.shard(param_name, full, part) if isinstance(module, ShardedModule) else full
+            piece: Any = module.shard(param_name, cast(Any, full), part) if isinstance(module, ShardedModule) else full
             if isinstance(piece, CheckpointTensor):
                 piece = piece.read()  # replicated
             target_dtype = dtype if piece.is_floating_point() else piece.dtype
