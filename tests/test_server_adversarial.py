@@ -22,7 +22,9 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
+
 from test_server import REPO, ServerProcess, free_port, tiny_chat_model  # noqa: F401  (fixture)
+from test_server import _assert_error as assert_error_body
 
 API_KEY = "adversary-key"
 MAX_SEQ_LEN = 512
@@ -75,16 +77,7 @@ def post(client: httpx.Client, path: str, body: Any) -> httpx.Response:
 def expect_error(resp: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> Dict[str, Any]:
     assert resp.status_code == status, (resp.status_code, resp.text[:500])
     assert resp.headers.get("connection", "").lower() != "close", "an error must not close the keep-alive connection"
-    body = resp.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"]
-    if param is not None:
-        assert err["param"] == param, err
-    if code is not None:
-        assert err["code"] == code, err
-    return err
+    return assert_error_body(resp, status, param, code)
 
 
 def assert_clean(server: ServerProcess) -> None:

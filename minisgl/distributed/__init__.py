@@ -1,6 +1,5 @@
 """Tensor-parallel rank information and collectives."""
 
-from minisgl.distributed.info import DistributedInfo, get_tp_info, set_tp_info, try_get_tp_info
 from minisgl.distributed.comm import (
     DistributedInitError,
     all_gather_last_dim,
@@ -12,6 +11,7 @@ from minisgl.distributed.comm import (
     get_cpu_group,
     init_process_group,
 )
+from minisgl.distributed.info import DistributedInfo, get_tp_info, set_tp_info, try_get_tp_info
 
 __all__ = [
     "DistributedInfo",

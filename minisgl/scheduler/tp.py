@@ -214,7 +214,7 @@ def run_server_follower(scheduler: Scheduler, ready_conn: Any) -> None:
         follow(scheduler)
     except TPRankLost as exc:
         logger.error("%s; this rank exits", exc)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         scheduler.shutdown()
 
@@ -233,7 +233,7 @@ def _worker_main(config: SchedulerConfig, conn: Any) -> None:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         except OSError:
             pass
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     conn.send(("ready", None))
     try:
         follow(scheduler)

@@ -154,23 +154,31 @@ class SamplingFields(_Base):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Choice 0's parameters (`SamplingParams.for_choice` derives the others)."""
-        return SamplingParams(
-            logit_bias=_parse_logit_bias(self.logit_bias),
-            min_tokens=self.min_tokens,
-            grammar=self.response_format.grammar() if self.response_format is not None else None,
-            temperature=1.0 if self.temperature is None else float(self.temperature),
-            top_k=-1 if self.top_k in (None, 0) else int(self.top_k),  # 0 means off, as in vLLM
-            top_p=1.0 if self.top_p is None else float(self.top_p),
-            min_p=0.0 if self.min_p is None else float(self.min_p),
-            max_tokens=max_tokens,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=list(self.stop_token_ids or []),
-            seed=self.seed,
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            repetition_penalty=float(self.repetition_penalty),
-            logprobs=logprobs,
-        )
+        grammar = self.response_format.grammar() if self.response_format is not None else None
+        return _to_sampling_params(self, max_tokens=max_tokens, min_tokens=self.min_tokens, grammar=grammar, logprobs=logprobs)
+
+
+def _to_sampling_params(
+    src: Any, *, max_tokens: int | None, min_tokens: int, grammar: Optional[GrammarSpec], logprobs: int | None
+) -> SamplingParams:
+    """The fields /v1 and /generate share, under the same names, as one SamplingParams."""
+    return SamplingParams(
+        temperature=1.0 if src.temperature is None else float(src.temperature),
+        top_k=-1 if src.top_k in (None, 0) else int(src.top_k),  # 0 means off, as in vLLM
+        top_p=1.0 if src.top_p is None else float(src.top_p),
+        min_p=0.0 if src.min_p is None else float(src.min_p),
+        max_tokens=max_tokens,
+        ignore_eos=src.ignore_eos,
+        stop_token_ids=list(src.stop_token_ids or []),
+        seed=src.seed,
+        presence_penalty=float(src.presence_penalty),
+        frequency_penalty=float(src.frequency_penalty),
+        repetition_penalty=float(src.repetition_penalty),
+        logprobs=logprobs,
+        logit_bias=_parse_logit_bias(src.logit_bias),
+        min_tokens=min_tokens,
+        grammar=grammar,
+    )
 
 
 def _parse_logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
@@ -387,23 +395,7 @@ class GenerateSampling(_Base):
         return _stop_list(self.stop)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
-            logit_bias=_parse_logit_bias(self.logit_bias),
-            min_tokens=self.min_new_tokens,
-            grammar=self.grammar(),
-            temperature=float(self.temperature),
-            top_k=-1 if self.top_k == 0 else int(self.top_k),
-            top_p=float(self.top_p),
-            min_p=float(self.min_p),
-            max_tokens=self.max_new_tokens,
-            ignore_eos=self.ignore_eos,
-            stop_token_ids=list(self.stop_token_ids or []),
-            seed=self.seed,
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
-            repetition_penalty=float(self.repetition_penalty),
-            logprobs=logprobs,
-        )
+        return _to_sampling_params(self, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, grammar=self.grammar(), logprobs=logprobs)
 
 
 class GenerateRequest(_Base):

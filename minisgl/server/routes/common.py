@@ -290,6 +290,24 @@ def check_prompts(prompts: List[Any], limits: RequestLimits, param: str) -> None
             raise APIError.from_invalid(exc) from None
 
 
+def prompt_messages(
+    frontend: Frontend, prompts: List[Any], n: int, params: SamplingParams, *, max_tokens_explicit: bool, **fields: Any
+) -> List[TokenizeMsg]:
+    """One TokenizeMsg per (prompt, choice) of a completion-style request: a text prompt or token ids."""
+    return [
+        TokenizeMsg(
+            uid=frontend.new_uid(),
+            text=prompt if isinstance(prompt, str) else None,
+            input_ids=None if isinstance(prompt, str) else list(prompt),
+            sampling=params.for_choice(i),
+            max_tokens_explicit=max_tokens_explicit,
+            **fields,
+        )
+        for prompt in prompts
+        for i in range(n)
+    ]
+
+
 # ---- from messages to a response ----------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Dict, List
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from minisgl.message import ErrorMsg, TokenizeMsg
+from minisgl.message import ErrorMsg
 from minisgl.server.frontend import RequestStream
 from minisgl.server.protocol import MAX_CHOICES, UNSUPPORTED_COMPLETION_FIELDS, CompletionRequest
 from minisgl.server.routes.common import (
@@ -22,6 +22,7 @@ from minisgl.server.routes.common import (
     check_prompts,
     events,
     get_state,
+    prompt_messages,
     read_body,
     require_api_key,
     respond,
@@ -58,21 +59,10 @@ async def completions(request: Request) -> Response:
         params.prompt_logprobs = k or 0  # the prompt's logprobs (and its token texts) come from prefill
     params = validated(params, state.limits)
     stops = body.stop_list()
-    msgs = [
-        TokenizeMsg(
-            uid=state.frontend.new_uid(),
-            text=prompt if isinstance(prompt, str) else None,
-            input_ids=prompt if not isinstance(prompt, str) else None,
-            sampling=params.for_choice(i),
-            max_tokens_explicit=body.max_tokens is not None,
-            stop=stops,
-            include_stop_str=body.include_stop_str_in_output,
-            want_logprobs=k is not None,
-            skip_special_tokens=body.skip_special_tokens,
-        )
-        for prompt in prompts
-        for i in range(body.n)
-    ]
+    msgs = prompt_messages(
+        state.frontend, prompts, body.n, params, max_tokens_explicit=body.max_tokens is not None, stop=stops,
+        include_stop_str=body.include_stop_str_in_output, want_logprobs=k is not None, skip_special_tokens=body.skip_special_tokens,
+    )  # fmt: skip
     rid = f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     want_lp = k is not None

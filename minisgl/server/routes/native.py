@@ -8,7 +8,7 @@ from typing import Any, AsyncIterator, Dict, List
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from minisgl.message import ErrorMsg, TokenizeMsg
+from minisgl.message import ErrorMsg
 from minisgl.server.frontend import RequestStream
 from minisgl.server.protocol import MAX_CHOICES, GenerateRequest
 from minisgl.server.routes.common import (
@@ -20,6 +20,7 @@ from minisgl.server.routes.common import (
     data_line,
     events,
     get_state,
+    prompt_messages,
     read_body,
     require_api_key,
     respond,
@@ -65,21 +66,10 @@ async def generate(request: Request) -> Response:
         params.prompt_logprobs = body.top_logprobs_num
     params = validated(params, state.limits, _RENAME)
     stops = sp.stop_list()
-    msgs = [
-        TokenizeMsg(
-            uid=state.frontend.new_uid(),
-            text=prompt if isinstance(prompt, str) else None,
-            input_ids=None if isinstance(prompt, str) else list(prompt),
-            sampling=params.for_choice(i),
-            max_tokens_explicit=sp.max_new_tokens is not None,
-            stop=stops,
-            include_stop_str=sp.no_stop_trim,
-            want_logprobs=k is not None,
-            skip_special_tokens=sp.skip_special_tokens,
-        )
-        for prompt in prompts
-        for i in range(sp.n)
-    ]
+    msgs = prompt_messages(
+        state.frontend, prompts, sp.n, params, max_tokens_explicit=sp.max_new_tokens is not None, stop=stops,
+        include_stop_str=sp.no_stop_trim, want_logprobs=k is not None, skip_special_tokens=sp.skip_special_tokens,
+    )  # fmt: skip
     rid = uuid.uuid4().hex
     want_lp = k is not None
     batched = body.batched
