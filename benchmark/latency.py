@@ -21,14 +21,13 @@ from typing import Dict, List
 import torch
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.distributed import DistributedInfo
 from minisgl.engine import Engine
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
-from minisgl.distributed import DistributedInfo
 from minisgl.utils.device import synchronize
-from minisgl.utils.hf import resolve_model_path
+from minisgl.utils.hf import cached_load_hf_config, resolve_model_path
 from minisgl.utils.torch_utils import auto_dtype, parse_dtype
-from minisgl.utils.hf import cached_load_hf_config
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:

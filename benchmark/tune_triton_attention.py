@@ -48,7 +48,7 @@ def main() -> int:
     dev = torch.device("cuda")
     Hq, Hk, D = 16, 8, 128
     dt = torch.bfloat16
-    max_ctx, max_bs = 8192, 256
+    max_bs = 256
     width = 8192 + 64
     slots = 256 * 640 + 64 * 4200
     k_cache = torch.randn(slots, Hk, D, device=dev, dtype=dt)

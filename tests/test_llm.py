@@ -24,7 +24,6 @@ from sched_helpers import (
     check_workload,
     greedy,
     hf_generate,
-    make_workload,
     refs_for,
     running_llm,
     teacher_forced_logits,
@@ -180,7 +179,7 @@ def test_radix_eviction_under_small_pool(tiny_dir, oracle, page_size):
     with running_llm(tiny_dir, cache_type="radix", **pool) as llm:
         sched = llm.scheduler
         radix = []
-        for r, prompts in enumerate(rounds):
+        for prompts in rounds:
             radix.append(llm.generate(prompts, _params(max_tokens)))
             assert sched.stats().cached_pages <= sched.stats().total_pages
             sched.check_invariants()

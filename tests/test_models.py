@@ -130,7 +130,7 @@ def test_cached_prefix_matches_hf(arch, page_size, tiny_model_dir, hf_oracle):
 
     ref, ref_logits = hf.greedy(first_prompt, 8)
     compared = assert_greedy_match(first_out, ref, ref_logits, label=f"{arch} first request")
-    for i, ((ids, n), ours) in enumerate(zip(specs, outs)):
+    for (ids, n), ours in zip(specs, outs):
         ref, ref_logits = hf.greedy(ids, NEW_TOKENS)
         compared += assert_greedy_match(ours, ref, ref_logits, label=f"{arch} ps={page_size} cached_len={n}")
     assert compared >= 0.8 * (8 + NEW_TOKENS * len(specs))

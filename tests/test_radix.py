@@ -52,7 +52,7 @@ def test_registry_and_naive_manager():
     assert naive.insert([1, 2, 3], [7, 8, 9]) == ([7, 8, 9], 0)
     assert naive.evict(5) == [] and naive.reset() == []
     assert naive.cached_pages == naive.evictable_pages == 0
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError):
         create_cache_manager("nope", 1)
 
 
@@ -192,7 +192,7 @@ def test_radix_randomised_against_page_contents():
             private = [pg for ids_, p, h in running for pg in p[_matched_pages(h):]]
             everything = list(alloc._free) + private + _tree_pages(cache)
             assert sorted(everything) == list(range(num_pages)), f"page leak or double use at step {step}"
-        for ids, pages, handle in running:
+        for _ids_unused, pages, handle in running:
             cache.unlock(handle)
             alloc.free(pages[_matched_pages(handle):])
         running.clear()

@@ -22,7 +22,6 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-
 from test_server import REPO, ServerProcess, free_port, tiny_chat_model  # noqa: F401  (fixture)
 from test_server import _assert_error as assert_error_body
 

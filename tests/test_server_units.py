@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 import pytest
 import zmq
+from test_server import tiny_chat_model  # noqa: F401  (fixture)
 
 from minisgl.message import (
     AbortMsg,
@@ -30,8 +31,6 @@ from minisgl.message import (
 )
 from minisgl.sampling_params import SamplingParams
 from minisgl.tokenizer import IncrementalDetokenizer, StopMatcher
-
-from test_server import tiny_chat_model  # noqa: F401  (fixture)
 
 MULTILINGUAL = [
     "你好，世界！今天天气很好。",

@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any, Dict, List
 
 import pytest
+from sched_helpers import TINY, assert_idle_and_clean, greedy, running_llm
 
 from minisgl.scheduler import StepFailed, UserRequest
-
-from sched_helpers import TINY, assert_idle_and_clean, greedy, running_llm
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7, 8], [11, 3, 250, 64, 1, 99], [77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87]]
 

@@ -290,8 +290,9 @@ def test_rank_that_never_joins_times_out(qwen3_dir):
     with pytest.raises(DistributedInitError, match=r"rank 0 of 2.*did not all join.*distributed_timeout=2"):
         Engine(config)
     assert time.monotonic() - start < 20
-    import minisgl.core
     import torch.distributed as dist
+
+    import minisgl.core
 
     assert minisgl.core._GLOBAL_CTX is None and not dist.is_initialized()
 
