@@ -479,8 +479,10 @@ def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
     # a non-streaming client that gives up is aborted too
     def give_up() -> None:
         try:
-            # 0.2 s: the CPU decode path (issue 12) generates this tiny model's 480 tokens in ~0.5 s
-            httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, headers=server.headers(), timeout=0.2)
+            # n=16 choices: the CPU decode path (issue 12) generates one 480-token answer of this
+            # tiny model in ~0.15 s, so a single choice could finish before the client gives up
+            httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False, "n": 16},
+                       headers=server.headers(), timeout=0.5)  # fmt: skip
         except httpx.TimeoutException:
             pass
 
@@ -488,7 +490,7 @@ def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
     t.start()
     t.join()
     m = server.wait_idle()
-    assert m["minisgl_aborted_requests_total"] == before + 2
+    assert m["minisgl_aborted_requests_total"] >= before + 2  # each unfinished choice counts
     assert m["minisgl_kv_cache_usage"] == 0.0
 
 
