@@ -385,6 +385,8 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
     why_not = supports_cpu_decode(model, device, config.tp_info.size)
     if why_not is None and not config.cpu_fast_decode:
         why_not = "cpu_fast_decode=False"
+    if why_not is None and os.environ.get("MINISGL_CPU_FAST_DECODE", "1") == "0":
+        why_not = "MINISGL_CPU_FAST_DECODE=0"  # for processes started without a config knob (server)
     if why_not is not None:
         if method != "none":
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
