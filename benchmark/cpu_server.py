@@ -32,6 +32,9 @@ QUESTIONS = [
 ]  # fmt: skip
 
 
+MODEL: List[str] = ["default"]  # replaced by the served id from /v1/models
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -39,7 +42,7 @@ def _free_port() -> int:
 
 
 async def _stream(client: httpx.AsyncClient, url: str, question: str, max_tokens: int) -> Dict[str, float]:
-    body = {"model": "default", "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+    body = {"model": MODEL[0], "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "ignore_eos": True}  # fmt: skip
     t0 = time.perf_counter()
     first, chunks = None, 0
@@ -84,6 +87,7 @@ def main() -> None:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
+        MODEL[0] = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         t0 = time.perf_counter()
         res = asyncio.run(_burst(base, a.streams, a.max_tokens))
         wall = time.perf_counter() - t0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import os
 import pickle
 import time
 import traceback
@@ -35,6 +34,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import TokenOutput, UserRequest
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.server.process_utils import free_port  # noqa: F401  (LLM(tp=N) picks its rendezvous port)
+from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -224,7 +224,7 @@ def _worker_main(config: SchedulerConfig, conn: Any) -> None:
     """A spawned follower rank of `LLM(tp=N)`: dies with its parent, ignores Ctrl-C (rank 0 decides)."""
     from minisgl.server.process_utils import setup_child_process
 
-    setup_child_process(f"minisgl-tp{config.tp_info.rank}", os.environ.get("MINISGL_LOG_LEVEL", "warning"))
+    setup_child_process(f"minisgl-tp{config.tp_info.rank}", read_env().log_level.lower())
     conn.send(("started", None))  # imports done: rank 0 may start its engine
     try:
         scheduler = Scheduler(config)

@@ -12,6 +12,10 @@ option or a config field; these are the few process-wide switches.
 | MINISGL_CACHE_DIR | path | ~/.cache/minisgl | converted-checkpoint cache (GGUF → HF folder) |
 | MINISGL_LOG_LEVEL | str | WARNING | log level of library use (the server sets its own from --log-level) |
 | TRITON_INTERPRET | bool | false | Triton's CPU interpreter (kernel tests on CPUs) |
+| MINISGL_CPU_FAST_DECODE | bool | true | CPU: the flat forward over fused C kernels (false: the module path) |
+| MINISGL_CPU_KERNELS | bool | true | CPU: build and use the C kernels (false: the same loop on torch ops) |
+| CC | str | cc, gcc on PATH | the C compiler of the CPU kernels |
+| MINISGL_CPU_PACKED | bool | false | CPU: bf16 GEMM weights packed once for oneDNN (faster, twice the weight memory) |
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class Env:
     cache_dir: Path
     log_level: str
     triton_interpret: bool
+    cpu_fast_decode: bool
+    cpu_kernels: bool
+    cpu_packed: bool
+    cc: str | None
 
 
 def read_env() -> Env:
@@ -54,4 +62,8 @@ def read_env() -> Env:
         cache_dir=Path(os.environ.get("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"),
         log_level=(os.environ.get("MINISGL_LOG_LEVEL") or "WARNING").upper(),
         triton_interpret=_flag("TRITON_INTERPRET", False),
+        cpu_fast_decode=_flag("MINISGL_CPU_FAST_DECODE", True),
+        cpu_kernels=_flag("MINISGL_CPU_KERNELS", True),
+        cpu_packed=_flag("MINISGL_CPU_PACKED", False),
+        cc=os.environ.get("CC") or None,
     )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -36,7 +37,7 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("MINISGL_CACHE_DIR", Path.home() / ".cache" / "minisgl")) / "cpu_kernels"
+    return read_env().cache_dir / "cpu_kernels"
 
 
 def _cpu_id() -> str:
@@ -51,7 +52,7 @@ def _cpu_id() -> str:
 
 
 def _build() -> Path:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = read_env().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
     src = _SRC.read_bytes()
@@ -84,7 +85,7 @@ class CpuKernels:
 
 @lru_cache(maxsize=1)
 def cpu_kernels() -> CpuKernels | None:
-    if os.environ.get("MINISGL_CPU_KERNELS", "1") == "0":
+    if not read_env().cpu_kernels:
         return None
     try:
         return CpuKernels(ctypes.CDLL(str(_build())))
