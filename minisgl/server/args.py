@@ -48,6 +48,7 @@ class ServerArgs:
     num_tokenizer_workers: int = 1  # processes that encode large prompts (0: all inline)
     allowed_origins: List[str] | None = None  # CORS; None: no cross-origin access
     tool_call_parser: str = "auto"
+    quantization: str | None = None  # CPU weight-only: gguf, int4, int8
     reasoning_parser: str = "auto"
     ipc_dir: str = ""  # set by launch
 
@@ -115,6 +116,7 @@ class ServerArgs:
             max_extend_tokens=self.max_prefill_length,
             cache_type=self.cache,
             enable_overlap=False if self.disable_overlap else None,
+            quantization=self.quantization,
             dist_init_addr=self.dist_init_addr,
             distributed_timeout=self.dist_timeout,
             **kwargs,
@@ -201,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend",
         default="auto",
         help="attention kernels: auto, torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
+    )
+
+    model.add_argument(
+        "--quantization",
+        default=None,
+        choices=["gguf", "int4", "int8"],
+        help="CPU only: weight-only quantized decode GEMMs (gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
     )
 
     sched = parser.add_argument_group("scheduling and KV cache")
