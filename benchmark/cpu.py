@@ -125,7 +125,7 @@ def llama_cpp_latency(prompt: List[int], gen_len: int, threads: int) -> Dict[str
     llm.eval(prompt)
     ttft = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for tok in llm.generate(prompt[-1:], temp=0.0, reset=False):
+    for _tok in llm.generate(prompt[-1:], temp=0.0, reset=False):
         gen_len -= 1
         if gen_len <= 0:
             break

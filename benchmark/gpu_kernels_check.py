@@ -341,7 +341,8 @@ def part_prologue() -> None:
 
                 def fused() -> torch.Tensor:
                     return triton_ops().attention_prologue(  # type: ignore[union-attr]
-                        qkv, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, d)
+                        qkv, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, d
+                    )
 
                 def reference() -> torch.Tensor:
                     q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
@@ -543,8 +544,11 @@ def main() -> int:
     ap.add_argument("--parts", default=DEFAULT_PARTS, help=f"comma list of {','.join(PARTS)} (default {DEFAULT_PARTS})")
     ap.add_argument("--budget-s", type=float, default=170.0, help="skip remaining large cases past this many seconds")
     ap.add_argument("--out", default=None, help="directory to write kernels_check.json into")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny shapes; without CUDA runs on CPU (needs TRITON_INTERPRET=1): checks this script's plumbing")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny shapes; without CUDA runs on CPU (needs TRITON_INTERPRET=1): checks this script's plumbing",
+    )
     args = ap.parse_args()
     BUDGET_S = args.budget_s
     if args.smoke:

@@ -84,9 +84,7 @@ def summarize(trace: Dict[str, Any], top: int = 20) -> Dict[str, Any]:
         "device_events": len(device_events),
         "gaps": gap_summary,
         "families_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [
-            {"name": n[:90], "total_ms": round(t / 1e3, 2), "count": c, "mean_us": round(t / c, 2)} for t, c, n in kernels
-        ],
+        "top_kernels": [{"name": n[:90], "total_ms": round(t / 1e3, 2), "count": c, "mean_us": round(t / c, 2)} for t, c, n in kernels],
     }
 
 

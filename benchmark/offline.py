@@ -87,9 +87,7 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         kv_tokens=engine.num_pages * engine.config.page_size,
         overlap=llm.scheduler.overlap,
     )
-    params = [
-        SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens
-    ]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n) for n in max_tokens]
     try:
         llm.generate([prompts[0][:100]], SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=16))
         synchronize(device)
@@ -260,8 +258,10 @@ def run_hf(args: argparse.Namespace, prompts, max_tokens, dtype: torch.dtype, de
     model = _hf_model(args, dtype, device)
     load_s = time.perf_counter() - t0
     use_cb = device.startswith("cuda") and hasattr(model, "init_continuous_batching") and not args.peer_static
-    method = "continuous batching (init_continuous_batching)" if use_cb else (
-        f"generate, static batches of {args.peer_batch or len(prompts)}, left padding"
+    method = (
+        "continuous batching (init_continuous_batching)"
+        if use_cb
+        else (f"generate, static batches of {args.peer_batch or len(prompts)}, left padding")
     )
     # warm-up: one small request through the same path
     warm = [prompts[0][:100]]
@@ -327,8 +327,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the timed run and print the top functions")
     ap.add_argument("--log-compiles", action="store_true", help="list Triton kernels compiled during the timed run")
     ap.add_argument("--repeat", type=int, default=1, help="run the timed requests this many times (first is reported)")
-    ap.add_argument("--trace", action="store_true",
-                    help="CUDA: rerun the requests under torch.profiler and summarise the device timeline")
+    ap.add_argument("--trace", action="store_true", help="CUDA: rerun the requests under torch.profiler and summarise the device timeline")
     ap.add_argument("--trace-file", default=None, help="with --trace: also keep the chrome trace here")
     ap.add_argument("--peer-static", action="store_true", help="HF batched generate even where continuous batching exists")
     args = ap.parse_args(argv)
@@ -371,8 +370,11 @@ def main(argv: List[str] | None = None) -> int:
         print(
             f"hf transformers {peer['version']} ({peer['method']}, {n} requests): {peer['output_tokens']} tokens in "
             f"{peer['time_s']:.2f} s ({peer['cpu_s']:.0f} CPU s) = {peer['tok_s']:.1f} output tok/s"
-            + (f" ({peer['generated_tokens']} generated incl. padding to each batch's longest)"
-               if peer["generated_tokens"] != peer["output_tokens"] else "")
+            + (
+                f" ({peer['generated_tokens']} generated incl. padding to each batch's longest)"
+                if peer["generated_tokens"] != peer["output_tokens"]
+                else ""
+            )
         )
         print(f"ratio minisgl / hf: {ratio:.2f}x")
         summary.update(hf=peer, ratio=round(ratio, 3))

@@ -1,6 +1,6 @@
 """Plot decode step time vs batch size against the memory roofline from a latency.py JSON.
 
-    python benchmark/plot_latency.py docs/data/h200_latency_qwen3_0.6b.json docs/h200_decode_roofline.png
+python benchmark/plot_latency.py docs/data/h200_latency_qwen3_0.6b.json docs/h200_decode_roofline.png
 """
 
 from __future__ import annotations

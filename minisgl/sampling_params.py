@@ -154,7 +154,9 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise InvalidRequest(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}", param="min_tokens")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}", param="logprobs")
+            raise InvalidRequest(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}", param="logprobs"
+            )
         if self.grammar is not None:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequest("grammar must be a GrammarSpec", param="response_format")

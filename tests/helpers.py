@@ -77,9 +77,7 @@ LLAMA3_ROPE_SCALING = {
 LLAMA_V4_ROPE_THETA = 5000.0
 
 
-def build_tiny_model(
-    name: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **extra: Any
-) -> Path:
+def build_tiny_model(name: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **extra: Any) -> Path:
     """Build a random HF model of architecture `name` (a key of TINY_ARCHS), save it to `out_dir`.
     `extra` overrides config fields on top of the architecture's (e.g. num_key_value_heads=1)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -285,9 +283,7 @@ def prepare_batch(engine: Engine, reqs: List[Req], phase: str) -> Batch:
     padded = batch.padded_reqs
     dev = engine.device
     batch.input_ids = torch.cat([r.input_ids[r.cached_len : r.device_len] for r in padded]).to(dev)
-    batch.positions = torch.cat(
-        [torch.arange(r.cached_len, r.device_len, dtype=torch.int32) for r in padded]
-    ).to(dev)
+    batch.positions = torch.cat([torch.arange(r.cached_len, r.device_len, dtype=torch.int32) for r in padded]).to(dev)
     batch.out_loc = torch.cat([engine.page_table[r.table_idx, r.cached_len : r.device_len] for r in padded])
     engine.attn_backend.prepare_metadata(batch)
     return batch

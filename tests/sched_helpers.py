@@ -64,9 +64,7 @@ def running_llm(model_path: Any, **kw: Any) -> Iterator[LLM]:
 # ---------------------------------------------------------------------------------------------
 
 
-def make_workload(n: int, seed: int, min_len: int = 1, max_len: int = 60, max_new: int = 24) -> Tuple[
-    List[List[int]], List[int]
-]:
+def make_workload(n: int, seed: int, min_len: int = 1, max_len: int = 60, max_new: int = 24) -> Tuple[List[List[int]], List[int]]:
     """n prompts of different lengths (token ids over the whole vocab, 0 included) and
     different max_tokens."""
     rng = random.Random(seed)
@@ -102,9 +100,7 @@ class HFRefs:
 
 
 @torch.inference_mode()
-def hf_generate(
-    oracle: HFOracle, prompt: Sequence[int], n: int, **gen_kwargs: Any
-) -> Tuple[List[int], List[torch.Tensor]]:
+def hf_generate(oracle: HFOracle, prompt: Sequence[int], n: int, **gen_kwargs: Any) -> Tuple[List[int], List[torch.Tensor]]:
     """Greedy HF generate on one unpadded prompt: (tokens, the scores behind each token).
 
     attention_mask is explicit (a pad id equal to a prompt token would otherwise be masked) and
@@ -141,9 +137,7 @@ def teacher_forced_logits(oracle: HFOracle, prompt: Sequence[int], tokens: Seque
 # ---------------------------------------------------------------------------------------------
 
 
-def assert_match_ref(
-    ours: Sequence[int], ref: Sequence[int], ref_scores: Sequence[torch.Tensor], label: str = ""
-) -> bool:
+def assert_match_ref(ours: Sequence[int], ref: Sequence[int], ref_scores: Sequence[torch.Tensor], label: str = "") -> bool:
     """Token for token equal to `ref` (same length), except a true tie at the first divergence
     (HF's gap between the two tokens < TIE_EPS; comparison stops there). Returns False on a tie."""
     ours, ref = list(ours), list(ref)
@@ -159,9 +153,7 @@ def assert_match_ref(
     return True
 
 
-def assert_greedy_consistent(
-    oracle: HFOracle, prompt: Sequence[int], tokens: Sequence[int], label: str = ""
-) -> torch.Tensor:
+def assert_greedy_consistent(oracle: HFOracle, prompt: Sequence[int], tokens: Sequence[int], label: str = "") -> torch.Tensor:
     """Every token is HF's argmax given the prompt and our own tokens before it (within
     TIE_EPS of the max logit). One HF forward per sequence. Returns HF's logits for `tokens`."""
     logits = teacher_forced_logits(oracle, prompt, tokens)
@@ -183,8 +175,7 @@ def assert_same_tokens(a: Sequence[int], b: Sequence[int], logits: torch.Tensor,
         if x != y:
             gap = abs(float(logits[i][x]) - float(logits[i][y]))
             assert gap < TIE_EPS, (
-                f"{label}: runs diverge at generated token {i} ({x} vs {y}), HF gap {gap:.3g} is not a tie"
-                f"\n  a: {a}\n  b: {b}"
+                f"{label}: runs diverge at generated token {i} ({x} vs {y}), HF gap {gap:.3g} is not a tie\n  a: {a}\n  b: {b}"
             )
             return
     assert len(a) == len(b), f"{label}: lengths differ ({len(a)} vs {len(b)})\n  a: {a}\n  b: {b}"

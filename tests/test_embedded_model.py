@@ -27,9 +27,7 @@ QUESTIONS = [
 
 
 def _chat_ids(tokenizer, question: str) -> list[int]:
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
-    )
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -29,6 +29,5 @@ def test_example_runs(script: Path):
         timeout=600,
     )
     assert proc.returncode == 0, (
-        f"{script.name} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
-        f"\n--- stderr ---\n{proc.stderr[-4000:]}"
+        f"{script.name} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     )

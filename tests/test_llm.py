@@ -434,7 +434,11 @@ def test_presence_and_frequency_penalties_match_reference(tiny_dir, oracle, refs
     for k, s in enumerate(settings):
         for i, p in enumerate(prompts):
             ref, scores = _hand_penalised_greedy(
-                oracle, p, n, s.get("presence_penalty", 0.0), s.get("frequency_penalty", 0.0),
+                oracle,
+                p,
+                n,
+                s.get("presence_penalty", 0.0),
+                s.get("frequency_penalty", 0.0),
                 s.get("repetition_penalty", 1.0),
             )
             assert_match_ref(results[k * len(prompts) + i].token_ids, ref, scores, f"{s} request {i}")

@@ -189,12 +189,12 @@ def test_radix_randomised_against_page_contents():
                     content[pg] = tuple(ids[i * page_size : (i + 1) * page_size])
                 running.append((ids, pages, m.handle))
             # conservation: every page is free, cached, or privately held by a running request
-            private = [pg for ids_, p, h in running for pg in p[_matched_pages(h):]]
+            private = [pg for ids_, p, h in running for pg in p[_matched_pages(h) :]]
             everything = list(alloc._free) + private + _tree_pages(cache)
             assert sorted(everything) == list(range(num_pages)), f"page leak or double use at step {step}"
         for _ids_unused, pages, handle in running:
             cache.unlock(handle)
-            alloc.free(pages[_matched_pages(handle):])
+            alloc.free(pages[_matched_pages(handle) :])
         running.clear()
         assert cache.evictable_pages == cache.cached_pages
         alloc.free(cache.reset())
@@ -216,4 +216,3 @@ def _matched_pages(handle) -> int:
         n += len(handle.pages)
         handle = handle.parent
     return n
-

@@ -143,16 +143,12 @@ def test_abort_in_every_state_frees_everything(tiny_dir, refs, overlap):
         check_against_refs(col, [3], [short[2]], [6], refs, "E")
 
 
-@pytest.mark.parametrize(
-    "cache_type,page_size", [("naive", 1), ("radix", 1), ("radix", 4)]
-)
+@pytest.mark.parametrize("cache_type,page_size", [("naive", 1), ("radix", 1), ("radix", 4)])
 def test_memory_pressure_requests_wait_and_complete(tiny_dir, refs, cache_type, page_size):
     """A pool of 100 token slots: big enough for any one request (<= 84 tokens) but far too small
     for the workload (~1,300 tokens): requests wait for pages, none is lost or changed."""
     pages = 100 // page_size
-    with running_scheduler(
-        tiny_dir, cache_type=cache_type, page_size=page_size, num_page_override=pages, max_running_req=32
-    ) as sched:
+    with running_scheduler(tiny_dir, cache_type=cache_type, page_size=page_size, num_page_override=pages, max_running_req=32) as sched:
         assert sched.stats().total_pages == pages
         uids = submit(sched, PROMPTS, MAX_TOKENS)
         peak_running, waited = [0], [False]

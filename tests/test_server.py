@@ -222,7 +222,9 @@ CHATS = [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}],
 ]
 PROMPTS = ["The quick brown fox", "Once upon a time, in a land far away,", "1, 2, 3, 4,"]
-CONCURRENT_PROMPTS = [f"Request number {i}: tell me about {w}" for i, w in enumerate(("cats dogs birds fish trees rocks rivers stars " * 4).split())]
+CONCURRENT_PROMPTS = [
+    f"Request number {i}: tell me about {w}" for i, w in enumerate(("cats dogs birds fish trees rocks rivers stars " * 4).split())
+]
 N_NEW = 24
 
 
@@ -327,7 +329,11 @@ def test_chat_streaming_with_usage(server: ServerProcess, reference: Dict[str, A
     ref = reference["chats"][0]
     chunks = list(
         client.chat.completions.create(
-            model="tiny_chat_llama", messages=CHATS[0], temperature=0, max_tokens=N_NEW, stream=True,
+            model="tiny_chat_llama",
+            messages=CHATS[0],
+            temperature=0,
+            max_tokens=N_NEW,
+            stream=True,
             stream_options={"include_usage": True},
         )  # fmt: skip
     )
@@ -460,7 +466,9 @@ def test_structured_output_through_the_openai_client(server: ServerProcess) -> N
     )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content or ""), dict)
-    resp = _post(server, "/generate", {"text": "code:", "sampling_params": {"regex": "[0-9]{3}-[A-Z]{2}", "max_new_tokens": 20, "temperature": 0}})
+    resp = _post(
+        server, "/generate", {"text": "code:", "sampling_params": {"regex": "[0-9]{3}-[A-Z]{2}", "max_new_tokens": 20, "temperature": 0}}
+    )
     assert resp.status_code == 200 and __import__("re").fullmatch("[0-9]{3}-[A-Z]{2}", resp.json()["text"]), resp.text
     comp = client.completions.create(
         model="tiny_chat_llama", prompt="x", max_tokens=50, temperature=0,
@@ -468,7 +476,11 @@ def test_structured_output_through_the_openai_client(server: ServerProcess) -> N
     )  # fmt: skip
     assert json.loads(comp.choices[0].text) in ("on", "off")
     # a bad schema or regex is a 400 naming the field
-    bad = _post(server, "/v1/chat/completions", {"messages": CHATS[0], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}})
+    bad = _post(
+        server,
+        "/v1/chat/completions",
+        {"messages": CHATS[0], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format", bad.text
     bad = _post(server, "/generate", {"text": "x", "sampling_params": {"regex": "a(", "max_new_tokens": 3}})
     assert bad.status_code == 400, bad.text
@@ -498,14 +510,22 @@ def test_tool_calls(server: ServerProcess) -> None:
             jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
 
     # required: a small random model still emits a valid call (the grammar enforces it)
-    r = client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0)
+    r = client.chat.completions.create(
+        model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0
+    )
     assert r.choices[0].finish_reason == "tool_calls"
     check_calls(r.choices[0].message.tool_calls, set(params))
     named = {"type": "function", "function": {"name": "get_time"}}
-    r = client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice=named, max_tokens=120, temperature=0.8, seed=1)
+    r = client.chat.completions.create(
+        model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice=named, max_tokens=120, temperature=0.8, seed=1
+    )
     check_calls(r.choices[0].message.tool_calls, {"get_time"})
     # streamed: content deltas, then the calls as tool_calls deltas, then finish_reason tool_calls
-    chunks = list(client.chat.completions.create(model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny_chat_llama", messages=ask, tools=TOOLS, tool_choice="required", max_tokens=120, temperature=0, stream=True
+        )
+    )
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     check_calls(deltas, set(params))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
@@ -514,13 +534,21 @@ def test_tool_calls(server: ServerProcess) -> None:
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # a conversation with a call and its result goes through the chat template
     history = ask + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
     ]
     r = client.chat.completions.create(model="tiny_chat_llama", messages=history, tools=TOOLS, max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # bad tool requests are 400s naming the field
-    bad = _post(server, "/v1/chat/completions", {"messages": ask, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    bad = _post(
+        server, "/v1/chat/completions", {"messages": ask, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
     bad = _post(server, "/v1/chat/completions", {"messages": ask, "tool_choice": "required"})
     assert bad.status_code == 400, bad.text
@@ -556,13 +584,19 @@ def test_echo_prompt_logprobs_for_lm_eval(server: ServerProcess, reference: Dict
         assert len(lp["tokens"]) == len(ids) + max_tokens and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         for p in range(1, len(ids)):
             assert abs(lp["token_logprobs"][p] - expect[p - 1, ids[p]].item()) < 1e-4
-            (best_text, best), = lp["top_logprobs"][p].items()
+            ((best_text, best),) = lp["top_logprobs"][p].items()
             assert abs(best - expect[p - 1].max().item()) < 1e-4
         assert choice["text"] == PROMPTS[1] if max_tokens == 0 else choice["text"].startswith(PROMPTS[1])
     # a string prompt echoes itself; /generate returns input_token_logprobs from logprob_start_len
-    text = _post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2, "echo": True, "temperature": 0}).json()["choices"][0]["text"]
+    text = _post(server, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2, "echo": True, "temperature": 0}).json()["choices"][0][
+        "text"
+    ]
     assert text == PROMPTS[1] + reference["prompts"][1].text[: len(text) - len(PROMPTS[1])]
-    meta = _post(server, "/generate", {"input_ids": ids, "return_logprob": True, "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}).json()["meta_info"]
+    meta = _post(
+        server,
+        "/generate",
+        {"input_ids": ids, "return_logprob": True, "logprob_start_len": 2, "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+    ).json()["meta_info"]
     assert len(meta["input_token_logprobs"]) == len(ids) - 2
     assert abs(meta["input_token_logprobs"][0][0] - expect[1, ids[2]].item()) < 1e-4 and meta["input_token_logprobs"][0][1] == ids[2]
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 0}).status_code == 400  # 0 only with echo
@@ -649,7 +683,14 @@ def test_concurrent_streaming_clients(server: ServerProcess, reference: Dict[str
 def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
     server.wait_idle()
     before = server.metrics()["minisgl_aborted_requests_total"]
-    body = {"model": "tiny_chat_llama", "prompt": "Tell me everything.", "max_tokens": 480, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny_chat_llama",
+        "prompt": "Tell me everything.",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, headers=server.headers(), timeout=60) as resp:
         assert resp.status_code == 200
         seen = 0
@@ -663,6 +704,7 @@ def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
     assert m["minisgl_aborted_requests_total"] == before + 1
     assert m["minisgl_kv_cache_usage"] == 0.0
     assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"]
+
     # a non-streaming client that gives up is aborted too
     def give_up() -> None:
         try:
@@ -710,7 +752,9 @@ def test_bad_inputs_get_openai_errors(server: ServerProcess) -> None:
     _assert_error(post(chat, {"messages": []}), 400, param="messages")
     _assert_error(post(chat, {"messages": "hello"}), 400, param="messages")
     _assert_error(post(chat, {"messages": [{"content": "no role"}]}), 400)
-    _assert_error(post(chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, param="messages")
+    _assert_error(
+        post(chat, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, param="messages"
+    )
     err = _assert_error(post(chat, {"model": "gpt-17", "messages": msgs}), 404, param="model", code="model_not_found")
     assert "gpt-17" in err["message"]
     _assert_error(post(chat, {"messages": msgs, "temperature": -0.5}), 400, param="temperature")

@@ -97,7 +97,9 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     expect_error(post_raw(client, CHAT, '{"messages": ' + deep + "}"), 400, code="invalid_json")
     expect_error(post_raw(client, CHAT, '{"messages": [{"role": "user", "content": ' + "[" * 40 + "]" * 40 + "}]}"), 400)
     # lone surrogates in content, prompt and stop
-    expect_error(post_raw(client, CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'), 400, param="messages", code="invalid_unicode")
+    expect_error(
+        post_raw(client, CHAT, '{"messages": [{"role": "user", "content": "a\\ud800b"}]}'), 400, param="messages", code="invalid_unicode"
+    )
     expect_error(post_raw(client, COMPLETIONS, '{"prompt": "\\udfff", "max_tokens": 2}'), 400, param="prompt")
     expect_error(post_raw(client, COMPLETIONS, '{"prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}'), 400, param="stop")
     # integers beyond 64 bits anywhere
@@ -110,7 +112,11 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": big}}), 400, param="sampling_params")
     # infinities and NaN (Python's json writes and reads them; so do some clients)
     for literal in ("Infinity", "-Infinity", "NaN", "1e309"):
-        expect_error(post_raw(client, CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + literal + "}"), 400, param="temperature")
+        expect_error(
+            post_raw(client, CHAT, '{"messages": [{"role": "user", "content": "hi"}], "temperature": ' + literal + "}"),
+            400,
+            param="temperature",
+        )
     # top_k beyond the vocabulary: this request killed the scheduler once sampled with another
     expect_error(post(client, COMPLETIONS, {"prompt": "Hello", "max_tokens": 2, "top_k": 2147483648, "temperature": 1}), 400, param="top_k")
     # strict JSON types, as OpenAI
@@ -130,7 +136,9 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     expect_error(post(client, CHAT, {"messages": MSGS, "logit_bias": {"5": -101}}), 400, param="logit_bias")
     expect_error(post(client, CHAT, {"messages": MSGS, "max_tokens": 3, "min_tokens": 4}), 400, param="min_tokens")
     expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"frobnicate": "a+"}}), 400, param="sampling_params")
-    expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"regex": "a+", "ebnf": "root ::= \"a\""}}), 400, param="sampling_params")
+    expect_error(
+        post(client, "/generate", {"text": "hi", "sampling_params": {"regex": "a+", "ebnf": 'root ::= "a"'}}), 400, param="sampling_params"
+    )
     # neutral values of unimplemented fields mean nothing and are accepted
     ok = post(client, CHAT, {"messages": MSGS, "max_tokens": 2, "tools": None, "logit_bias": {}, "parallel_tool_calls": False})
     assert ok.status_code == 200, ok.text
@@ -145,10 +153,14 @@ def test_bodies_that_used_to_be_500s_are_400s(server: ServerProcess, client: htt
     expect_error(post(client, "/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 21}), 400, param="top_logprobs_num")
     expect_error(post(client, CHAT, {"messages": MSGS, "max_tokens": MAX_SEQ_LEN}), 400, param="max_tokens", code="context_length_exceeded")
     expect_error(post(client, CHAT, {"messages": MSGS, "max_completion_tokens": 10**6}), 400, param="max_completion_tokens")
-    expect_error(post(client, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}), 400, param="sampling_params.max_new_tokens")
+    expect_error(
+        post(client, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 10**6}}), 400, param="sampling_params.max_new_tokens"
+    )
     # client-side chat templates are never rendered
     hostile = "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}"
-    expect_error(post(client, CHAT, {"messages": MSGS, "chat_template_kwargs": {"chat_template": hostile}}), 400, param="chat_template_kwargs")
+    expect_error(
+        post(client, CHAT, {"messages": MSGS, "chat_template_kwargs": {"chat_template": hostile}}), 400, param="chat_template_kwargs"
+    )
     expect_error(post(client, CHAT, {"messages": MSGS, "chat_template_kwargs": {"x": {"nested": 1}}}), 400, param="chat_template_kwargs")
     # the whole barrage went over one keep-alive connection
     last = client.get("/v1/models")
@@ -321,14 +333,21 @@ def test_fuzzed_request_bodies_never_5xx(server: ServerProcess) -> None:
         st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.sampled_from([0, 1, -1, 2**63, VOCAB]),
         st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20), st.sampled_from(["\ud800", "", "0.5", "none"]),
     )  # fmt: skip
-    values = st.recursive(hostile_scalars, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=3)), max_leaves=8)
+    values = st.recursive(
+        hostile_scalars, lambda c: st.one_of(st.lists(c, max_size=4), st.dictionaries(st.text(max_size=8), c, max_size=3)), max_leaves=8
+    )
     common = ["temperature", "top_p", "top_k", "min_p", "max_tokens", "stop", "stop_token_ids", "seed", "n", "presence_penalty",
               "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stream", "stream_options", "user",
               "logprobs", "tools", "response_format", "logit_bias", "unknown_field"]  # fmt: skip
     chat_fields = common + ["messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"]
     completion_fields = common + ["prompt", "echo", "best_of", "suffix"]
     small_tokens = st.integers(min_value=1, max_value=6)
-    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "bot"]), "content": st.one_of(st.text(max_size=30), values)}), max_size=3)
+    messages = st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "bot"]), "content": st.one_of(st.text(max_size=30), values)}
+        ),
+        max_size=3,
+    )
 
     def bodies(fields: List[str], base: Dict[str, Any]) -> Any:
         return st.fixed_dictionaries(
@@ -337,13 +356,18 @@ def test_fuzzed_request_bodies_never_5xx(server: ServerProcess) -> None:
         )
 
     chat = bodies(chat_fields, {"messages": st.one_of(messages, values), "max_tokens": small_tokens})
-    completion = bodies(completion_fields, {"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, VOCAB + 5), max_size=5), values), "max_tokens": small_tokens})
+    completion = bodies(
+        completion_fields,
+        {"prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-5, VOCAB + 5), max_size=5), values), "max_tokens": small_tokens},
+    )
     generate = st.fixed_dictionaries(
         {"text": st.one_of(st.text(max_size=30), values)},
         optional={"sampling_params": st.one_of(values, st.fixed_dictionaries({"max_new_tokens": small_tokens}, optional={f: values for f in ["temperature", "top_k", "stop", "seed", "n"]})),
                   "stream": values, "return_logprob": values, "top_logprobs_num": values, "input_ids": values},
     )  # fmt: skip
-    requests = st.one_of(st.tuples(st.just(CHAT), chat), st.tuples(st.just(COMPLETIONS), completion), st.tuples(st.just("/generate"), generate))
+    requests = st.one_of(
+        st.tuples(st.just(CHAT), chat), st.tuples(st.just(COMPLETIONS), completion), st.tuples(st.just("/generate"), generate)
+    )
     deadline = time.monotonic() + 45.0
     seen = {"2xx": 0, "4xx": 0}
     with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as c:

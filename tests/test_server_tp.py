@@ -159,9 +159,7 @@ def test_bad_tp_layouts_are_refused() -> None:
         (["--tp", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"], "outside [0, --nnodes 2)"),
         (["--tp", "2", "--dist-init-addr", "nohost"], "HOST:PORT"),
     ):
-        proc = subprocess.run(
-            [os.sys.executable, "-m", "minisgl", *argv], cwd=REPO, capture_output=True, text=True, timeout=60
-        )
+        proc = subprocess.run([os.sys.executable, "-m", "minisgl", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (argv, proc.stderr[-2000:])
         assert message in proc.stderr + proc.stdout, (argv, proc.stderr[-2000:])
 

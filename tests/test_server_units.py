@@ -50,7 +50,9 @@ def tokenizer(embedded_model_dir: str) -> Any:
 
 def test_messages_round_trip() -> None:
     msgs = [
-        TokenizeMsg(1, text="你好", sampling=SamplingParams(temperature=0.5, max_tokens=None, seed=-(2**63)), stop=["\n"], want_logprobs=True),
+        TokenizeMsg(
+            1, text="你好", sampling=SamplingParams(temperature=0.5, max_tokens=None, seed=-(2**63)), stop=["\n"], want_logprobs=True
+        ),
         TokenizeMsg(2, messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"x": 1}),
         TokenizeMsg(3, input_ids=[1, 2, 3]),
         AbortReq(4),
@@ -152,7 +154,12 @@ def test_request_models() -> None:
     from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
 
     req = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "seed": 5, "n": 2, "top_k": 0}
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "seed": 5,
+            "n": 2,
+            "top_k": 0,
+        }
     )
     assert req.messages[0].to_template() == {"role": "user", "content": "ab"}
     params = req.sampling_params(None, None)

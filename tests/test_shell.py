@@ -83,6 +83,7 @@ def test_shell_in_a_terminal(tiny_chat_model: str) -> None:
     master, slave = pty.openpty()
     cmd = [sys.executable, "-m", "minisgl", "--shell", "--model", tiny_chat_model, "--shell-max-tokens", "400", *ARGS]
     env = dict(os.environ, PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm")
+
     def make_controlling_terminal() -> None:  # so that Ctrl-C on the terminal sends SIGINT
         import fcntl
         import termios
@@ -90,9 +91,7 @@ def test_shell_in_a_terminal(tiny_chat_model: str) -> None:
         os.setsid()
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=make_controlling_terminal
-    )
+    proc = subprocess.Popen(cmd, cwd=REPO, stdin=slave, stdout=slave, stderr=slave, env=env, preexec_fn=make_controlling_terminal)
     os.close(slave)
     buf: List[str] = []
     try:

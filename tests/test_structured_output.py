@@ -73,7 +73,10 @@ def llm(tmp_path_factory: pytest.TempPathFactory):
 def test_json_schemas_validate(llm: LLM) -> None:
     prompts = [f"Write some JSON number {i}:" for i in range(len(SCHEMAS))]
     params = [SamplingParams(max_tokens=200, grammar=GrammarSpec("json_schema", json.dumps(s))) for s in SCHEMAS]
-    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=200, grammar=GrammarSpec("json_schema", json.dumps(s))) for i, s in enumerate(SCHEMAS)]
+    sampled = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=200, grammar=GrammarSpec("json_schema", json.dumps(s)))
+        for i, s in enumerate(SCHEMAS)
+    ]
     for result, schema in zip(llm.generate(prompts + prompts, params + sampled), SCHEMAS + SCHEMAS):
         assert result.finish_reason == "stop", (schema, result.text)
         jsonschema.validate(json.loads(result.text), schema)
@@ -105,7 +108,13 @@ def test_free_requests_in_a_constrained_batch_are_unchanged(llm: LLM) -> None:
 
 
 def test_bad_grammars_are_refused(llm: LLM) -> None:
-    for spec in (GrammarSpec("json_schema", '{"type": "objec"}'), GrammarSpec("json_schema", "{not json"), GrammarSpec("regex", "a("), GrammarSpec("ebnf", "root ::= ("), GrammarSpec("xml", "x")):
+    for spec in (
+        GrammarSpec("json_schema", '{"type": "objec"}'),
+        GrammarSpec("json_schema", "{not json"),
+        GrammarSpec("regex", "a("),
+        GrammarSpec("ebnf", "root ::= ("),
+        GrammarSpec("xml", "x"),
+    ):
         with pytest.raises(InvalidRequest) as info:
             llm.generate(["x"], SamplingParams(max_tokens=4, grammar=spec))
         assert info.value.param == "response_format"

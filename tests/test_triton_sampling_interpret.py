@@ -239,8 +239,6 @@ COMPILE = textwrap.dedent(
 
 
 def test_gumbel_kernels_compile_for_sm90() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILE], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, "-c", COMPILE], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     print(proc.stdout)
     assert proc.returncode == 0, f"sm_90 compilation failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"

@@ -52,9 +52,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.use_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
-        )
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: Dict[int, Any] = {}
         self._ones: torch.Tensor = torch.ones(0, dtype=torch.int32)
         self._plan_done: Any = None

@@ -71,18 +71,14 @@ class TorchAttnBackend(BaseAttnBackend):
         if meta.decode_slots is not None:
             keys = k_cache[meta.decode_slots].to(cast).transpose(1, 2)  # [B, Hk, S, D]
             values = v_cache[meta.decode_slots].to(cast).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
-            )
+            o = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
             return o.squeeze(2).to(q.dtype)
         out = torch.empty_like(q)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
             ki = k_cache[s.slots].to(cast).transpose(0, 1)  # [Hk, S, D]
             vi = v_cache[s.slots].to(cast).transpose(0, 1)
-            oi = F.scaled_dot_product_attention(
-                qi.to(ki.dtype), ki, vi, attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True
-            )
+            oi = F.scaled_dot_product_attention(qi.to(ki.dtype), ki, vi, attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True)
             out[s.q_start : s.q_start + s.q_len] = oi.transpose(0, 1).to(q.dtype)
         return out
 

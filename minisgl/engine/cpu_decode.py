@@ -23,11 +23,10 @@ not cover (MoE, tensor parallelism, CUDA) run the model's own forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from minisgl.core import Batch
 from minisgl.kernel.cpu import SUFFIX, CpuKernels, cpu_kernels
@@ -64,7 +63,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rot * sin
 
 
-def supports_cpu_decode(model: nn.Module, device: torch.device, tp_size: int) -> str | None:
+def supports_cpu_decode(model: Any, device: torch.device, tp_size: int) -> str | None:
     """None if the CPU runner can run `model`, else why not."""
     if device.type != "cpu":
         return "not a CPU device"
@@ -82,7 +81,7 @@ def supports_cpu_decode(model: nn.Module, device: torch.device, tp_size: int) ->
 class CpuDecodeRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,  # a CausalLM: its submodules are read by name
         kv_cache: KVCachePool,
         quant: Dict[str, QuantWeight] | None = None,
         dense_above: int = DEFAULT_DENSE_ABOVE,
@@ -104,7 +103,7 @@ class CpuDecodeRunner:
             attn, mlp = layer.self_attn, layer.mlp
             prefix = f"model.layers.{i}."
 
-            def lin(mod: nn.Module, name: str) -> QuantLinear:
+            def lin(mod: Any, name: str) -> QuantLinear:
                 q = quant.get(prefix + name)
                 return QuantLinear(mod.weight, q, mod.bias, dense_above, pack_bf16(mod.weight) if pack else None)
 
@@ -323,7 +322,7 @@ class CpuDecodeRunner:
 QUANTIZATIONS = ("none", "gguf", "int4", "int8")
 
 
-def load_quant_weights(model: nn.Module, method: str, model_path: str | None, dtype: torch.dtype) -> Dict[str, QuantWeight]:
+def load_quant_weights(model: Any, method: str, model_path: str | None, dtype: torch.dtype) -> Dict[str, QuantWeight]:
     """Quantized copies of the decode GEMM weights, keyed by module path ('lm_head' included).
 
     "gguf": the codes of the GGUF the model came from (Q4_1 -> int4, Q8_0 -> int8);
@@ -337,10 +336,10 @@ def load_quant_weights(model: nn.Module, method: str, model_path: str | None, dt
         src = gguf_source(model_path)
         if src is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model (or the embedded default), got {model_path!r}")
-        out = load_gguf_quant(src, cfg.num_qo_heads, cfg.num_kv_heads, dtype)
-        if not out:
+        codes = load_gguf_quant(src, cfg.num_qo_heads, cfg.num_kv_heads, dtype)
+        if not codes:
             raise ValueError(f"{src} has no Q4_1/Q8_0 matrices to run quantized")
-        return out
+        return codes
     out: Dict[str, QuantWeight] = {}
     for name, mod in model.named_modules():
         if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
@@ -376,7 +375,7 @@ def _hugepage_pool(kv_cache: KVCachePool) -> None:
     kv_cache.buffer = buf.zero_()
 
 
-def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.device, config) -> CpuDecodeRunner | None:  # type: ignore[no-untyped-def]
+def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, config) -> CpuDecodeRunner | None:  # type: ignore[no-untyped-def]
     """The runner for `config`, or None where the module path runs decode (CUDA, TP, MoE, off).
     Quantization where the runner cannot run is an error, not a silent no-op."""
     method = (config.quantization or "none").lower()

@@ -121,9 +121,7 @@ def _host_available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, k: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the model's raw distribution (before penalties and temperature), host copies."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
@@ -314,9 +312,7 @@ class Engine:
         if batch.is_prefill:
             for req in batch.reqs:
                 if req.device_len > self.max_seq_len:
-                    raise ValueError(
-                        f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}"
-                    )
+                    raise ValueError(f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}")
         self._move_inputs(batch)
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             if self.graph_runner.can_use_cuda_graph(batch):

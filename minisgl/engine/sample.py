@@ -248,9 +248,7 @@ def _step_seed(seed: int, position: int) -> int:
     return (seed * 1_000_003 + position) % (1 << 63)
 
 
-def _gumbel_draw(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeded_rows: List[Tuple[int, int]] | None
-) -> torch.Tensor:
+def _gumbel_draw(logits: torch.Tensor, temperatures: torch.Tensor, seeded_rows: List[Tuple[int, int]] | None) -> torch.Tensor:
     """Gumbel-max draw on CUDA: fresh random seeds from torch's generator (honours manual_seed,
     no host sync), then the seeded requests' step seeds written over theirs in one copy."""
     from minisgl.kernel.triton_sampling import gumbel_sample

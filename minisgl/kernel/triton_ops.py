@@ -125,9 +125,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm_launch(x, None, weight, eps)[0]
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> Tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual; returns (rms_norm(s), s) in one kernel (inputs are not modified)."""
     out, res_out = _norm_launch(x, residual, weight, eps)
     assert res_out is not None

@@ -14,9 +14,7 @@ from minisgl.utils.misc import div_even
 
 
 class KVCachePool:
-    def __init__(
-        self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> None:
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.device, self.dtype = device, dtype
@@ -38,9 +36,7 @@ class KVCachePool:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def create_kvcache_pool(
-    model_config: ModelConfig, num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype
-) -> KVCachePool:
+def create_kvcache_pool(model_config: ModelConfig, num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype) -> KVCachePool:
     local_kv_heads = div_even(model_config.num_kv_heads, get_tp_info().size, allow_replicate=True)
     return KVCachePool(
         num_layers=model_config.num_layers,

@@ -99,4 +99,3 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
-

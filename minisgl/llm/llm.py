@@ -74,9 +74,7 @@ class LLM:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
         if tp > 1 and "distributed_port" not in config and "dist_init_addr" not in config:
             config["distributed_port"] = free_port()  # never collide with another LLM's ranks
-        sched_config = SchedulerConfig(
-            model_path=path, tp_info=DistributedInfo(0, tp), dtype=resolved, device=device, **config
-        )
+        sched_config = SchedulerConfig(model_path=path, tp_info=DistributedInfo(0, tp), dtype=resolved, device=device, **config)
         self._workers: WorkerRanks | None = None
         if tp == 1:
             self.scheduler: Scheduler = Scheduler(sched_config)
@@ -117,9 +115,7 @@ class LLM:
     # ---- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: Prompt, index: int = 0) -> List[int]:
         if self.tokenizer is None and isinstance(prompt, (str, list, tuple)) and not _is_token_list(prompt):
-            raise ValueError(
-                f"prompt {index}: the model folder {self.model_path!r} has no tokenizer; pass token ids instead"
-            )
+            raise ValueError(f"prompt {index}: the model folder {self.model_path!r} has no tokenizer; pass token ids instead")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError(f"prompt {index} is empty")
@@ -131,9 +127,7 @@ class LLM:
             if not prompt:
                 raise ValueError(f"prompt {index} is empty")
             return [int(t) for t in prompt]  # type: ignore[arg-type]  # checked by _is_token_list
-        raise ValueError(
-            f"prompt {index} must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}"
-        )
+        raise ValueError(f"prompt {index} must be a string, a list of token ids or a list of chat messages, got {type(prompt).__name__}")
 
     @staticmethod
     def _as_list(prompts: Prompt | Sequence[Prompt]) -> List[Prompt]:

@@ -51,4 +51,3 @@ def encode_msg(msg: Any) -> bytes:
 
 def decode_msg(data: bytes) -> Any:
     return msgpack.unpackb(data, object_hook=_object_hook, raw=False, strict_map_key=False)
-

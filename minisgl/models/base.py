@@ -114,9 +114,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        layers = [
-            DecoderLayer(cfg, self.build_attention(cfg, i), self.build_mlp(cfg, i)) for i in range(cfg.num_layers)
-        ]
+        layers = [DecoderLayer(cfg, self.build_attention(cfg, i), self.build_mlp(cfg, i)) for i in range(cfg.num_layers)]
         self.model = DecoderModel(cfg, layers)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
 

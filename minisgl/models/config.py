@@ -51,11 +51,7 @@ class ModelConfig:
         return self.num_experts > 0
 
     def layer_is_moe(self, layer_id: int) -> bool:
-        return (
-            self.is_moe
-            and layer_id not in self.mlp_only_layers
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
+        return self.is_moe and layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
 
     @classmethod
     def from_hf(cls, hf: Any) -> "ModelConfig":

@@ -100,7 +100,7 @@ def load_gguf_quant(path: str | Path, num_q_heads: int, num_kv_heads: int, dtype
         order = _MERGE_ORDER[module]
         if len(bucket) == len(order):
             merged = [torch.cat([bucket[p][i] for p in order]) for i in range(3)]
-            out[full] = Int4Weight.from_q4_1(*merged, dtype)
+            out[full] = Int4Weight.from_q4_1(merged[0], merged[1], merged[2], dtype)
             del pieces[full]
     # A tied LM head reads the embedding's quantized copy.
     if "lm_head" not in out and "model.embed_tokens" in out:

@@ -48,7 +48,9 @@ class CheckpointTensor:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         if self.shape.numel() * dtype.itemsize != nbytes:
-            raise ValueError(f"{path.name}: tensor {name} has {nbytes} bytes, its shape {shape} needs {self.shape.numel() * dtype.itemsize}")
+            raise ValueError(
+                f"{path.name}: tensor {name} has {nbytes} bytes, its shape {shape} needs {self.shape.numel() * dtype.itemsize}"
+            )
 
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point

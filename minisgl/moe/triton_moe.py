@@ -111,9 +111,7 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(rows, block_m) * block_m
 
 
-def moe_align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (sorted_ids int32 [max_rows], block_expert int32 [max_rows / block_m], total int32 [1])."""
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
@@ -133,9 +131,7 @@ def moe_align(
     return sorted_ids, block_expert, total
 
 
-def moe_align_torch(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same layout with torch ops only (deterministic order within an expert); a reference."""
     ids = topk_ids.reshape(-1).long()
     num_pairs = ids.numel()

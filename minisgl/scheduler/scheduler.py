@@ -107,9 +107,7 @@ class Scheduler:
         # token ids of every running request on the device; the last row is the dummy request's
         self.token_pool = torch.zeros_like(self.engine.page_table)
         self.stream = create_stream(self.device)  # host-to-device staging, apart from the engine's stream
-        self.eos_ids: Set[int] = set(self.engine.config.model_config.eos_token_ids) | _generation_eos(
-            config.model_path
-        )
+        self.eos_ids: Set[int] = set(self.engine.config.model_config.eos_token_ids) | _generation_eos(config.model_path)
         self.waiting: Deque[UserRequest] = deque()
         self.prefilling: List[SchedReq] = []  # admitted, prompt not fully prefilled
         self.running: List[SchedReq] = []  # decoding

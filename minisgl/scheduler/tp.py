@@ -273,7 +273,7 @@ class WorkerRanks:
             except (EOFError, OSError):
                 raise RuntimeError(
                     f"TP rank {rank} {self._exit(rank)} before it started (see its error above). Worker ranks "
-                    "are spawned: a script that builds LLM(tp>1) must do it under `if __name__ == \"__main__\":`"
+                    'are spawned: a script that builds LLM(tp>1) must do it under `if __name__ == "__main__":`'
                 ) from None
             if kind != "started":
                 raise RuntimeError(f"TP rank {rank} failed to start: {payload}")
@@ -332,7 +332,6 @@ class WorkerRanks:
         for proc in self.procs:
             proc.join(3.0)
         self.procs = []
-
 
 
 def _first_line(text: str) -> str:

@@ -198,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight/activation dtype; auto: the checkpoint's half dtype on CUDA, bf16 on CPUs with bf16 units, else fp32",
     )
     model.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-    model.add_argument("--tp", "--tp-size", dest="tp", type=_positive_int, default=1, help="tensor-parallel ranks (one scheduler process each)")
+    model.add_argument(
+        "--tp", "--tp-size", dest="tp", type=_positive_int, default=1, help="tensor-parallel ranks (one scheduler process each)"
+    )
     model.add_argument(
         "--attention-backend",
         default="auto",
@@ -213,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sched = parser.add_argument_group("scheduling and KV cache")
-    sched.add_argument("--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix (reuse shared prefixes) or naive (none)")
+    sched.add_argument(
+        "--cache", default="radix", choices=["radix", "naive"], help="prefix cache: radix (reuse shared prefixes) or naive (none)"
+    )
     sched.add_argument("--max-running-requests", type=_positive_int, default=None, help="requests decoded together at most (default: 256)")
     sched.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
     sched.add_argument(
@@ -224,14 +228,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sched.add_argument("--memory-ratio", type=_ratio, default=0.9, help="share of free device memory the weights + KV cache may take")
     sched.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages to allocate (overrides --memory-ratio)")
-    sched.add_argument("--max-seq-len", type=_positive_int, default=None, help="context length: prompt + output tokens (default: the model's)")
-    sched.add_argument("--cuda-graph-max-bs", type=_positive_int, default=None, help="largest decode batch captured in a CUDA graph (CUDA only)")
+    sched.add_argument(
+        "--max-seq-len", type=_positive_int, default=None, help="context length: prompt + output tokens (default: the model's)"
+    )
+    sched.add_argument(
+        "--cuda-graph-max-bs", type=_positive_int, default=None, help="largest decode batch captured in a CUDA graph (CUDA only)"
+    )
     sched.add_argument("--disable-overlap", action="store_true", help="do not prepare step N+1 while step N runs")
 
     server = parser.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST, help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port")
-    server.add_argument("--api-key", default=read_env().api_key, help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (env MINISGL_API_KEY)")
+    server.add_argument(
+        "--api-key",
+        default=read_env().api_key,
+        help="require 'Authorization: Bearer <key>' on every route but /health and /metrics (env MINISGL_API_KEY)",
+    )
     server.add_argument("--max-request-bytes", type=_positive_int, default=16 << 20, help="larger request bodies get 413")
     server.add_argument(
         "--max-prompt-bytes",

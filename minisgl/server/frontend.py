@@ -53,6 +53,7 @@ class Overloaded(RuntimeError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+
 Event = Tuple[int, Any]  # (choice index, ReplyMsg | ErrorMsg)
 
 

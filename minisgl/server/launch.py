@@ -128,7 +128,9 @@ def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
                 if dead.conn in waiting:
                     continue  # its pipe reports EOF (or the error) next
                 dead.process.join(1.0)
-                raise StartupError(f"the {dead.name} process (pid {dead.process.pid}) {describe_exit(dead.process.exitcode)} during start-up")
+                raise StartupError(
+                    f"the {dead.name} process (pid {dead.process.pid}) {describe_exit(dead.process.exitcode)} during start-up"
+                )
         if waiting:
             logger.debug("still waiting for: %s", ", ".join(c.name for c in waiting.values()))
     return info
@@ -185,8 +187,7 @@ class ChildWatchdog:
         for c in self.children:
             if c.process.exitcode is not None:
                 self.failure = (
-                    f"the {c.name} process (pid {c.process.pid}) {describe_exit(c.process.exitcode)} unexpectedly; "
-                    "the server shuts down"
+                    f"the {c.name} process (pid {c.process.pid}) {describe_exit(c.process.exitcode)} unexpectedly; the server shuts down"
                 )
                 self.stop()
                 self.on_death(self.failure)

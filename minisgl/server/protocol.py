@@ -287,9 +287,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} chat_template_kwargs")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(v))
         if reserved:
-            raise ValueError(
-                f"{reserved[0]!r} cannot be set through chat_template_kwargs: the server renders its own chat template"
-            )
+            raise ValueError(f"{reserved[0]!r} cannot be set through chat_template_kwargs: the server renders its own chat template")
         return v
 
     @model_validator(mode="after")
@@ -395,7 +393,9 @@ class GenerateSampling(_Base):
         return _stop_list(self.stop)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
-        return _to_sampling_params(self, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, grammar=self.grammar(), logprobs=logprobs)
+        return _to_sampling_params(
+            self, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, grammar=self.grammar(), logprobs=logprobs
+        )
 
 
 class GenerateRequest(_Base):

@@ -44,9 +44,7 @@ def default_model_path() -> str:
             path = Path(str(dist.locate_file(file)))
             if path.exists():
                 return str(path)
-    raise FileNotFoundError(
-        f"package {DEFAULT_MODEL_PACKAGE!r} is installed but holds no .gguf file; reinstall it: {INSTALL_HINT}"
-    )
+    raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} is installed but holds no .gguf file; reinstall it: {INSTALL_HINT}")
 
 
 def _cache_root() -> Path:
