@@ -54,7 +54,7 @@ class LogitBias:
     depends_on_step: bool  # a min_tokens ban ends after some step: do not reuse across steps
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits.float().clone()
+        logits = logits.to(torch.float32, copy=True)  # one copy; the model's buffer stays intact
         logits.index_put_((self.rows, self.tokens), self.values, accumulate=True)
         return logits
 
