@@ -170,9 +170,7 @@ class Sampler:
                 rows += [i] * len(stops)
                 tokens += list(stops)
                 values += [float("-inf")] * len(stops)
-                banning = True
-            elif p.min_tokens:
-                banning = True  # the ban just ended: the next step differs from this one
+                banning = True  # ends after some step: these args must not be reused
         if not rows:
             return None
         dev = self.device

@@ -429,6 +429,8 @@ class Scheduler:
     def _stage_prompt_logprobs(self, batch: Batch) -> None:
         """Prefill: the flattened token rows whose logits give prompt logprobs (position p
         predicts prompt token p + 1), and those target tokens."""
+        if not any(r.sampling_params.prompt_logprobs is not None for r in batch.reqs):
+            return
         rows: List[int] = []
         targets: List[int] = []
         counts: List[int] = []  # per request of the batch: prompt logprobs this step produces
@@ -467,7 +469,8 @@ class Scheduler:
         self._release_deferred()  # every step before this one has completed
         tokens = flight.output.next_tokens_cpu.tolist()
         lp = flight.output.logprobs
-        plp = flight.output.prompt_logprobs
+        # prompt logprobs: to host lists once per step, not a tensor op per prompt token
+        plp = None if flight.output.prompt_logprobs is None else [t.tolist() for t in flight.output.prompt_logprobs]
         plp_at = 0
         outputs: List[TokenOutput] = []
         for i, (req, real) in enumerate(zip(flight.batch.reqs, flight.emits)):
@@ -479,8 +482,8 @@ class Scheduler:
                 start = len(req.prompt_lp)  # logprobs so far = prompt position of the next one
                 targets = req.token_ids[start + 1 : start + 1 + n]
                 for j in range(n):
-                    tops = list(zip(plp[2][plp_at + j, :k].tolist(), plp[1][plp_at + j, :k].tolist()))
-                    req.prompt_lp.append([targets[j], float(plp[0][plp_at + j]), tops])
+                    tops = list(zip(plp[2][plp_at + j][:k], plp[1][plp_at + j][:k]))
+                    req.prompt_lp.append([targets[j], plp[0][plp_at + j], tops])
                 plp_at += n
             if not real or req.finished:
                 continue
