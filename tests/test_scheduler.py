@@ -184,18 +184,22 @@ def test_running_requests_bounded_by_table_rows(tiny_dir, refs):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_decode_not_starved_by_chunked_prefill(tiny_dir, refs, overlap):
+@pytest.mark.parametrize("mixed", [True, False])
+def test_decode_not_starved_by_chunked_prefill(tiny_dir, refs, overlap, mixed):
     """A decoding request keeps making progress while long prompts are prefilled in 16-token
-    chunks: never two prefill steps in a row while something can decode, and every prefill
-    step stays within the budget."""
+    chunks. Mixed: every step carries its decode row and the chunks fill the rest of the
+    budget. Not mixed: never two prefill steps in a row while something can decode. Every step
+    stays within the budget and outputs equal the references."""
     long_prompts = [p for p in PROMPTS if len(p) >= 40][:5]
     first = PROMPTS[3][:8]
-    with running_scheduler(tiny_dir, max_extend_tokens=16, enable_overlap=overlap) as sched:
+    with running_scheduler(tiny_dir, max_extend_tokens=16, enable_overlap=overlap, mixed_batches=mixed) as sched:
         log: List[Tuple[str, int, bool]] = []
+        prefilled: List[int] = []  # prompt tokens per step (decode rows of a mixed batch excluded)
         forward = sched.engine.forward_batch
 
         def spy(batch, args):
             log.append((batch.phase, sum(r.extend_len for r in batch.reqs), any(r.uid == 0 for r in batch.reqs)))
+            prefilled.append(sum(r.extend_len for r in batch.reqs if r.cached_len < r.prefill_len))
             return forward(batch, args)
 
         sched.engine.forward_batch = spy  # type: ignore[method-assign]
@@ -205,15 +209,24 @@ def test_decode_not_starved_by_chunked_prefill(tiny_dir, refs, overlap):
         uids = submit(sched, long_prompts, [4] * len(long_prompts), uid0=1)
         drive(sched, col)
         check_against_refs(col, [0] + uids, [first] + long_prompts, [30] + [4] * len(long_prompts), refs, "interleave")
+        assert (sched.stats().mixed_steps > 0) == mixed
     assert all(n <= 16 for phase, n, _ in log if phase == "prefill")
     total_long = sum(len(p) for p in long_prompts)
-    assert sum(n for phase, n, has0 in log if phase == "prefill" and not has0) == total_long  # chunked, none cached
-    # while request 0 decodes (it runs 30 tokens, far longer than the prefills), phases alternate
-    decoding = [i for i, (phase, _, has0) in enumerate(log) if phase == "decode" and has0]
-    window = log[decoding[0] : decoding[-1] + 1]
-    for a, b in zip(window, window[1:]):
-        assert not (a[0] == "prefill" and b[0] == "prefill"), f"two prefills in a row while decoding: {window}"
-    assert sum(phase == "prefill" for phase, _, _ in window) >= 5  # prefills did proceed meanwhile
+    # while request 0 decodes (it runs 30 tokens, far longer than the prefills)
+    if mixed:
+        with0 = [i for i, (_, _, has0) in enumerate(log) if has0]
+        window = log[with0[1] : with0[-1] + 1]  # after request 0's own prefill
+        assert all(has0 for _, _, has0 in window), f"a step without the decoding request: {window}"
+        # the long prompts rode along with its decode rows, chunked, none cached
+        assert sum(prefilled[with0[1] :]) == total_long
+        assert sum(phase == "prefill" for phase, _, _ in window) >= 5
+    else:
+        assert sum(n for phase, n, has0 in log if phase == "prefill" and not has0) == total_long  # chunked, none cached
+        decoding = [i for i, (phase, _, has0) in enumerate(log) if phase == "decode" and has0]
+        window = log[decoding[0] : decoding[-1] + 1]
+        for a, b in zip(window, window[1:]):
+            assert not (a[0] == "prefill" and b[0] == "prefill"), f"two prefills in a row while decoding: {window}"
+        assert sum(phase == "prefill" for phase, _, _ in window) >= 5  # prefills did proceed meanwhile
 
 
 def test_validation_rejects_without_side_effects(tiny_dir, refs):

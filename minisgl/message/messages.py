@@ -157,6 +157,10 @@ class StatsMsg:
     gen_throughput: float  # output tokens/s over the last interval (0 when idle)
     kv_usage: float
     cache_hit_rate: float
+    retractions: int = 0  # requests whose pages were taken back (to be recomputed), so far
+    peak_running: int = 0  # most requests running at once, so far
+    num_retracted: int = 0  # retracted requests waiting to resume
+    new_token_ratio: float = 0.0  # the admission estimate of what running requests still generate
 
 
 # ---- both workers -> API server -----------------------------------------------------------------

@@ -135,6 +135,10 @@ class SchedulerLoop:
             gen_throughput=rate,
             kv_usage=s.kv_usage,
             cache_hit_rate=s.cache_hit_rate,
+            retractions=s.retractions,
+            peak_running=s.peak_running,
+            num_retracted=s.num_retracted,
+            new_token_ratio=s.new_token_ratio,
         )
 
     def _maybe_send_stats(self, idle: bool) -> None:

@@ -41,7 +41,12 @@ class SchedReq(Req):
     """A running request: the engine's Req plus its pages, cache pin and stop state.
 
     While the prompt is being prefilled in chunks, `device_len` stops at the end of the current
-    chunk (< prompt_len); the token sampled after a non-final chunk is discarded.
+    chunk (< prefill_len); the token sampled after a non-final chunk is discarded.
+
+    A retracted request (its pages were taken back when the pool ran out) keeps this object:
+    its tokens, counters, grammar state and stream position survive, and on re-admission it
+    prefills `prefill_len` = prompt + generated tokens (from the prefix cache where pages
+    survived) before it samples its next token.
     """
 
     def __init__(self, user: UserRequest, table_idx: int, output_len: int, match: MatchResult, page_size: int) -> None:
@@ -57,6 +62,7 @@ class SchedReq(Req):
         )
         self.pages: List[int] = list(match.pages)  # page i holds positions [i*page_size, (i+1)*page_size)
         self.num_cached_prompt = cached
+        self.matched_len = cached  # tokens whose pages came from the prefix cache (this admission)
         self.reserved_pages = 0  # pages promised to this request but not yet allocated
         self.finished = False
         self.finish_reason: str | None = None
@@ -66,6 +72,22 @@ class SchedReq(Req):
         # prompt logprobs: [token id, logprob, [(id, logprob), ...]] for prompt tokens 1.., gathered
         # chunk by chunk and sent with the first output token
         self.prompt_lp: List[List[Any]] = []
+        self.prefill_len = self.prompt_len  # tokens to prefill before the next sample counts
+        self.admit_seq = 0  # admission order: the latest admitted is retracted first
+        self.num_retractions = 0
+
+    def resume(self, table_idx: int, match: MatchResult, page_size: int) -> None:
+        """Re-admit a retracted request: prefill all its tokens but the cached prefix."""
+        self.table_idx = table_idx
+        self.cache_handle = match.handle
+        self.pages = list(match.pages)
+        self.cached_len = self.matched_len = match.num_pages * page_size
+        self.prefill_len = len(self._ids)
+        self.device_len = self.prefill_len
+
+    @property
+    def is_retracted(self) -> bool:
+        return self.table_idx < 0
 
     _ids: List[int]
     _ids_tensor: torch.Tensor | None
@@ -94,7 +116,7 @@ class SchedReq(Req):
 
     @property
     def prefill_done(self) -> bool:
-        return self.cached_len >= self.prompt_len
+        return self.cached_len >= self.prefill_len
 
     @property
     def num_output(self) -> int:

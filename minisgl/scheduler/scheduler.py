@@ -13,6 +13,7 @@ of requests that finished are released only after the step that may still use th
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -77,6 +78,11 @@ class SchedulerStats:
     generated_tokens: int
     prefill_steps: int = 0
     decode_steps: int = 0
+    mixed_steps: int = 0  # prefill steps that carried decode rows too
+    num_retracted: int = 0  # waiting to resume after retraction
+    retractions: int = 0  # requests retracted so far (pages taken back, later recomputed)
+    peak_running: int = 0  # most requests admitted at once so far
+    new_token_ratio: float = 0.0  # the admission estimate in use
     host_s: float = 0.0  # scheduling + launching (host time the device may hide with overlap)
     wait_s: float = 0.0  # waiting for the device's results
 
@@ -111,6 +117,14 @@ class Scheduler:
         self.waiting: Deque[UserRequest] = deque()
         self.prefilling: List[SchedReq] = []  # admitted, prompt not fully prefilled
         self.running: List[SchedReq] = []  # decoding
+        self.retracted: List[SchedReq] = []  # pages taken back; resumed before any new request
+        self.new_token_ratio = config.init_new_token_ratio
+        # shares of their max_tokens that recently finished requests used: the estimate's target
+        self._finished_shares: Deque[float] = deque(maxlen=64)
+        self._admit_counter = 0
+        self._retractions = 0
+        self._mixed_steps = 0
+        self._peak_running = 0
         self.active: Dict[int, SchedReq] = {}
         self._queued_uids: Set[int] = set()
         self._reserved = 0
@@ -173,7 +187,7 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._in_flight or self._early)
+        return bool(self.waiting or self.retracted or self.prefilling or self.running or self._in_flight or self._early)
 
     # ---- the loop ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -198,6 +212,12 @@ class Scheduler:
 
     def _step(self) -> List[TokenOutput]:
         outputs: List[TokenOutput] = []
+        if self._in_flight is not None and self._pages_short():
+            # Retraction frees pages at once: first finish the step that may still write them
+            # (its tokens are real output; finished requests return their pages too).
+            flight, self._in_flight = self._in_flight, None
+            outputs += self._process(flight)
+            self._release_deferred()
         start = time.perf_counter()
         batch = self._schedule()
         if batch is not None:
@@ -258,48 +278,154 @@ class Scheduler:
     # ---- scheduling --------------------------------------------------------------------------
     def _schedule(self) -> Batch | None:
         decodable = [r for r in self.running if r.can_decode]
-        want_prefill = bool(self.waiting or self.prefilling)
-        # Alternate when both kinds of work exist: a decode step never waits more than one
-        # (budget-bounded) prefill step, and prefills still make progress every other step.
-        if want_prefill and (not decodable or self._last_phase == "decode"):
-            batch = self._schedule_prefill()
+        if decodable and self.config.admission == "optimistic":
+            decodable = self._retract_until_fits(decodable)
+        want_prefill = bool(self.waiting or self.prefilling or self.retracted)
+        if want_prefill and decodable and self.config.mixed_batches:
+            # One batch: every decode row (one token each) plus prefill chunks in the rest of
+            # the token budget, so no stream waits for a whole prefill step.
+            batch = self._schedule_prefill(decodable)
+            if batch is not None:
+                self._last_phase = "prefill"
+                self._mixed_steps += 1
+                self._decay_new_token_ratio()
+                return batch
+        elif want_prefill and (not decodable or self._last_phase == "decode"):
+            # Without mixing, alternate: a decode step never waits more than one
+            # (budget-bounded) prefill step, and prefills still make progress every other step.
+            batch = self._schedule_prefill([])
             if batch is not None:
                 self._last_phase = "prefill"
                 return batch
         if decodable:
             self._last_phase = "decode"
+            self._decay_new_token_ratio()
             return Batch(reqs=list[Req](decodable), phase="decode")
         return None
 
+    # ---- admission and retraction ------------------------------------------------------------
     def _available_pages(self) -> int:
         return self.allocator.num_free + self.cache.evictable_pages - self._reserved
 
-    def _schedule_prefill(self) -> Batch | None:
-        budget = self.config.max_extend_tokens
+    @property
+    def effective_new_token_ratio(self) -> float:
+        """The share of its remaining max_tokens a running request is expected to generate."""
+        return min(1.0, self.new_token_ratio * self.config.schedule_conservativeness)
+
+    def _future_pages(self, length: int, remaining: int, held: int) -> int:
+        """Pages a request of `length` tokens holding `held` pages is expected to still need."""
+        expected = length + math.ceil(max(0, remaining) * self.effective_new_token_ratio)
+        return max(0, div_ceil(expected, self.page_size) - held)
+
+    def _expected_decode_pages(self) -> int:
+        """What admitted requests are expected to still take from the pool while decoding."""
+        total = 0
+        for r in self.running:
+            total += self._future_pages(r.device_len, r.output_len - r.num_output, len(r.pages))
+        for r in self.prefilling:
+            total += self._future_pages(r.prefill_len, r.output_len - r.num_output, len(r.pages) + r.reserved_pages)
+        return total
+
+    def _decode_page_need(self, reqs: List[SchedReq]) -> int:
+        ps = self.page_size
+        return sum(max(0, div_ceil(r.device_len, ps) - len(r.pages)) for r in reqs)
+
+    def _pages_short(self) -> bool:
+        if self.config.admission != "optimistic":
+            return False
+        return self._decode_page_need([r for r in self.running if r.can_decode]) > self._available_pages()
+
+    def _retract_until_fits(self, decodable: List[SchedReq]) -> List[SchedReq]:
+        """Take pages back from the latest admitted decoders until this decode step fits.
+
+        Called with no step in flight (`_step` drains it first), so freed pages are unused."""
+        if self._decode_page_need(decodable) <= self._available_pages():
+            return decodable
+        assert self._in_flight is None, "retraction with a step in flight"
+        keep = sorted(decodable, key=lambda r: r.admit_seq)
+        while keep and self._decode_page_need(keep) > self._available_pages():
+            # Everyone may go: prefilling requests hold reserved pages and always progress, and
+            # the retracted resume (from the front of the queue) as pages return.
+            self._retract(keep.pop())
+        self.new_token_ratio = min(1.0, self.new_token_ratio * 1.5 + 0.05)
+        return keep
+
+    def _retract(self, req: SchedReq) -> None:
+        """Return a decoding request's row and pages (its KV goes to the prefix cache, so a
+        resume finds what survives) and queue it to resume before any new request."""
+        self.running.remove(req)
+        self._release_pages(req)
+        req.num_retractions += 1
+        self._retractions += 1
+        self.retracted.append(req)
+        self.retracted.sort(key=lambda r: r.admit_seq)
+        logger.debug("retracted request %d at %d tokens", req.uid, len(req.token_ids))
+
+    def _decay_new_token_ratio(self) -> None:
+        """Each step moves the estimate toward what finished requests used (with a margin), or
+        toward the minimum before any finished: optimism grows until a retraction says stop."""
+        shares = self._finished_shares
+        target = self.config.min_new_token_ratio
+        if shares:
+            target = min(1.0, max(target, 1.25 * sum(shares) / len(shares)))
+        keep = 1.0 - 1.0 / self.config.new_token_ratio_decay_steps
+        self.new_token_ratio = target + (self.new_token_ratio - target) * keep
+
+    def _fits(self, need_now: int, future: int, expected: int) -> bool:
+        if self.config.admission == "optimistic":
+            return need_now + future + expected <= self._available_pages()
+        return need_now <= self._available_pages()
+
+    def _schedule_prefill(self, decoding: List[SchedReq]) -> Batch | None:
+        """A prefill batch: chunks of admitted prompts, then resumed and new requests, within
+        the token budget; `decoding` rows (one token each) go first when mixing."""
+        budget = self.config.max_extend_tokens - len(decoding)
+        if budget <= 0:
+            return None
         reqs: List[SchedReq] = []
         for req in self.prefilling:
             if budget <= 0:
                 break
-            chunk = min(req.prompt_len - req.cached_len, budget)
+            chunk = min(req.prefill_len - req.cached_len, budget)
             req.device_len = req.cached_len + chunk
             budget -= chunk
             reqs.append(req)
-        while self.waiting and budget > 0 and self.free_rows:
+        optimistic = self.config.admission == "optimistic"
+        expected = self._expected_decode_pages() if optimistic else 0
+        while self.retracted and budget > 0 and self.free_rows:
+            req = self.retracted[0]
+            ids = req.token_ids
+            match = self.cache.match_prefix(ids[: len(ids) - 1])
+            need = div_ceil(len(ids), self.page_size) - match.num_pages
+            future = self._future_pages(len(ids), req.output_len - req.num_output, div_ceil(len(ids), self.page_size))
+            if not self._fits(need, future, expected):
+                self.cache.unlock(match.handle)
+                break
+            self.retracted.pop(0)
+            req.resume(self.free_rows.pop(), match, self.page_size)
+            self._admitted(req, need)
+            expected += future
+            budget = self._add_chunk(req, budget, reqs)
+        while not self.retracted and self.waiting and budget > 0 and self.free_rows:
             user = self.waiting[0]
             prompt_len = len(user.input_ids)
             output_len = check_context(prompt_len, user.sampling_params.max_tokens, self.max_seq_len, strict=False)
             # a request that wants its prompt's logprobs needs every prompt token's logits: no cache hit
             wants_prompt_lp = user.sampling_params.prompt_logprobs is not None
             match = self.cache.match_prefix(user.input_ids[: 0 if wants_prompt_lp else prompt_len - 1])
-            need = div_ceil(prompt_len + output_len, self.page_size) - match.num_pages
-            if need > self._available_pages():
+            prompt_pages = div_ceil(prompt_len, self.page_size)
+            if optimistic:  # the prompt is reserved; its decoding is an estimate
+                need = prompt_pages - match.num_pages
+                future = self._future_pages(prompt_len, output_len, prompt_pages)
+            else:  # worst case: prompt and every token it may generate
+                need = div_ceil(prompt_len + output_len, self.page_size) - match.num_pages
+                future = 0
+            if not self._fits(need, future, expected):
                 self.cache.unlock(match.handle)
                 break  # wait for running requests to finish and return pages
             self.waiting.popleft()
             self._queued_uids.discard(user.uid)
             req = SchedReq(user, self.free_rows.pop(), output_len, match, self.page_size)
-            req.reserved_pages = need
-            self._reserved += need
             req.stop_ids = set(user.sampling_params.stop_token_ids)
             if not user.sampling_params.ignore_eos:
                 req.stop_ids |= self.eos_ids
@@ -310,18 +436,31 @@ class Scheduler:
                 self._num_constrained += 1
             self._prompt_tokens += prompt_len
             self._hit_tokens += req.cached_len
-            self._write_prompt(req)
-            chunk = min(prompt_len - req.cached_len, budget)
-            req.device_len = req.cached_len + chunk
-            budget -= chunk
-            self.prefilling.append(req)
-            reqs.append(req)
+            self._admitted(req, need)
+            expected += future
+            budget = self._add_chunk(req, budget, reqs)
         if not reqs:
             return None
-        return Batch(reqs=list[Req](reqs), phase="prefill")
+        running = len(self.running) + len(self.prefilling)
+        self._peak_running = max(self._peak_running, running)
+        return Batch(reqs=list[Req](decoding) + list[Req](reqs), phase="prefill")
+
+    def _admitted(self, req: SchedReq, reserve: int) -> None:
+        self._admit_counter += 1
+        req.admit_seq = self._admit_counter
+        req.reserved_pages = reserve
+        self._reserved += reserve
+        self._write_prompt(req)
+        self.prefilling.append(req)
+
+    def _add_chunk(self, req: SchedReq, budget: int, reqs: List[SchedReq]) -> int:
+        chunk = min(req.prefill_len - req.cached_len, budget)
+        req.device_len = req.cached_len + chunk
+        reqs.append(req)
+        return budget - chunk
 
     def _write_prompt(self, req: SchedReq) -> None:
-        n = req.prompt_len
+        n = req.prefill_len
         self._tp_writes.append((req.table_idx, 0, req.token_ids[:n]))
         if req.pages:  # matched prefix: point the page table at the cached slots
             self._queue_page_table(req, 0, len(req.pages))
@@ -373,12 +512,17 @@ class Scheduler:
         engine = self.engine
         ps = self.page_size
         ahead = self.alloc_ahead
+        if self.config.admission == "optimistic" and ahead:
+            # ahead of need only while the pool has room to spare for it
+            spare = self._available_pages() - self._decode_page_need(batch.reqs)  # type: ignore[arg-type]
+            if spare < 2 * batch.size * div_ceil(ahead, ps):
+                ahead = 0
         for req in batch.reqs:
             if req.device_len > len(req.pages) * ps:  # type: ignore[attr-defined]
-                # Allocate a few steps ahead (within the request's reservation, so nobody else
-                # loses pages): with page_size 1 a decode step would otherwise allocate, and
-                # write the page table, for every request every step.
-                upto = min(req.device_len + ahead, req.max_device_len) if batch.is_decode else req.device_len
+                # Allocate a few steps ahead: with page_size 1 a decode step would otherwise
+                # allocate, and write the page table, for every request every step.
+                decoding = batch.is_decode or req.prefill_done  # type: ignore[attr-defined]
+                upto = min(req.device_len + ahead, req.max_device_len) if decoding else req.device_len
                 self._alloc_pages(req, upto)  # type: ignore[arg-type]
         self._flush_writes()
         engine.graph_runner.pad_batch(batch)
@@ -421,7 +565,7 @@ class Scheduler:
                 assert isinstance(req, SchedReq)
                 if not real:
                     req.device_len = req.cached_len  # mid-prompt chunk: the next chunk continues here
-                else:
+                elif req in self.prefilling:  # (decode rows of a mixed batch are running already)
                     self.prefilling.remove(req)
                     self.running.append(req)
         return _InFlight(batch, output, emits)
@@ -429,7 +573,7 @@ class Scheduler:
     def _stage_prompt_logprobs(self, batch: Batch) -> None:
         """Prefill: the flattened token rows whose logits give prompt logprobs (position p
         predicts prompt token p + 1), and those target tokens."""
-        if not any(r.sampling_params.prompt_logprobs is not None for r in batch.reqs):
+        if not any(_wants_prompt_logprobs(r) for r in batch.reqs):
             return
         rows: List[int] = []
         targets: List[int] = []
@@ -438,7 +582,8 @@ class Scheduler:
         for i, req in enumerate(batch.padded_reqs):
             n = req.device_len - req.cached_len
             count = 0
-            if req.sampling_params.prompt_logprobs is not None and isinstance(req, SchedReq):
+            if _wants_prompt_logprobs(req):
+                assert isinstance(req, SchedReq)
                 last = min(req.device_len, req.prompt_len - 1)  # the last prompt token predicts nothing here
                 for p in range(req.cached_len, last):
                     rows.append(offset + p - req.cached_len)
@@ -514,6 +659,10 @@ class Scheduler:
             self.running.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
+        if req in self.retracted:
+            self.retracted.remove(req)
+        if reason in ("stop", "length") and req.output_len > 0:
+            self._finished_shares.append(req.num_output / req.output_len)
         self._deferred.append(req)
 
     def _release_deferred(self) -> None:
@@ -522,30 +671,38 @@ class Scheduler:
         self._deferred = []
 
     def _release(self, req: SchedReq) -> None:
-        """Return a finished request's row and pages; its full pages go to the prefix cache
-        (after a failed step only the prefix it found there: its own KV cannot be trusted)."""
-        known = min(req.cached_len, len(req.token_ids)) if req.kv_trusted else req.num_cached_prompt
-        full = min(known // self.page_size, len(req.pages))
-        ids = req.token_ids[: full * self.page_size]
-        to_free, _ = self.cache.insert(ids, req.pages[:full])
-        to_free += req.pages[full:]
-        self.cache.unlock(req.cache_handle)
-        self.allocator.free(to_free)
-        self._reserved -= req.reserved_pages
-        req.reserved_pages = 0
-        req.pages = []
-        self.free_rows.append(req.table_idx)
+        """Return a finished request's row and pages, and drop its counters."""
+        self._release_pages(req)
         self._num_penalized -= req.sampling_params.has_penalties
         if req.grammar_matcher is not None:
             self._num_constrained -= 1
             req.grammar_matcher = None
         del self.active[req.uid]
 
+    def _release_pages(self, req: SchedReq) -> None:
+        """Return a request's row and pages; its full pages go to the prefix cache (after a
+        failed step only the prefix it found there: its own KV cannot be trusted)."""
+        if req.is_retracted:  # released when it was retracted
+            return
+        known = min(req.cached_len, len(req.token_ids)) if req.kv_trusted else req.matched_len
+        full = min(known // self.page_size, len(req.pages))
+        ids = req.token_ids[: full * self.page_size]
+        to_free, _ = self.cache.insert(ids, req.pages[:full])
+        to_free += req.pages[full:]
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = None
+        self.allocator.free(to_free)
+        self._reserved -= req.reserved_pages
+        req.reserved_pages = 0
+        req.pages = []
+        self.free_rows.append(req.table_idx)
+        req.table_idx = -1
+
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running) + len(self.prefilling),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.retracted),
             total_pages=self.allocator.num_pages,
             free_pages=self.allocator.num_free + self.cache.evictable_pages,
             cached_pages=self.cache.cached_pages,
@@ -554,6 +711,11 @@ class Scheduler:
             generated_tokens=self._generated,
             prefill_steps=self._steps["prefill"],
             decode_steps=self._steps["decode"],
+            mixed_steps=self._mixed_steps,
+            num_retracted=len(self.retracted),
+            retractions=self._retractions,
+            peak_running=self._peak_running,
+            new_token_ratio=self.effective_new_token_ratio,
             host_s=self._host_s,
             wait_s=self._wait_s,
         )
@@ -581,6 +743,11 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _wants_prompt_logprobs(req: Req) -> bool:
+    # a resumed request sent its prompt logprobs before it was retracted
+    return req.sampling_params.prompt_logprobs is not None and isinstance(req, SchedReq) and req.num_retractions == 0
 
 
 def _generation_eos(model_path: str) -> Set[int]:

@@ -34,6 +34,14 @@ class ServerMetrics:
         self.throughput = Gauge("minisgl_gen_throughput_tokens_per_second", "Output tokens per second (recent)", registry=r)
         self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("minisgl_generation_tokens", "Tokens generated", registry=r)
+        self.retractions = Counter(
+            "minisgl_retracted_requests", "Requests whose KV pages were taken back when the pool ran out (resumed by recompute)", registry=r
+        )
+        self.peak_running = Gauge("minisgl_peak_running_requests", "Most requests running at once since start", registry=r)
+        self.num_retracted = Gauge("minisgl_num_retracted_requests", "Retracted requests waiting to resume", registry=r)
+        self.new_token_ratio = Gauge(
+            "minisgl_new_token_ratio", "Admission estimate: share of max_tokens a running request still generates", registry=r
+        )
         self.aborted = Counter("minisgl_aborted_requests", "Requests aborted in the scheduler", registry=r)
         self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.in_flight = Gauge("minisgl_http_requests_in_flight", "Generation requests the API server is waiting on", registry=r)
@@ -52,6 +60,10 @@ class ServerMetrics:
         self.cached_pages.set(s.cached_pages)
         self.cache_hit_rate.set(s.cache_hit_rate)
         self.throughput.set(s.gen_throughput)
+        self.peak_running.set(s.peak_running)
+        self.num_retracted.set(s.num_retracted)
+        self.new_token_ratio.set(s.new_token_ratio)
+        self.retractions.inc(max(0, s.retractions - (last.retractions if (last := self._last) else 0)))
         last = self._last
         self.prompt_tokens.inc(max(0, s.prompt_tokens - (last.prompt_tokens if last else 0)))
         self.generation_tokens.inc(max(0, s.generated_tokens - (last.generated_tokens if last else 0)))

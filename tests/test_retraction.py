@@ -1,0 +1,144 @@
+"""Optimistic admission and retraction (issue 13): with a pool that fits ~3 worst-case
+requests, 24 requests without max_tokens all complete with many running at once; requests are
+retracted when a decode step runs out of pages and resume by recompute; outputs equal HF's
+greedy tokens (fp32) and no page leaks."""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List
+
+import pytest
+import torch
+from helpers import TEST_ATTENTION_BACKEND, TEST_DEVICE
+from sched_helpers import TINY, assert_idle_and_clean, assert_match_ref, refs_for
+
+from minisgl.core import SamplingParams
+from minisgl.distributed import DistributedInfo
+from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
+
+CTX = 384
+REF_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir(TINY)
+
+
+@pytest.fixture(scope="module")
+def refs(hf_oracle):
+    return refs_for(hf_oracle(TINY))
+
+
+@contextmanager
+def small_pool_scheduler(model_path: Any, **kw: Any) -> Iterator[Scheduler]:
+    page_size = kw.get("page_size", 1)
+    kw.setdefault("num_page_override", 3 * CTX // page_size + 4)  # ~3 worst-case requests
+    sched = Scheduler(
+        SchedulerConfig(
+            model_path=str(model_path),
+            tp_info=DistributedInfo(0, 1),
+            dtype=torch.float32,
+            device=TEST_DEVICE,
+            attention_backend=TEST_ATTENTION_BACKEND,
+            max_running_req=32,
+            max_seq_len_override=CTX,
+            **kw,
+        )
+    )
+    try:
+        yield sched
+        assert_idle_and_clean(sched)
+    finally:
+        sched.shutdown()
+
+
+def chat_workload(refs, n: int = 24, seed: int = 13, num_long: int = 4):
+    """Prompts of 8-24 tokens, no max_tokens. Most stop at a token their greedy reference
+    reaches after 4-48 tokens (as chats stop at EOS long before the context ends); every
+    (n / num_long)-th never stops and runs to the context's end, so together they outgrow the
+    pool. Returns prompts, stop ids (None: none), and (tokens, scores, finish reason) expected."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(8, 24))] for _ in range(n)]
+    stops: List[int | None] = []
+    expected = []
+    for i, p in enumerate(prompts):
+        if num_long and i % (n // num_long) == n // num_long - 1:
+            ref, scores = refs.get(p, CTX - len(p))
+            stops.append(None)
+            expected.append((ref, scores, "length"))
+            continue
+        ref, scores = refs.get(p, REF_LEN)
+        stop = ref[rng.randint(4, 48)]
+        end = ref.index(stop) + 1
+        stops.append(stop)
+        expected.append((ref[:end], scores[:end], "stop"))
+    return prompts, stops, expected
+
+
+def chat_params(stop: int | None) -> SamplingParams:
+    return SamplingParams(temperature=0.0, stop_token_ids=[] if stop is None else [stop])
+
+
+def run_all(sched: Scheduler, prompts, stops) -> tuple[Dict[int, List[int]], Dict[int, str], int]:
+    for uid, (p, stop) in enumerate(zip(prompts, stops)):
+        sched.add_request(UserRequest(uid, list(p), chat_params(stop)))
+    tokens: Dict[int, List[int]] = {}
+    finish: Dict[int, str] = {}
+    peak = 0
+    steps = 0
+    while sched.has_work():
+        for out in sched.step():
+            assert out.uid not in finish, f"output for {out.uid} after it finished (duplicated by a resume?)"
+            if out.token_id is not None:
+                tokens.setdefault(out.uid, []).append(out.token_id)
+            if out.finished:
+                finish[out.uid] = out.finish_reason or ""
+        peak = max(peak, sched.stats().num_running)
+        steps += 1
+        assert steps < 20_000
+    return tokens, finish, peak
+
+
+@pytest.mark.parametrize("overlap,page_size", [(True, 1), (False, 1), (True, 4)])
+def test_optimistic_admission_retracts_and_resumes(tiny_dir, refs, overlap, page_size):
+    prompts, stops, expected = chat_workload(refs)
+    with small_pool_scheduler(tiny_dir, enable_overlap=overlap, page_size=page_size) as sched:
+        tokens, finish, peak = run_all(sched, prompts, stops)
+        stats = sched.stats()
+        assert stats.retractions >= 1, "the pool never ran short: the test does not exercise retraction"
+        assert peak >= 12 and stats.peak_running >= 12, (peak, stats.peak_running)
+        for uid, (ref, scores, reason) in enumerate(expected):
+            assert finish[uid] == reason, (uid, finish[uid], len(tokens[uid]))
+            assert_match_ref(tokens[uid], ref, scores, f"uid {uid}")
+
+
+def test_worst_case_admission_never_retracts(tiny_dir, refs):
+    prompts, stops, expected = chat_workload(refs, n=8, num_long=2)
+    with small_pool_scheduler(tiny_dir, admission="worst-case") as sched:
+        tokens, finish, peak = run_all(sched, prompts, stops)
+        assert sched.stats().retractions == 0
+        assert peak <= 3  # each request reserved its whole context
+        for uid, (ref, scores, reason) in enumerate(expected):
+            assert finish[uid] == reason
+            assert_match_ref(tokens[uid], ref, scores, f"uid {uid}")
+
+
+def test_abort_of_a_retracted_request_frees_everything(tiny_dir, refs):
+    prompts, stops, _ = chat_workload(refs)
+    with small_pool_scheduler(tiny_dir) as sched:
+        for uid, (p, stop) in enumerate(zip(prompts, stops)):
+            sched.add_request(UserRequest(uid, list(p), chat_params(stop)))
+        aborted = set()
+        while sched.has_work():
+            outs = sched.step()
+            for req in list(sched.retracted):
+                if req.uid not in aborted:
+                    assert sched.abort(req.uid)
+                    aborted.add(req.uid)
+            for out in outs:
+                if out.uid in aborted and out.finished:
+                    assert out.finish_reason == "abort"
+        assert aborted, "nothing was retracted"
