@@ -102,6 +102,8 @@ class Batch:
     prompt_logprob_targets: torch.Tensor | None = field(init=False, default=None)
     prompt_logits: torch.Tensor | None = field(init=False, default=None)
     prompt_logprob_counts: List[int] = field(init=False, default_factory=list)  # per request
+    # A mixed batch (phase "prefill") starts with this many decode rows (one token each).
+    num_decode_rows: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         self.padded_reqs = list(self.reqs)

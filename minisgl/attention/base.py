@@ -90,6 +90,13 @@ def _flashinfer(cfg: ModelConfig) -> BaseAttnBackend:
     return FlashInferAttnBackend(cfg)
 
 
+@ATTN_BACKENDS.register("deterministic")
+def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
+    from minisgl.attention.deterministic_backend import DeterministicAttnBackend
+
+    return DeterministicAttnBackend(cfg)
+
+
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """'auto' -> flashinfer if importable on CUDA, else triton on CUDA, else torch."""
     if name != "auto":

@@ -40,6 +40,9 @@ class EngineConfig:
     # decode step on fused C kernels (False: the module path, as on CUDA).
     quantization: str | None = None
     cpu_fast_decode: bool = True
+    # Batch-invariant kernels (attention backend "deterministic", fixed-shape GEMMs): greedy and
+    # seeded outputs do not depend on batch composition, chunking or prefix-cache state.
+    deterministic: bool = False
 
     @cached_property
     def hf_config(self) -> Any:

@@ -22,6 +22,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kvcache import create_kvcache_pool
+from minisgl.layers.batch_invariant import BatchInvariantMode
 from minisgl.layers.rotary import clear_rope_cache, set_rope_device
 from minisgl.models import create_model
 from minisgl.models.weight import dummy_weights, load_weights
@@ -97,6 +98,19 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     if not 0.0 < config.memory_ratio <= 1.0:
         raise ValueError(f"memory_ratio must be in (0, 1], got {config.memory_ratio}")
     device = _pick_device(config)
+    if config.deterministic:
+        if config.attention_backend not in ("auto", "deterministic"):
+            raise ValueError(
+                f"deterministic mode runs its own batch-invariant attention; attention_backend={config.attention_backend!r} "
+                "cannot be combined with it (leave it 'auto')"
+            )
+        if config.quantization is not None:
+            raise ValueError(
+                f"deterministic mode does not support quantization={config.quantization!r} (its GEMMs are not batch-invariant)"
+            )
+        if config.tp_info.size > 1:
+            raise ValueError("deterministic mode needs tp=1 (all-reduce order is not batch-invariant here)")
+        config = dataclasses.replace(config, attention_backend="deterministic", cpu_fast_decode=False)
     backend = resolve_attention_backend(config.attention_backend, device)
     max_bs = config.cuda_graph_max_bs
     if max_bs is not None:
@@ -319,6 +333,9 @@ class Engine:
                 logits = self.graph_runner.replay(batch)
             elif self.cpu_runner is not None and batch.prompt_logprob_rows is None and self.cpu_runner.can_run(batch):
                 logits = self.cpu_runner.forward(batch, self.page_table)
+            elif self.config.deterministic:
+                with BatchInvariantMode():
+                    logits = self.model.forward()
             else:
                 logits = self.model.forward()
             for req in batch.reqs:

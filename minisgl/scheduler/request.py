@@ -75,6 +75,7 @@ class SchedReq(Req):
         self.prefill_len = self.prompt_len  # tokens to prefill before the next sample counts
         self.admit_seq = 0  # admission order: the latest admitted is retracted first
         self.num_retractions = 0
+        self.trusted_len = 0  # cached_len before the current mixed step (a failure rolls back to it)
 
     def resume(self, table_idx: int, match: MatchResult, page_size: int) -> None:
         """Re-admit a retracted request: prefill all its tokens but the cached prefix."""

@@ -261,11 +261,19 @@ class Scheduler:
         self._tp_writes.clear()
         failed: List[int] = []
         for batch in batches:
-            for req in batch.reqs:
-                if isinstance(req, SchedReq) and not req.finished and self.active.get(req.uid) is req:
-                    self._finish(req, "error")
-                    req.kv_trusted = False
-                    failed.append(req.uid)
+            for i, req in enumerate(batch.reqs):
+                if not isinstance(req, SchedReq) or req.finished or self.active.get(req.uid) is not req:
+                    continue
+                if i < batch.num_decode_rows and req in self.running:
+                    # A decode row that rode along with a failed prefill: its KV up to this
+                    # step is sound, so it resumes by recompute instead of failing with it.
+                    req.cached_len = req.trusted_len
+                    req.device_len = len(req.token_ids)
+                    self._retract(req)
+                    continue
+                self._finish(req, "error")
+                req.kv_trusted = False
+                failed.append(req.uid)
         self._release_deferred()  # safe: the device is idle
         return failed
 
@@ -392,8 +400,11 @@ class Scheduler:
             reqs.append(req)
         optimistic = self.config.admission == "optimistic"
         expected = self._expected_decode_pages() if optimistic else 0
+        in_flight = self._in_flight.batch.reqs if self._in_flight is not None else []
         while self.retracted and budget > 0 and self.free_rows:
             req = self.retracted[0]
+            if any(r is req for r in in_flight):
+                break  # (after a failed step) its last token is still on the way: resume after it
             ids = req.token_ids
             match = self.cache.match_prefix(ids[: len(ids) - 1])
             need = div_ceil(len(ids), self.page_size) - match.num_pages
@@ -443,7 +454,11 @@ class Scheduler:
             return None
         running = len(self.running) + len(self.prefilling)
         self._peak_running = max(self._peak_running, running)
-        return Batch(reqs=list[Req](decoding) + list[Req](reqs), phase="prefill")
+        for r in decoding:
+            r.trusted_len = r.cached_len  # what survives if this step fails (see _recover)
+        batch = Batch(reqs=list[Req](decoding) + list[Req](reqs), phase="prefill")
+        batch.num_decode_rows = len(decoding)
+        return batch
 
     def _admitted(self, req: SchedReq, reserve: int) -> None:
         self._admit_counter += 1

@@ -32,6 +32,10 @@ class ServerArgs:
     max_running_requests: int | None = None
     page_size: int = 1
     max_prefill_length: int = 8192
+    admission: str = "optimistic"
+    schedule_conservativeness: float = 1.0
+    disable_mixed_batches: bool = False
+    deterministic: bool = False
     memory_ratio: float = 0.9
     num_pages: int | None = None
     max_seq_len: int | None = None
@@ -114,6 +118,10 @@ class ServerArgs:
             num_page_override=self.num_pages,
             max_seq_len_override=self.max_seq_len,
             max_extend_tokens=self.max_prefill_length,
+            admission=self.admission,  # type: ignore[arg-type]
+            schedule_conservativeness=self.schedule_conservativeness,
+            mixed_batches=not self.disable_mixed_batches,
+            deterministic=self.deterministic,
             cache_type=self.cache,
             enable_overlap=False if self.disable_overlap else None,
             quantization=self.quantization,
@@ -151,6 +159,16 @@ def _origins(text: str) -> List[str]:
     if not origins:
         raise argparse.ArgumentTypeError("give at least one origin")
     return origins
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0.0 < value <= 1e6:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1e6], got {value}")
+    return value
 
 
 def _ratio(text: str) -> float:
@@ -221,10 +239,31 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument("--max-running-requests", type=_positive_int, default=None, help="requests decoded together at most (default: 256)")
     sched.add_argument("--page-size", type=_positive_int, default=1, help="tokens per KV page")
     sched.add_argument(
+        "--chunked-prefill-size",
         "--max-prefill-length",
+        dest="max_prefill_length",
         type=_positive_int,
         default=8192,
-        help="prompt tokens prefilled per step at most; longer prompts are prefilled in chunks",
+        help="tokens per step at most (prompt chunks + the decode rows mixed in); longer prompts are prefilled in chunks",
+    )
+    sched.add_argument(
+        "--admission",
+        default="optimistic",
+        choices=["optimistic", "worst-case"],
+        help="optimistic: admit on an estimate of what running requests will still generate and retract "
+        "(later recompute) requests when the KV pool runs out; worst-case: reserve prompt + max_tokens, never retract",
+    )
+    sched.add_argument(
+        "--schedule-conservativeness",
+        type=_positive_float,
+        default=1.0,
+        help="scales the optimistic estimate of tokens still to come (> 1: admit fewer, retract less)",
+    )
+    sched.add_argument("--disable-mixed-batches", action="store_true", help="prefill and decode alternate instead of sharing a step")
+    sched.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="batch-invariant kernels: greedy/seeded outputs identical whatever the batch, chunking and prefix-cache state",
     )
     sched.add_argument("--memory-ratio", type=_ratio, default=0.9, help="share of free device memory the weights + KV cache may take")
     sched.add_argument("--num-pages", type=_positive_int, default=None, help="KV pages to allocate (overrides --memory-ratio)")

@@ -1,0 +1,98 @@
+"""Batch-invariant attention (`--deterministic`): every query's result depends only on its own
+query vector and its keys, never on which other tokens share the step, how the prompt was
+chunked, or whether its prefix came from the cache.
+
+Why the other backends are not: they pick split sizes, tiles and kernels by batch shape (the
+number of queries, the longest sequence), so a query's reduction order changes with the batch.
+Here the reduction order is fixed per query: keys are visited in blocks of BLOCK positions
+aligned to position 0, each block reduced at a fixed size (masked positions are exact no-ops:
+a score of -inf adds 0 and rescales by exp(0) = 1), and the blocks are combined in order with an
+online softmax in float32. Scores are elementwise products summed over head_dim (no matmul,
+whose tiling follows the shapes). One code path serves prefill, chunked prefill and decode, so a
+token computed in a decode step equals the same token recomputed in a prefill.
+
+It is slow (a gather of every query's keys per block) and meant for reproducibility, not speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.core import Batch
+from minisgl.utils.device import make_device_tensor
+
+BLOCK = 64  # key positions reduced together
+QUERY_CHUNK = 128  # queries processed together (bounds the gathered blocks' memory)
+
+
+@dataclass
+class DeterministicAttnMetadata(BaseAttnMetadata):
+    rows: torch.Tensor  # [T] page-table row of each query token
+    positions: torch.Tensor  # [T] its position: it attends keys [0, position]
+    chunk_blocks: List[int]  # per QUERY_CHUNK of queries: key blocks that chunk needs
+
+
+class DeterministicAttnBackend(BaseAttnBackend):
+    def prepare_metadata(self, batch: Batch) -> None:
+        rows: List[int] = []
+        positions: List[int] = []
+        last: List[int] = []
+        for r in batch.padded_reqs:
+            rows += [r.table_idx] * r.extend_len
+            positions += range(r.cached_len, r.device_len)
+            last.append(len(positions) - 1)
+        chunk_blocks = [max(positions[i : i + QUERY_CHUNK]) // BLOCK + 1 for i in range(0, len(positions), QUERY_CHUNK)]
+        batch.attn_metadata = DeterministicAttnMetadata(
+            last_indices=make_device_tensor(last, torch.int64, self.device),
+            rows=make_device_tensor(rows, torch.int64, self.device),
+            positions=make_device_tensor(positions, torch.int64, self.device),
+            chunk_blocks=chunk_blocks,
+        )
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        meta: DeterministicAttnMetadata = batch.attn_metadata
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        out = torch.empty_like(q)
+        for c, num_blocks in enumerate(meta.chunk_blocks):
+            lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])
+            out[lo:hi] = self._attend_chunk(q[lo:hi], meta.rows[lo:hi], meta.positions[lo:hi], num_blocks, k_cache, v_cache)
+        return out
+
+    def _attend_chunk(
+        self,
+        q: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        num_blocks: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        n, hq, d = q.shape
+        hk = k_cache.shape[1]
+        # [n, 1, Hk, G, D]: one key block broadcasts over the G query heads of its KV head
+        qf = (q.float() * (1.0 / math.sqrt(d))).view(n, 1, hk, hq // hk, d)
+        width = self.page_table.shape[1]
+        offsets = torch.arange(BLOCK, device=q.device)
+        m = torch.full((n, hk, hq // hk), float("-inf"), device=q.device)
+        denom = torch.zeros_like(m)
+        acc = torch.zeros((n, hk, hq // hk, d), device=q.device)
+        for j in range(num_blocks):
+            cols = j * BLOCK + offsets
+            valid = cols[None, :] <= positions[:, None]  # [n, BLOCK]
+            slots = self.page_table[rows[:, None], cols.clamp(max=width - 1)[None, :]].long()
+            keys = k_cache[slots].float()  # [n, BLOCK, Hk, D]
+            scores = (qf * keys[:, :, :, None, :]).sum(-1)  # [n, BLOCK, Hk, G]
+            scores = torch.where(valid[:, :, None, None], scores, float("-inf"))
+            m_new = torch.maximum(m, scores.amax(1))
+            probs = torch.exp(scores - m_new[:, None])
+            scale = torch.exp(m - m_new)
+            values = torch.where(valid[:, :, None, None], v_cache[slots].float(), 0.0)  # unwritten slots may hold nan
+            denom = denom * scale + probs.sum(1)
+            acc = acc * scale[..., None] + (probs[..., None] * values[:, :, :, None, :]).sum(1)
+            m = m_new
+        return (acc / denom[..., None]).view(n, hq, d).to(q.dtype)
