@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_tiny_chat_model(out_dir: Path, tokenizer_dir: str) -> Path:
+def build_tiny_chat_model(out_dir: Path, tokenizer_dir: str, max_position: int = 1024) -> Path:
     """A tiny random Llama with the embedded model's tokenizer and chat template."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -61,7 +61,7 @@ def build_tiny_chat_model(out_dir: Path, tokenizer_dir: str) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
+        max_position_embeddings=max_position,
         initializer_range=0.2,  # varied, prompt-dependent greedy outputs (the default repeats itself)
         tie_word_embeddings=True,
         bos_token_id=1,
