@@ -70,6 +70,10 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         config["cuda_graph_max_bs"] = args.cuda_graph_max_bs
     if args.max_extend_tokens is not None:
         config["max_extend_tokens"] = args.max_extend_tokens
+    if args.deterministic:
+        config["deterministic"] = True
+    if args.disable_mixed_batches:
+        config["mixed_batches"] = False
     if args.num_pages is not None:
         config["num_page_override"] = args.num_pages
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
@@ -321,6 +325,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None)
     ap.add_argument("--max-extend-tokens", type=int, default=None, help="prefill token budget per step")
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from free memory)")
+    ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (see docs/ARCHITECTURE.md)")
+    ap.add_argument("--disable-mixed-batches", action="store_true", help="prefill and decode steps alternate")
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")

@@ -119,3 +119,20 @@ def test_batch_invariant_linear_rows_do_not_depend_on_the_batch() -> None:
         for lo, hi in ((0, 1), (5, 6), (3, 40), (33, 70)):
             assert torch.equal(F.linear(x[lo:hi], w), full[lo:hi])
     torch.testing.assert_close(full, x @ w.t(), rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_mode_matches_hf_in_float32(tiny_dir, hf_oracle) -> None:
+    """Its attention and GEMM tiles compute the same model: greedy tokens equal HF's (fp32)."""
+    from sched_helpers import assert_match_ref, refs_for
+
+    refs = refs_for(hf_oracle(TINY))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in (1, 17, 64, 130)]
+    llm = LLM(str(tiny_dir), dtype="float32", device=TEST_DEVICE, deterministic=True, max_seq_len_override=256, max_extend_tokens=48)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    for p, out in zip(prompts, outs):
+        ref, scores = refs.get(p, 16)
+        assert_match_ref(out.token_ids, ref, scores, f"prompt of {len(p)}")

@@ -7,8 +7,9 @@ number of queries, the longest sequence), so a query's reduction order changes w
 Here the reduction order is fixed per query: keys are visited in blocks of BLOCK positions
 aligned to position 0, each block reduced at a fixed size (masked positions are exact no-ops:
 a score of -inf adds 0 and rescales by exp(0) = 1), and the blocks are combined in order with an
-online softmax in float32. Scores are elementwise products summed over head_dim (no matmul,
-whose tiling follows the shapes). One code path serves prefill, chunked prefill and decode, so a
+online softmax in float32. Every sum and max is a fixed pairwise tree of elementwise ops
+(`_tree`), not a library reduction or a matmul, whose thread split follows the tensor shapes
+(on CUDA a reduction's block layout depends on how many outputs it has). One code path serves prefill, chunked prefill and decode, so a
 token computed in a decode step equals the same token recomputed in a prefill.
 
 It is slow (a gather of every query's keys per block) and meant for reproducibility, not speed.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import Callable, List
 
 import torch
 
@@ -86,13 +87,30 @@ class DeterministicAttnBackend(BaseAttnBackend):
             valid = cols[None, :] <= positions[:, None]  # [n, BLOCK]
             slots = self.page_table[rows[:, None], cols.clamp(max=width - 1)[None, :]].long()
             keys = k_cache[slots].float()  # [n, BLOCK, Hk, D]
-            scores = (qf * keys[:, :, :, None, :]).sum(-1)  # [n, BLOCK, Hk, G]
+            scores = _tree(qf * keys[:, :, :, None, :], -1, torch.add)  # [n, BLOCK, Hk, G]
             scores = torch.where(valid[:, :, None, None], scores, float("-inf"))
-            m_new = torch.maximum(m, scores.amax(1))
+            m_new = torch.maximum(m, _tree(scores, 1, torch.maximum))
             probs = torch.exp(scores - m_new[:, None])
             scale = torch.exp(m - m_new)
             values = torch.where(valid[:, :, None, None], v_cache[slots].float(), 0.0)  # unwritten slots may hold nan
-            denom = denom * scale + probs.sum(1)
-            acc = acc * scale[..., None] + (probs[..., None] * values[:, :, :, None, :]).sum(1)
+            denom = denom * scale + _tree(probs, 1, torch.add)
+            acc = acc * scale[..., None] + _tree(probs[..., None] * values[:, :, :, None, :], 1, torch.add)
             m = m_new
         return (acc / denom[..., None]).view(n, hq, d).to(q.dtype)
+
+
+def _tree(x: torch.Tensor, dim: int, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Reduce `dim` by halving: element i is combined with element i + size/2 until one is
+    left. Elementwise ops only, so the result is the same bits whatever the other dims hold.
+    A size that is not a power of two is padded with the op's identity (0 or -inf)."""
+    size = x.shape[dim]
+    width = 1 << (size - 1).bit_length()
+    if width != size:
+        fill = 0.0 if op is torch.add else float("-inf")
+        pad_shape = list(x.shape)
+        pad_shape[dim] = width - size
+        x = torch.cat([x, x.new_full(pad_shape, fill)], dim)
+    while width > 1:
+        width //= 2
+        x = op(x.narrow(dim, 0, width), x.narrow(dim, width, width))
+    return x.squeeze(dim)
