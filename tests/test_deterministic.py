@@ -5,7 +5,12 @@ cached), and after a retraction's recompute."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -136,3 +141,16 @@ def test_deterministic_mode_matches_hf_in_float32(tiny_dir, hf_oracle) -> None:
     for p, out in zip(prompts, outs):
         ref, scores = refs.get(p, 16)
         assert_match_ref(out.token_ids, ref, scores, f"prompt of {len(p)}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_deterministic_kernel_in_interpreter() -> None:
+    """The CUDA kernel of the mode, through Triton's interpreter: matches float64 attention and
+    gives a query the same bits alone and inside larger launches (the H200 runs the bf16 case)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    proc = subprocess.run(
+        [sys.executable, str(root / "benchmark" / "deterministic_check.py"), "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=root,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "deterministic kernels: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

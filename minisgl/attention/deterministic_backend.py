@@ -12,7 +12,9 @@ online softmax in float32. Every sum and max is a fixed pairwise tree of element
 (on CUDA a reduction's block layout depends on how many outputs it has). One code path serves prefill, chunked prefill and decode, so a
 token computed in a decode step equals the same token recomputed in a prefill.
 
-It is slow (a gather of every query's keys per block) and meant for reproducibility, not speed.
+On CUDA the same walk runs as one Triton program per (query, head)
+(`kernel/triton_deterministic.py`); the torch version here serves the CPU. It is slow (no key
+reuse across queries) and meant for reproducibility, not speed.
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ class DeterministicAttnBackend(BaseAttnBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         meta: DeterministicAttnMetadata = batch.attn_metadata
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        if q.is_cuda:
+            from minisgl.kernel.triton_deterministic import deterministic_attention
+
+            return deterministic_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.positions)
         out = torch.empty_like(q)
         for c, num_blocks in enumerate(meta.chunk_blocks):
             lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])
