@@ -32,7 +32,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from minisgl.kernel import triton_ops  # noqa: E402
+from minisgl.kernel import pdl, triton_ops  # noqa: E402
 from minisgl.kernel.triton_gemv import GemvConfig, gemv  # noqa: E402
 
 SHAPES = {  # (kind, weight rows, K): qkv (pre-norm), o, gate_up (pre-norm, gated), down
@@ -44,12 +44,15 @@ L2_BYTES = 50 << 20
 
 
 def candidates(m: int) -> List[GemvConfig]:
-    if m == 1:
-        out = [GemvConfig(1, bn, bk, w, 1) for bn, bk, w in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8))]
+    if m < 16:  # broadcast path, rows in registers (BLOCK_M = m), plus the dot path at 16 rows
+        bns = (1, 2, 4, 8, 16) if m == 1 else (1, 2, 4, 8)
+        bks = (512, 1024, 2048) if m == 1 else (256, 512, 1024)
+        out = [GemvConfig(m, bn, bk, w, 1) for bn, bk, w in itertools.product(bns, bks, (4, 8)) if m * bn * bk <= 16384]
         out += [GemvConfig(16, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32), (128, 256), (3, 4))]
         return out
     bm = max(16, 1 << (m - 1).bit_length())
-    return [GemvConfig(bm, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
+    out = [GemvConfig(bm, bn, bk, 4, st) for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
+    return [c for c in out if (bm + 2 * c.block_n) * c.block_k * 2 * c.num_stages <= 160 * 1024]
 
 
 def _compile_worker(jobs: List[Tuple[str, int, int, GemvConfig]]) -> int:
@@ -124,6 +127,7 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/gemv")
     ap.add_argument("--models", default="0.6b")
     ap.add_argument("--ms", default="1,2,4,8,16,32,64")
+    ap.add_argument("--kinds", default="norm,plain,gated")
     ap.add_argument("--lm-head", action="store_true")
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--workers", type=int, default=14)
@@ -135,6 +139,8 @@ def main() -> int:
     cases: List[Tuple[str, str, int, int, int]] = []  # (model, kind, n_w, k, m)
     for model in a.models.split(","):
         for kind, n_w, k in SHAPES[model]:
+            if kind not in a.kinds.split(","):
+                continue
             for m in ms if model == "0.6b" else [v for v in ms if v in (1, 8, 32)]:
                 cases.append((model, kind, n_w, k, m))
     if a.lm_head:
@@ -200,6 +206,13 @@ def main() -> int:
               f"best {t_best * 1e6:6.2f} us {wbytes / t_best / 1e9:5.0f} GB/s {tuple(cfg_best)} x{t_mod / t_best:.2f} "
               f"err {err_best:.2e} (module {err_module:.2e})", flush=True)  # fmt: skip
         print("    top5:", row["top5"], flush=True)
+        if m == 1 and pdl.pdl_enabled():  # the same tile without programmatic dependent launch
+            pdl._state["enabled"] = False
+            try:
+                row["best_us_no_pdl"] = 1e6 * graph_time(lambda: [run(kind, x, r, nw, w, cfg_best) for w, nw in zip(ws, nws)]) / copies
+                print(f"    without PDL: {row['best_us_no_pdl']:.2f} us", flush=True)
+            finally:
+                pdl._state["enabled"] = True
     with open(os.path.join(a.out, "gemv_tune.json"), "w") as f:
         json.dump({"rows": rows, "failures": failures}, f, indent=1)
     print(f"failures: {len(failures)}", *failures[:20], sep="\n  ")

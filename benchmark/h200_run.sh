@@ -34,7 +34,8 @@ for part in $parts; do
                timeout 100 python3 benchmark/offline.py $RECIPE --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/extend.log"; done ;;
     gemv) timeout ${GEMV_TIMEOUT:-200} python3 benchmark/gpu_gemv_tune.py --out "$OUT" --budget-s ${GEMV_BUDGET:-120} ${GEMV_ARGS:---lm-head} 2>&1 | tee "$OUT/gemv.log" ;;
     stepprof) timeout 100 python3 benchmark/gpu_step_profile.py --batch-sizes 1,64 --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/stepprof.log"
-             MINISGL_SKINNY_GEMM=0 timeout 100 python3 benchmark/gpu_step_profile.py --batch-sizes 1,64 2>&1 | grep -v Warn | tee "$OUT/stepprof_off.log" ;;
+             MINISGL_PDL=0 timeout 100 python3 benchmark/gpu_step_profile.py --batch-sizes 1,64 2>&1 | grep -v Warn | tee "$OUT/stepprof_nopdl.log"
+             MINISGL_SKINNY_GEMM=0 MINISGL_PDL=0 timeout 100 python3 benchmark/gpu_step_profile.py --batch-sizes 1,64 2>&1 | grep -v Warn | tee "$OUT/stepprof_off.log" ;;
     latency1) timeout 150 python3 benchmark/latency.py --model benchmark/models/qwen3-0.6b --dummy-weights \
                --dtype bfloat16 --batch-sizes 1,8,64 --out "$OUT/latency1.json" 2>&1 | grep -v Warn | tee "$OUT/latency1.log" ;;
     engine) timeout 200 python3 benchmark/gpu_check.py --parts engine --backends triton --out "$OUT/check" 2>&1 | tee "$OUT/engine.log" ;;

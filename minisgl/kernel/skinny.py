@@ -43,18 +43,21 @@ def _pow2(n: int) -> int:
 
 
 def default_config(kind: Kind, n_w: int, k: int, m: int) -> Any:
-    """The tile for (shape, batch bucket), from the H200 sweep (benchmark/gpu_gemv_tune.py)."""
+    """The tile for (shape, batch bucket), from the H200 sweep (benchmark/gpu_gemv_tune.py):
+    about 512 programs of whole weight rows, the K loop in as few tiles as registers allow."""
     from minisgl.kernel.triton_gemv import GemvConfig
 
     n_out = n_w // 2 if kind == "gated" else n_w
-    if m == 1:
-        # enough programs to cover the 132 SMs about twice, each streaming whole weight rows
-        block_n = 16 if n_out >= 4096 else 8 if n_out >= 2048 else 4
-        block_k = 512 if kind != "gated" else 256
-        return GemvConfig(1, block_n, block_k, 4, 1)  # no dot: nothing for Triton to pipeline
+    if m < 16:
+        block_n = max(1, min(16 if m == 1 else 8, _pow2(max(1, n_out // 512))))
+        block_k = min(_pow2(k), 1024 if m == 1 else 512)
+        if kind == "gated":  # two accumulators
+            block_k //= 2
+        while m * block_n * block_k > 8192 and block_n > 1:
+            block_n //= 2
+        return GemvConfig(m, block_n, block_k, 4, 1)  # no dot: nothing for Triton to pipeline
     block_m = max(16, _pow2(m))
-    block_n = 32 if n_out >= 4096 else 16
-    return GemvConfig(block_m, block_n, 128, 4, 3)
+    return GemvConfig(block_m, 16 if kind == "plain" else 32, 256, 4, 4 if kind == "plain" else 3)
 
 
 @dataclass

@@ -30,9 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.pdl import launch_kwargs, pdl_enabled
+
 
 class GemvConfig(NamedTuple):
-    block_m: int  # 1: broadcast-multiply path (one row); >= 16: tl.dot path with masked rows
+    block_m: int  # < 16: broadcast-multiply path (rows in registers); >= 16: tl.dot, rows masked
     block_n: int
     block_k: int
     num_warps: int
@@ -60,9 +62,13 @@ def _gemv_kernel(
     X, R, NW, W, Out, ResOut,
     M, N, K, sx, sr, sw, so, sro, eps,
     PRE_NORM: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     # N is the number of output features (for GATED: the intermediate size; W has 2N rows).
+    # BLOCK_M < 16: broadcast-multiply over register tiles (BLOCK_M == 1: [BLOCK_N, BLOCK_K],
+    # else [BLOCK_M, BLOCK_N, BLOCK_K]); the weight tiles are double-buffered by hand (the
+    # compiler pipelines only loads that feed a dot). BLOCK_M >= 16: tl.dot, pipelined by Triton.
+    BCAST: tl.constexpr = BLOCK_M < 16
     pid_n = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
@@ -71,18 +77,31 @@ def _gemv_kernel(
     n_mask = offs_n < N
     w_rows = offs_n.to(tl.int64) * sw
 
+    # The weights are never written by an earlier kernel: fetch the first tile before waiting
+    # for the predecessor (PDL), so the weight stream starts while it drains.
+    if BCAST:
+        offs_k = tl.arange(0, BLOCK_K)
+        wmask = n_mask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(W + w_rows[:, None] + offs_k[None, :], mask=wmask, other=0.0)
+        wu = w
+        if GATED:
+            wu = tl.load(W + N * sw + w_rows[:, None] + offs_k[None, :], mask=wmask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()  # every program, before touching any activation
+
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if PRE_NORM:  # first pass: the statistics of each row (of x + residual)
         ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (offs_k < K)[None, :]
-            x = tl.load(X + rows64[:, None] * sx + offs_k[None, :], mask=mask, other=0.0)
+            offs_kk = k0 + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (offs_kk < K)[None, :]
+            x = tl.load(X + rows64[:, None] * sx + offs_kk[None, :], mask=mask, other=0.0)
             if HAS_RES:
-                r = tl.load(R + rows64[:, None] * sr + offs_k[None, :], mask=mask, other=0.0)
+                r = tl.load(R + rows64[:, None] * sr + offs_kk[None, :], mask=mask, other=0.0)
                 s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
                 if pid_n == 0:  # one program writes the new residual stream
-                    tl.store(ResOut + rows64[:, None] * sro + offs_k[None, :], s, mask=mask)
+                    tl.store(ResOut + rows64[:, None] * sro + offs_kk[None, :], s, mask=mask)
                 xf = s.to(tl.float32)
             else:
                 xf = x.to(tl.float32)
@@ -93,6 +112,9 @@ def _gemv_kernel(
     if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    elif BCAST:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -100,27 +122,46 @@ def _gemv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _load_x(X, R, NW, rows64, row_mask, offs_k, k_mask, sx, sr, rstd, PRE_NORM, HAS_RES)
-        wmask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(W + w_rows[:, None] + offs_k[None, :], mask=wmask, other=0.0)
-        if GATED:
-            wu = tl.load(W + N * sw + w_rows[:, None] + offs_k[None, :], mask=wmask, other=0.0)
-        if BLOCK_M == 1:
-            xf = x.to(tl.float32)  # [1, BLOCK_K]
-            acc += w.to(tl.float32) * xf
+        if BCAST:
+            # issue the next tile's loads before this tile's math (masked off past K: no traffic)
+            offs_next = offs_k + BLOCK_K
+            nmask = n_mask[:, None] & (offs_next < K)[None, :]
+            w_next = tl.load(W + w_rows[:, None] + offs_next[None, :], mask=nmask, other=0.0)
+            wu_next = w_next
             if GATED:
-                acc_u += wu.to(tl.float32) * xf
-        elif X.dtype.element_ty == tl.float32:  # exact float32 products (tests), not TF32
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-            if GATED:
-                acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+                wu_next = tl.load(W + N * sw + w_rows[:, None] + offs_next[None, :], mask=nmask, other=0.0)
+            xf = x.to(tl.float32)
+            if BLOCK_M == 1:  # x is [1, BLOCK_K]
+                acc += w.to(tl.float32) * xf
+                if GATED:
+                    acc_u += wu.to(tl.float32) * xf
+            else:
+                acc += xf[:, None, :] * w.to(tl.float32)[None, :, :]
+                if GATED:
+                    acc_u += xf[:, None, :] * wu.to(tl.float32)[None, :, :]
+            w = w_next
+            wu = wu_next
         else:
-            acc = tl.dot(x, tl.trans(w), acc)
+            wmask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(W + w_rows[:, None] + offs_k[None, :], mask=wmask, other=0.0)
+            wu = w
             if GATED:
-                acc_u = tl.dot(x, tl.trans(wu), acc_u)
+                wu = tl.load(W + N * sw + w_rows[:, None] + offs_k[None, :], mask=wmask, other=0.0)
+            if X.dtype.element_ty == tl.float32:  # exact float32 products (tests), not TF32
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                if GATED:
+                    acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+                if GATED:
+                    acc_u = tl.dot(x, tl.trans(wu), acc_u)
 
     if BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         yu = tl.sum(acc_u, axis=1)[None, :]
+    elif BCAST:
+        y = tl.sum(acc, axis=2)
+        yu = tl.sum(acc_u, axis=2)
     else:
         y = acc
         yu = acc_u
@@ -128,8 +169,8 @@ def _gemv_kernel(
     if GATED:  # the GEMM output rounds to the model dtype, then F.silu(gate) * up as the torch path
         g = y.to(dt).to(tl.float32)
         u = yu.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        out = (s * u).to(dt)
+        sg = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        out = (sg * u).to(dt)
     else:
         out = y.to(dt)
     omask = row_mask[:, None] & n_mask[None, :]
@@ -170,7 +211,7 @@ def gemv(
         x, r, norm_weight if pre_norm else weight, weight, out, ro,
         m, n, k, x.stride(0), r.stride(0), weight.stride(0), out.stride(0), ro.stride(0), eps,
         PRE_NORM=pre_norm, HAS_RES=has_res, GATED=gated,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, USE_PDL=pdl_enabled(),
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(),
     )  # fmt: skip
     return out, res_out
