@@ -7,8 +7,10 @@
    (tl.dot path; float32 only, the interpreter's bf16 dot is broken), K and N not multiples of
    the tiles, float32 and bfloat16. Then a tiny
    decoder layer through `decoder_layer_forward` against its own module path.
-2. Compiled ahead of time for sm_90 with the specialisations a launch gets, so code the GPU
-   compiler rejects (the interpreter accepts more) fails here, without a GPU.
+2. Every tile `skinny.default_config` picks (Qwen3-0.6B and 14B shapes, every batch bucket)
+   compiled ahead of time for sm_90 with the specialisations a launch gets: code the GPU
+   compiler rejects (the interpreter accepts more), shared memory over the H200's 227 KiB, and
+   register spills in the SASS fail here, without a GPU.
 
 Skipped when triton is not installed; benchmark/gpu_gemv_tune.py checks and times them on a GPU.
 """
@@ -147,7 +149,7 @@ def test_gemv_kernels_in_interpreter() -> None:
 
 COMPILE = textwrap.dedent(
     r"""
-    import sys
+    import os, re, subprocess, sys, tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -155,15 +157,22 @@ COMPILE = textwrap.dedent(
     from minisgl.kernel import skinny
     from minisgl.kernel import triton_gemv as G
 
+    # cuobjdump ships with triton's NVIDIA backend: the SASS shows register spills (LDL/STL)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     failures = []
     fn = G._gemv_kernel
     sig = {"X": "*bf16", "R": "*bf16", "NW": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "sx": "i32", "sr": "i32", "sw": "i32", "so": "i32", "sro": "i32",
            "eps": "fp32"}
-    shapes = (("norm", 4096, 1024), ("plain", 1024, 2048), ("gated", 6144, 1024), ("plain", 1024, 3072))
+    shapes = (("norm", 4096, 1024), ("plain", 1024, 2048), ("gated", 6144, 1024), ("plain", 1024, 3072),  # 0.6B
+              ("norm", 7168, 5120), ("gated", 34816, 5120), ("plain", 5120, 17408))  # 14B
+    seen = set()
     for m in skinny.BUCKETS:
         for kind, n_w, k in shapes:
             cfg = skinny.default_config(kind, n_w, k, m)
+            if (kind, cfg) in seen:
+                continue
+            seen.add((kind, cfg))
             consts = dict(PRE_NORM=kind != "plain", HAS_RES=kind != "plain", GATED=kind == "gated",
                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=True)
             full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
@@ -174,10 +183,21 @@ COMPILE = textwrap.dedent(
                                       target=GPUTarget("cuda", 90, 32),
                                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                                                "launch_pdl": True})
-                print("ok  ", kind, n_w, k, m, cfg, "smem", kern.metadata.shared)
             except Exception as e:
                 print("FAIL", kind, n_w, k, m, cfg, type(e).__name__, str(e)[:1500])
                 failures.append(f"{kind} m={m}")
+                continue
+            spills = "?"
+            if os.path.exists(cuobjdump):
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(kern.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+                spills = len(re.findall(r"\b(LDL|STL)\b", sass))
+            ok = kern.metadata.shared <= 227 * 1024 and spills in (0, "?")
+            print("ok  " if ok else "FAIL", kind, n_w, k, m, tuple(cfg), "smem", kern.metadata.shared, "spills", spills)
+            if not ok:
+                failures.append(f"{kind} {n_w}x{k} m={m}: smem {kern.metadata.shared} spills {spills}")
     print("FAILURES:", failures)
     sys.exit(1 if failures else 0)
     """

@@ -29,8 +29,9 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-MAX_M = 64
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# the sweep: from 32 rows on cuBLAS wins every shape (docs/PERFORMANCE.md)
+MAX_M = 16
+BUCKETS = (1, 2, 4, 8, 16)
 # kinds: "norm" = pre-norm (+ residual add), "gated" = pre-norm + residual + SiLU-gated, "plain"
 Kind = str
 ShapeKey = Tuple[Kind, int, int]  # (kind, weight rows, K)
@@ -43,21 +44,30 @@ def _pow2(n: int) -> int:
 
 
 def default_config(kind: Kind, n_w: int, k: int, m: int) -> Any:
-    """The tile for (shape, batch bucket), from the H200 sweep (benchmark/gpu_gemv_tune.py):
-    about 512 programs of whole weight rows, the K loop in as few tiles as registers allow."""
+    """The tile for (shape, batch bucket), from the H200 sweep (benchmark/gpu_gemv_tune.py, see
+    docs/PERFORMANCE.md): at one row, ~512 programs of whole weight rows, long K tiles; at 2-8
+    rows the broadcast path for the plain projections and the 16-row dot path for the pre-norm
+    ones; at 16 rows the dot path. The init measurement then keeps only what beats cuBLAS."""
     from minisgl.kernel.triton_gemv import GemvConfig
 
     n_out = n_w // 2 if kind == "gated" else n_w
-    if m < 16:
-        block_n = max(1, min(16 if m == 1 else 8, _pow2(max(1, n_out // 512))))
-        block_k = min(_pow2(k), 1024 if m == 1 else 512)
-        if kind == "gated":  # two accumulators
-            block_k //= 2
-        while m * block_n * block_k > 8192 and block_n > 1:
+    if m == 1:
+        warps = 8 if kind == "plain" and k > 2048 else 4
+        block_n = max(1, min(8, _pow2(max(1, n_out // 512))))
+        block_k = min(_pow2(k), 2048 if kind == "plain" else 512)
+        # register budget: accumulators + the prefetched next tile, no spills (compile check)
+        while block_n * block_k * (2 if kind == "gated" else 1) > 2048 * warps and block_n > 1:
             block_n //= 2
-        return GemvConfig(m, block_n, block_k, 4, 1)  # no dot: nothing for Triton to pipeline
-    block_m = max(16, _pow2(m))
-    return GemvConfig(block_m, 16 if kind == "plain" else 32, 256, 4, 4 if kind == "plain" else 3)
+        while block_n * block_k * (2 if kind == "gated" else 1) > 2048 * warps and block_k > 256:
+            block_k //= 2
+        return GemvConfig(1, block_n, block_k, warps, 1)  # no dot: nothing for Triton to pipeline
+    if m < 16 and (kind == "plain" or (kind == "norm" and m == 2)):
+        block_n = max(1, min(4, _pow2(max(1, n_out // (1024 if m == 2 else 256)))))
+        block_k = min(_pow2(k), 1024 if m <= 4 else 512)
+        while m * block_n * block_k > 16384 and block_n > 1:
+            block_n //= 2
+        return GemvConfig(m, block_n, block_k, 4, 1)
+    return GemvConfig(16, 32 if kind == "gated" else 16, 256, 4, 4)
 
 
 @dataclass
@@ -67,6 +77,7 @@ class SkinnyPlan:
     table: Dict[Tuple[Kind, int, int, int], Any] = field(default_factory=dict)
     timings: List[Dict[str, Any]] = field(default_factory=list)
     max_m: int = 0
+    build_s: float = 0.0
 
     def config(self, kind: Kind, weight: torch.Tensor, m: int) -> Any:
         if m > self.max_m or m < 1:
@@ -227,8 +238,13 @@ def build_plan(layers: Sequence[Any], max_m: int, stream: Any, budget_s: float =
                 for w, nw in pairs:
                     _reference(kind, x, r, nw, w)
 
-            t_fused = _graph_time(fused, stream) / len(pairs)
-            t_module = _graph_time(module, stream) / len(pairs)
+            try:
+                t_module = _graph_time(module, stream) / len(pairs)
+                t_fused = _graph_time(fused, stream) / len(pairs)
+            except Exception as e:  # a tile this GPU cannot run (shared memory, say): cuBLAS
+                logger.warning(f"skinny GEMM plan: {kind} {n_w}x{k} m={bucket} {cfg}: {e!r}; keeping cuBLAS")
+                torch.cuda.synchronize()
+                continue
             win = t_fused < t_module
             if win:
                 plan.table[(kind, n_w, k, bucket)] = cfg
@@ -240,5 +256,6 @@ def build_plan(layers: Sequence[Any], max_m: int, stream: Any, budget_s: float =
     for la in layers:
         la._skinny_ok = True
     won = sum(t["fused"] for t in plan.timings)
-    logger.info_rank0(f"skinny GEMM plan: {won}/{len(plan.timings)} (shape, batch) cases take the fused kernels")
+    plan.build_s = time.perf_counter() - t_start
+    logger.info_rank0(f"skinny GEMM plan: {won}/{len(plan.timings)} (shape, batch) cases take the fused kernels ({plan.build_s:.1f}s)")
     return plan
