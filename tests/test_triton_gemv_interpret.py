@@ -170,7 +170,7 @@ COMPILE = textwrap.dedent(
     for m in skinny.BUCKETS:
         for kind, n_w, k in shapes:
             cfg = skinny.default_config(kind, n_w, k, m)
-            if (kind, cfg) in seen:
+            if cfg is None or (kind, cfg) in seen:
                 continue
             seen.add((kind, cfg))
             consts = dict(PRE_NORM=kind != "plain", HAS_RES=kind != "plain", GATED=kind == "gated",

@@ -29,9 +29,9 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-# the sweep: from 32 rows on cuBLAS wins every shape (docs/PERFORMANCE.md)
-MAX_M = 16
-BUCKETS = (1, 2, 4, 8, 16)
+# the sweep and the in-step measurement: from 8 rows on cuBLAS (see default_config)
+MAX_M = 4
+BUCKETS = (1, 2, 4)
 # kinds: "norm" = pre-norm (+ residual add), "gated" = pre-norm + residual + SiLU-gated, "plain"
 Kind = str
 ShapeKey = Tuple[Kind, int, int]  # (kind, weight rows, K)
@@ -44,10 +44,14 @@ def _pow2(n: int) -> int:
 
 
 def default_config(kind: Kind, n_w: int, k: int, m: int) -> Any:
-    """The tile for (shape, batch bucket), from the H200 sweep (benchmark/gpu_gemv_tune.py, see
-    docs/PERFORMANCE.md): at one row, ~512 programs of whole weight rows, long K tiles; at 2-8
-    rows the broadcast path for the plain projections and the 16-row dot path for the pre-norm
-    ones; at 16 rows the dot path. The init measurement then keeps only what beats cuBLAS."""
+    """The tile for (shape, batch bucket), or None to leave the bucket to cuBLAS without timing
+    it. From the H200 sweep (benchmark/gpu_gemv_tune.py, docs/PERFORMANCE.md): at one row, ~512
+    programs of whole weight rows with long K tiles beat cuBLAS 1.7-6x on every Qwen3-0.6B
+    projection; at 2-4 rows the broadcast path beats it 1.6-4x on the plain projections (o, down:
+    cuBLAS picks a 10-12 µs kernel for o_proj there), while the pre-norm ones only tie. From 8
+    rows on, the tl.dot tiles that won in isolation (gate_up, 1.17x) made the whole step ~8%
+    slower at batch 8 and 16 (benchmark/latency.py), so they are not offered. The init
+    measurement then keeps a tile only where it beats the module path on this GPU."""
     from minisgl.kernel.triton_gemv import GemvConfig
 
     n_out = n_w // 2 if kind == "gated" else n_w
@@ -61,13 +65,13 @@ def default_config(kind: Kind, n_w: int, k: int, m: int) -> Any:
         while block_n * block_k * (2 if kind == "gated" else 1) > 2048 * warps and block_k > 256:
             block_k //= 2
         return GemvConfig(1, block_n, block_k, warps, 1)  # no dot: nothing for Triton to pipeline
-    if m < 16 and (kind == "plain" or (kind == "norm" and m == 2)):
+    if m <= 4 and kind == "plain":
         block_n = max(1, min(4, _pow2(max(1, n_out // (1024 if m == 2 else 256)))))
-        block_k = min(_pow2(k), 1024 if m <= 4 else 512)
+        block_k = min(_pow2(k), 1024)
         while m * block_n * block_k > 16384 and block_n > 1:
             block_n //= 2
         return GemvConfig(m, block_n, block_k, 4, 1)
-    return GemvConfig(16, 32 if kind == "gated" else 16, 256, 4, 4)
+    return None
 
 
 @dataclass
@@ -224,6 +228,8 @@ def build_plan(layers: Sequence[Any], max_m: int, stream: Any, budget_s: float =
                 logger.warning("skinny GEMM plan: init budget spent, the remaining shapes keep cuBLAS")
                 break
             cfg = default_config(kind, n_w, k, bucket)
+            if cfg is None:
+                continue
             x = torch.randn(bucket, k, generator=gen, device=p0.device).to(p0.dtype)
             r = torch.randn(bucket, k, generator=gen, device=p0.device).to(p0.dtype)
 
