@@ -3,7 +3,7 @@
 # throughput with HF on a subset. Logs and JSON land in $OUT.
 #   bash benchmark/h200_run.sh [parts...]   parts: kernels latency offline offline14b tests variants
 #                                            profile final trace extend sampling flashinfer repeat
-#                                            gemv stepprof stepprof1 latency1 engine cudatests
+#                                            gemv stepprof stepprof1 latency1 engine cudatests peer
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -33,6 +33,11 @@ for part in $parts; do
     extend) for v in "--max-extend-tokens 8192" "--max-extend-tokens 32768" ""; do
                timeout 100 python3 benchmark/offline.py $RECIPE --peer none $v 2>&1 | grep -v Warn | tail -2 | tee -a "$OUT/extend.log"; done ;;
     gemv) timeout ${GEMV_TIMEOUT:-200} python3 benchmark/gpu_gemv_tune.py --out "$OUT" --budget-s ${GEMV_BUDGET:-120} ${GEMV_ARGS:---lm-head} 2>&1 | tee "$OUT/gemv.log" ;;
+    peer) # upstream mini-sglang's own bench.py, then ours, in one call (the ratio must come from one
+          # call): needs .whl (flashinfer 0.7.0.post1 + apache-tvm-ffi) and .peers (= ../shared/peers)
+          MINISGL_PEER_BUDGET_S=${PEER_BUDGET:-300} bash .peers/mini-sglang/run.sh > /dev/null 2>&1
+          grep "RESULT\|FAILED" "$OUT/minisglang.log" | tail -1
+          timeout 90 python3 benchmark/offline.py $RECIPE --peer none --repeat 2 2>&1 | grep -v Warn | tail -3 | tee "$OUT/offline.log" ;;
     stepprof1) timeout 60 python3 benchmark/gpu_step_profile.py --batch-sizes 1 --out "$OUT" 2>&1 | grep -v Warn | tee "$OUT/stepprof.log" ;;
     cudatests) MINISGL_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
                tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py \
