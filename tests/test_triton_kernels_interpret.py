@@ -217,7 +217,8 @@ COMPILE = textwrap.dedent(
            "KCache": "*bf16", "VCache": "*bf16", "Loc": "*i32", "eps": "fp32",
            **i32("n_q_heads", "n_kv_heads", "s_qkv", "s_qo", "s_kc", "s_vc", "s_cos")}
     for norm in (True, False):
-        build(K._attn_prologue_kernel, sig, dict(HALF=64, HEAD_DIM=128, HAS_NORM=norm, BLOCK_H=16, BLOCK_HALF=64), 8)
+        build(K._attn_prologue_kernel, sig, dict(HALF=64, HEAD_DIM=128, HAS_NORM=norm, BLOCK_H=16, BLOCK_HALF=64,
+                                                  USE_PDL=norm), 8)
     build(M._count_kernel, {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32("num_pairs", "max_rows")}, {"BLOCK": 1024})
     build(M._segment_kernel, {"Counts": "*i32", "Total": "*i32", **i32("num_experts")}, {"BLOCK_M": 16, "BLOCK_E": 128})
     build(M._scatter_kernel, {"Ids": "*i64", "Cursor": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", **i32("num_pairs")},

@@ -21,6 +21,9 @@ from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.kernel.fused import use_fused_on
+from minisgl.kernel.skinny import build_plan as build_skinny_plan
+from minisgl.kernel.skinny import set_plan as set_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.layers.batch_invariant import BatchInvariantMode
 from minisgl.layers.rotary import clear_rope_cache, set_rope_device
@@ -28,6 +31,7 @@ from minisgl.models import create_model
 from minisgl.models.weight import dummy_weights, load_weights
 from minisgl.moe import create_moe_backend
 from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize
+from minisgl.utils.env import read_env
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import align_up, div_even, gib
@@ -222,6 +226,7 @@ class Engine:
             cache_handle=None,
         )
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # the dummy page
+        self.skinny_plan = self._build_skinny_plan(config)
         self.graph_runner = GraphRunner(
             stream=self.stream,
             device=self.device,
@@ -263,6 +268,19 @@ class Engine:
             self.attn_backend.prepare_metadata(batch)
             self.forward_batch(batch, self.sampler.prepare(batch))
         synchronize(self.device)
+
+    def _build_skinny_plan(self, config: EngineConfig) -> Any:
+        """CUDA, one rank, fused ops on: time the skinny-M GEMV kernels against cuBLAS for this
+        model's projection shapes at the decode batch sizes, before the graphs capture them."""
+        set_skinny_plan(None)
+        if not (is_cuda(self.device) and config.tp_info.size == 1 and read_env().skinny_gemm and use_fused_on(self.device)):
+            return None
+        max_m = min(config.cuda_graph_max_bs or config.max_running_req, config.max_running_req)
+        layers = list(getattr(getattr(self.model, "model", None), "layers", []))
+        with torch.inference_mode():
+            plan = build_skinny_plan(layers, max_m, self.stream)
+        set_skinny_plan(plan)
+        return plan
 
     def _build_cpu_runner(self, config: EngineConfig) -> Any:
         from minisgl.engine.cpu_decode import build_cpu_runner
@@ -376,6 +394,7 @@ class Engine:
         for name in ("cpu_runner", "graph_runner", "attn_backend", "moe_backend", "kv_cache", "page_table", "model"):
             if hasattr(self, name):
                 delattr(self, name)
+        set_skinny_plan(None)
         clear_global_ctx()
         clear_rope_cache()
         if self.config.tp_info.size > 1:

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.pdl import launch_kwargs, pdl_enabled
+
 LOG2E = 1.4426950408889634
 
 
@@ -64,7 +66,11 @@ def _decode_partial_kernel(
     PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # Heads vary fastest in the grid and requests come in `Order` (longest first): programs start
     # in grid order, so the longest sequences start first and the short ones fill the tail
     # (longest-processing-time-first; with mixed lengths a long request started last would
@@ -143,7 +149,11 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    if USE_PDL:  # wait for the partial results (minisgl/kernel/pdl.py)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     n_split = tl.load(NumSplits + b).to(tl.int32)
@@ -300,7 +310,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=pdl_enabled(), num_warps=num_warps, num_stages=num_stages, **launch_kwargs(),
     )  # fmt: skip
     if direct:
         return
@@ -309,8 +319,8 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d,
-        num_warps=4 if fp32 or block_d >= 128 else 2,
+        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d, USE_PDL=pdl_enabled(),
+        num_warps=4 if fp32 or block_d >= 128 else 2, **launch_kwargs(),
     )  # fmt: skip
 
 

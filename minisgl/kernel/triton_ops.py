@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.pdl import launch_kwargs, pdl_enabled
 from minisgl.utils.env import read_env
 
 INTERPRET = read_env().triton_interpret
@@ -287,9 +288,12 @@ def _attn_prologue_kernel(
     QKV, Pos, QW, KW, Cos, Sin, QOut, KCache, VCache, Loc,
     n_q_heads, n_kv_heads, s_qkv, s_qo, s_kc, s_vc, s_cos, eps,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     # program (t, hb): head block hb of token t, over [q blocks | k blocks | v blocks]
+    if USE_PDL:  # see minisgl/kernel/pdl.py: wait for the QKV projection before any access
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     n_qb = tl.cdiv(n_q_heads, BLOCK_H)
@@ -366,6 +370,6 @@ def attention_prologue(
         num_q_heads, num_kv_heads, qkv.stride(0), q_out.stride(0), k_cache.stride(0), v_cache.stride(0),
         cos.stride(0), eps,
         HALF=half, HEAD_DIM=head_dim, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        num_warps=_num_warps(block_h * block_half * 2),
+        USE_PDL=pdl_enabled(), num_warps=_num_warps(block_h * block_half * 2), **launch_kwargs(),
     )  # fmt: skip
     return q_out

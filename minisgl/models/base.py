@@ -14,6 +14,7 @@ from torch import nn
 
 from minisgl.core import get_global_ctx
 from minisgl.distributed import get_tp_info
+from minisgl.kernel.skinny import decoder_layer_forward
 from minisgl.layers import (
     AttentionLayer,
     MergedColumnParallelLinear,
@@ -64,6 +65,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # set by minisgl.kernel.skinny.build_plan on CUDA: small batches take the fused GEMV kernels
+    _skinny_ok: bool = False
+
     def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = self_attn
@@ -72,6 +76,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self._skinny_ok:
+            fused = decoder_layer_forward(self, x, residual)
+            if fused is not None:
+                return fused
         h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h = self.self_attn(h)
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)

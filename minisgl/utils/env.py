@@ -9,6 +9,8 @@ option or a config field; these are the few process-wide switches.
 | MINISGL_API_KEY | str | unset | default of `--api-key` |
 | MINISGL_DISABLE_OVERLAP_SCHEDULING | bool | false | run the scheduler loop synchronously |
 | MINISGL_FUSED_OPS | bool | true | use the Triton fused ops on CUDA |
+| MINISGL_SKINNY_GEMM | bool | true | CUDA: small-batch projections through the fused Triton GEMV where init measures it faster |
+| MINISGL_PDL | bool | true | CUDA sm_90+: decode-path Triton kernels use programmatic dependent launch |
 | MINISGL_CACHE_DIR | path | ~/.cache/minisgl | converted-checkpoint cache (GGUF → HF folder) |
 | MINISGL_LOG_LEVEL | str | WARNING | log level of library use (the server sets its own from --log-level) |
 | TRITON_INTERPRET | bool | false | Triton's CPU interpreter (kernel tests on CPUs) |
@@ -45,6 +47,8 @@ class Env:
     api_key: str | None
     disable_overlap_scheduling: bool
     fused_ops: bool
+    skinny_gemm: bool
+    pdl: bool
     cache_dir: Path
     log_level: str
     triton_interpret: bool
@@ -59,6 +63,8 @@ def read_env() -> Env:
         api_key=os.environ.get("MINISGL_API_KEY") or None,
         disable_overlap_scheduling=_flag("MINISGL_DISABLE_OVERLAP_SCHEDULING", False),
         fused_ops=_flag("MINISGL_FUSED_OPS", True),
+        skinny_gemm=_flag("MINISGL_SKINNY_GEMM", True),
+        pdl=_flag("MINISGL_PDL", True),
         cache_dir=Path(os.environ.get("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"),
         log_level=(os.environ.get("MINISGL_LOG_LEVEL") or "WARNING").upper(),
         triton_interpret=_flag("TRITON_INTERPRET", False),

@@ -1,0 +1,37 @@
+"""Programmatic dependent launch (PDL, Hopper and newer) for the decode-path Triton kernels.
+
+A batch-1 decode step is ~200 kernels of a few µs each, and each one normally starts only after
+the previous one has fully drained. A kernel launched with PDL may start while its predecessor
+is still finishing: it loads what no earlier kernel writes (the GEMV's weights) and then waits in
+`griddepcontrol.wait` until the predecessor has completed and its writes are visible. Every
+kernel launched this way calls the wait in every program before it reads or writes any
+activation, so stream order is kept for everything that matters; it also signals
+`launch_dependents` early so that its own successor can start the same way. CUDA graphs capture
+the launches as programmatic edges.
+
+On by default on sm_90+; MINISGL_PDL=0 turns it off (A/B, or a driver that rejects it). Never on
+in Triton's interpreter (the instructions are inline PTX).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from minisgl.utils.env import read_env
+
+_state: Dict[str, Any] = {"enabled": None}
+
+
+def pdl_enabled() -> bool:
+    if _state["enabled"] is None:
+        env = read_env()
+        ok = env.pdl and not env.triton_interpret and torch.cuda.is_available()
+        _state["enabled"] = bool(ok and torch.cuda.get_device_capability() >= (9, 0))
+    return bool(_state["enabled"])
+
+
+def launch_kwargs() -> Dict[str, Any]:
+    """Extra launch options for a kernel whose USE_PDL constexpr is pdl_enabled()."""
+    return {"launch_pdl": True} if pdl_enabled() else {}

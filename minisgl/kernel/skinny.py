@@ -1,0 +1,267 @@
+"""Which decode projections take the skinny-M Triton kernels (minisgl/kernel/triton_gemv.py),
+decided per weight shape and batch size once, at engine init, by measurement.
+
+A decoder layer's four projections become, at small batch (`decoder_layer_forward`):
+
+    qkv     = gemv(x, W_qkv, pre-norm: input_layernorm, residual add)    # was add+norm, GEMM
+    o       = gemv(attention(qkv), W_o)                                   # was GEMM
+    act     = gemv(o, W_gate_up, pre-norm: post_attention_layernorm,      # was add+norm, GEMM,
+                   residual add, gated: silu(gate) * up)                  #     SiLU-and-mul
+    out     = gemv(act, W_down)                                           # was GEMM
+
+which is 4 launches where there were 8 (and the attention prologue and the attention itself).
+`build_plan` times, for each distinct (kind, shape) of the model and each batch bucket up to
+`MAX_M`, the fused kernel against what it replaces (cuBLAS plus the separate norm / SiLU
+kernels), each inside a CUDA graph over the model's own per-layer weights (so the weights come
+from HBM, not L2, as in a real step), and keeps the kernel only where it is faster. With no plan
+(CPU, fp32, tensor parallelism, MINISGL_SKINNY_GEMM=0) every layer runs the module path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
+
+# the sweep and the in-step measurement: from 8 rows on cuBLAS (see default_config)
+MAX_M = 4
+BUCKETS = (1, 2, 4)
+# kinds: "norm" = pre-norm (+ residual add), "gated" = pre-norm + residual + SiLU-gated, "plain"
+Kind = str
+ShapeKey = Tuple[Kind, int, int]  # (kind, weight rows, K)
+
+_state: Dict[str, Any] = {"plan": None}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def default_config(kind: Kind, n_w: int, k: int, m: int) -> Any:
+    """The tile for (shape, batch bucket), or None to leave the bucket to cuBLAS without timing
+    it. From the H200 sweep (benchmark/gpu_gemv_tune.py, docs/PERFORMANCE.md): at one row, ~512
+    programs of whole weight rows with long K tiles beat cuBLAS 1.7-6x on every Qwen3-0.6B
+    projection; at 2-4 rows the broadcast path beats it 1.6-4x on the plain projections (o, down:
+    cuBLAS picks a 10-12 µs kernel for o_proj there), while the pre-norm ones only tie. From 8
+    rows on, the tl.dot tiles that won in isolation (gate_up, 1.17x) made the whole step ~8%
+    slower at batch 8 and 16 (benchmark/latency.py), so they are not offered. The init
+    measurement then keeps a tile only where it beats the module path on this GPU."""
+    from minisgl.kernel.triton_gemv import GemvConfig
+
+    n_out = n_w // 2 if kind == "gated" else n_w
+    if m == 1:
+        warps = 8 if kind == "plain" and k > 2048 else 4
+        block_n = max(1, min(8, _pow2(max(1, n_out // 512))))
+        block_k = min(_pow2(k), 2048 if kind == "plain" else 512)
+        # register budget: accumulators + the prefetched next tile, no spills (compile check)
+        while block_n * block_k * (2 if kind == "gated" else 1) > 2048 * warps and block_n > 1:
+            block_n //= 2
+        while block_n * block_k * (2 if kind == "gated" else 1) > 2048 * warps and block_k > 256:
+            block_k //= 2
+        return GemvConfig(1, block_n, block_k, warps, 1)  # no dot: nothing for Triton to pipeline
+    if m <= 4 and kind == "plain":
+        block_n = max(1, min(4, _pow2(max(1, n_out // (1024 if m == 2 else 256)))))
+        block_k = min(_pow2(k), 1024)
+        while m * block_n * block_k > 16384 and block_n > 1:
+            block_n //= 2
+        return GemvConfig(m, block_n, block_k, 4, 1)
+    return None
+
+
+@dataclass
+class SkinnyPlan:
+    """(kind, weight rows, K, bucket) -> tile config; a missing entry means the module path."""
+
+    table: Dict[Tuple[Kind, int, int, int], Any] = field(default_factory=dict)
+    timings: List[Dict[str, Any]] = field(default_factory=list)
+    max_m: int = 0
+    build_s: float = 0.0
+
+    def config(self, kind: Kind, weight: torch.Tensor, m: int) -> Any:
+        if m > self.max_m or m < 1:
+            return None
+        bucket = next(b for b in BUCKETS if b >= m)
+        return self.table.get((kind, weight.shape[0], weight.shape[1], bucket))
+
+    def covers(self, m: int) -> bool:
+        return 1 <= m <= self.max_m and any(key[3] >= m for key in self.table)
+
+
+def set_plan(plan: SkinnyPlan | None) -> None:
+    _state["plan"] = plan
+
+
+def get_plan() -> SkinnyPlan | None:
+    return _state["plan"]
+
+
+# ---- the decoder layer at small batch ------------------------------------------------------------
+
+
+def fusable_layer(layer: Any) -> bool:
+    """A dense decoder layer whose projections have no bias (the shape this path handles)."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if attn is None or mlp is None or not hasattr(attn, "qkv_proj") or not hasattr(mlp, "gate_up_proj"):
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(getattr(lin, "bias", None) is None for lin in linears)
+
+
+def decoder_layer_forward(layer: Any, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor] | None:
+    """DecoderLayer.forward through the skinny kernels, or None when the plan does not cover it
+    (then the caller runs the module path; the arithmetic and rounding points are the same)."""
+    plan = _state["plan"]
+    if plan is None or x.dim() != 2 or not plan.covers(x.shape[0]) or not getattr(layer, "_skinny_ok", False):
+        return None
+    from minisgl.kernel.triton_gemv import gemv
+
+    m = x.shape[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+    w_qkv, w_o = attn.qkv_proj.weight, attn.o_proj.weight
+    w_gu, w_down = mlp.gate_up_proj.weight, mlp.down_proj.weight
+    cfgs = (
+        plan.config("norm", w_qkv, m),
+        plan.config("plain", w_o, m),
+        plan.config("gated", w_gu, m),
+        plan.config("plain", w_down, m),
+    )
+    if residual is None:  # layer 0: the stream starts as x itself
+        h = gemv(x, w_qkv, cfgs[0], norm_weight=ln1.weight, eps=ln1.eps)[0] if cfgs[0] else attn.qkv_proj(ln1(x))
+        residual = x
+    elif cfgs[0] is not None:
+        h, res = gemv(x, w_qkv, cfgs[0], residual=residual, norm_weight=ln1.weight, eps=ln1.eps)
+        assert res is not None
+        residual = res
+    else:
+        h, residual = ln1.forward_with_residual(x, residual)
+        h = attn.qkv_proj(h)
+    a = attn.attn(h)
+    o = gemv(a, w_o, cfgs[1])[0] if cfgs[1] is not None else attn.o_proj(a)
+    if cfgs[2] is not None:
+        act, res = gemv(o, w_gu, cfgs[2], residual=residual, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
+        assert res is not None
+        residual = res
+    else:
+        from minisgl.layers.activation import silu_and_mul
+
+        h2, residual = ln2.forward_with_residual(o, residual)
+        act = silu_and_mul(mlp.gate_up_proj(h2))
+    out = gemv(act, w_down, cfgs[3])[0] if cfgs[3] is not None else mlp.down_proj(act)
+    return out, residual
+
+
+# ---- the plan: measured at engine init -----------------------------------------------------------
+
+
+def _graph_time(fn: Callable[[], Any], stream: Any, reps: int = 10) -> float:
+    """Seconds per call of fn (a sequence of launches) replayed from a CUDA graph, median of 3."""
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            fn()
+        g.replay()
+        times = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _ in range(reps):
+                g.replay()
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / reps)
+    del g
+    return sorted(times)[1]
+
+
+def _reference(kind: Kind, x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, w: torch.Tensor) -> Any:
+    """What the fused kernel replaces: the module path's kernels (fused add+RMSNorm, cuBLAS, SiLU)."""
+    import torch.nn.functional as F
+
+    from minisgl.kernel import triton_ops
+
+    if kind == "plain":
+        return F.linear(x, w)
+    h, _ = triton_ops.fused_add_rms_norm(x, r, nw, 1e-6)
+    y = F.linear(h, w)
+    return triton_ops.silu_and_mul(y) if kind == "gated" else y
+
+
+def build_plan(layers: Sequence[Any], max_m: int, stream: Any, budget_s: float = 20.0) -> SkinnyPlan | None:
+    """Time fused vs module path for each (kind, shape, bucket <= max_m) over the layers' own
+    weights; returns the plan (None if nothing wins). Layers that can take it are marked."""
+    from minisgl.kernel.triton_gemv import gemv
+
+    layers = [la for la in layers if fusable_layer(la)]
+    if not layers or max_m < 1:
+        return None
+    p0 = layers[0].self_attn.qkv_proj.weight
+    if not p0.is_cuda or p0.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    weights: Dict[ShapeKey, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    for la in layers:
+        attn, mlp = la.self_attn, la.mlp
+        ln1, ln2 = la.input_layernorm, la.post_attention_layernorm
+        for kind, lin, nw in (
+            ("norm", attn.qkv_proj, ln1.weight),
+            ("plain", attn.o_proj, ln1.weight),
+            ("gated", mlp.gate_up_proj, ln2.weight),
+            ("plain", mlp.down_proj, ln2.weight),
+        ):
+            w = lin.weight
+            weights.setdefault((kind, w.shape[0], w.shape[1]), []).append((w, nw))
+    plan = SkinnyPlan(max_m=min(max_m, MAX_M))
+    t_start = time.perf_counter()
+    gen = torch.Generator(device=p0.device).manual_seed(0)
+    for bucket in BUCKETS:
+        if bucket > plan.max_m:
+            break
+        for (kind, n_w, k), pairs in weights.items():
+            if time.perf_counter() - t_start > budget_s:
+                logger.warning("skinny GEMM plan: init budget spent, the remaining shapes keep cuBLAS")
+                break
+            cfg = default_config(kind, n_w, k, bucket)
+            if cfg is None:
+                continue
+            x = torch.randn(bucket, k, generator=gen, device=p0.device).to(p0.dtype)
+            r = torch.randn(bucket, k, generator=gen, device=p0.device).to(p0.dtype)
+
+            def fused(kind: Kind = kind, x: torch.Tensor = x, r: torch.Tensor = r, pairs: Any = pairs, cfg: Any = cfg) -> None:
+                for w, nw in pairs:
+                    if kind == "plain":
+                        gemv(x, w, cfg)
+                    else:
+                        gemv(x, w, cfg, residual=r, norm_weight=nw, eps=1e-6, gated=kind == "gated")
+
+            def module(kind: Kind = kind, x: torch.Tensor = x, r: torch.Tensor = r, pairs: Any = pairs) -> None:
+                for w, nw in pairs:
+                    _reference(kind, x, r, nw, w)
+
+            try:
+                t_module = _graph_time(module, stream) / len(pairs)
+                t_fused = _graph_time(fused, stream) / len(pairs)
+            except Exception as e:  # a tile this GPU cannot run (shared memory, say): cuBLAS
+                logger.warning(f"skinny GEMM plan: {kind} {n_w}x{k} m={bucket} {cfg}: {e!r}; keeping cuBLAS")
+                torch.cuda.synchronize()
+                continue
+            win = t_fused < t_module
+            if win:
+                plan.table[(kind, n_w, k, bucket)] = cfg
+            plan.timings.append(
+                {"kind": kind, "n": n_w, "k": k, "m": bucket, "fused_us": t_fused * 1e6, "module_us": t_module * 1e6, "fused": win}
+            )
+    if not plan.table:
+        return None
+    for la in layers:
+        la._skinny_ok = True
+    won = sum(t["fused"] for t in plan.timings)
+    plan.build_s = time.perf_counter() - t_start
+    logger.info_rank0(f"skinny GEMM plan: {won}/{len(plan.timings)} (shape, batch) cases take the fused kernels ({plan.build_s:.1f}s)")
+    return plan
