@@ -273,7 +273,9 @@ class Engine:
         """CUDA, one rank, fused ops on: time the skinny-M GEMV kernels against cuBLAS for this
         model's projection shapes at the decode batch sizes, before the graphs capture them."""
         set_skinny_plan(None)
-        if not (is_cuda(self.device) and config.tp_info.size == 1 and read_env().skinny_gemm and use_fused_on(self.device)):
+        # (deterministic mode: every GEMM must stay a fixed-shape tile, see layers/batch_invariant.py)
+        ok = is_cuda(self.device) and config.tp_info.size == 1 and read_env().skinny_gemm and not config.deterministic
+        if not (ok and use_fused_on(self.device)):
             return None
         max_m = min(config.cuda_graph_max_bs or config.max_running_req, config.max_running_req)
         layers = list(getattr(getattr(self.model, "model", None), "layers", []))
