@@ -3,16 +3,15 @@
 - optimistic admission: with a KV pool that fits ~3 worst-case requests, 24 concurrent chats
   without max_tokens all complete, many run at once (/metrics), requests are retracted and
   resumed (/metrics counts them), outputs equal the same chats run alone, no page leaks;
-- mixed batches: a stream's inter-token gap while four 1,500-token prompts arrive stays within
-  3x its median gap (the prompts are prefilled in chunks beside its decode rows).
+(The inter-token gap while long prompts arrive is measured in the scheduler, where the tokens
+are made: tests/test_retraction.py::test_stream_gap_while_long_prompts_arrive. Over HTTP on a
+2-core machine the client sees the tokens of a millisecond-per-step tiny model in TCP-sized
+bursts, which says nothing about the scheduler.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -84,51 +83,5 @@ def test_small_pool_many_chats_without_max_tokens(long_chat_model: str, tmp_path
             alone = asyncio.run(chat(i))
             assert alone.choices[0].message.content == together[i].choices[0].message.content, i
             assert alone.usage.completion_tokens == together[i].usage.completion_tokens
-    finally:
-        srv.stop()
-
-
-def test_stream_gap_while_long_prompts_arrive(long_chat_model: str, tmp_path: Path) -> None:
-    srv = ServerProcess(
-        long_chat_model,
-        "--dtype", "float32", "--max-seq-len", "2048", "--num-pages", "16384", "--chunked-prefill-size", "128",
-        log_path=tmp_path / "server.log",
-    ).wait_ready()  # fmt: skip
-    try:
-        arrivals: List[float] = []
-        window: List[float] = []  # [start, end] of the long prompts' prefill
-
-        async def stream() -> None:
-            body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 600, "ignore_eos": True, "stream": True, "temperature": 0}
-            async with httpx.AsyncClient(timeout=120) as http:
-                async with http.stream("POST", srv.base_url + "/v1/completions", json=body) as resp:
-                    assert resp.status_code == 200
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: ") and line != "data: [DONE]" and json.loads(line[6:])["choices"]:
-                            arrivals.append(time.perf_counter())
-
-        async def long_prompts() -> None:
-            while len(arrivals) < 100:  # the stream is decoding steadily
-                await asyncio.sleep(0.01)
-            async with httpx.AsyncClient(timeout=120) as http:
-                window.append(time.perf_counter())
-                bodies = [{"model": MODEL, "prompt": [(7 * i + j) % 4000 + 10 for j in range(1500)], "max_tokens": 1} for i in range(4)]
-                replies = await asyncio.gather(*(http.post(srv.base_url + "/v1/completions", json=b) for b in bodies))
-                window.append(time.perf_counter())
-            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
-
-        async def run() -> None:
-            await asyncio.gather(stream(), long_prompts())
-
-        asyncio.run(run())
-        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-        median = statistics.median(gaps)
-        during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= window[0] and a <= window[1]]
-        # (a chunk may carry two tokens when the detokenizer holds back a partial character)
-        assert len(arrivals) > 500 and during, (len(arrivals), window)
-        print(f"gaps: median {median * 1e3:.2f} ms, worst while prompts arrived {max(during) * 1e3:.2f} ms, n={len(during)}")
-        worst = max(during)
-        assert worst <= 3 * median, f"gap {worst * 1e3:.1f} ms while prompts arrived, median {median * 1e3:.2f} ms"
-        srv.wait_idle()
     finally:
         srv.stop()

@@ -1,0 +1,80 @@
+"""How long a decoding stream stalls while long prompts arrive (issue 13, mixed batches).
+
+One stream decodes; after its 100th token four 1,500-token prompts arrive. Reports the stream's
+median inter-token gap, its longest gap while the prompts prefill, and their ratio, with mixed
+batches (chunks of --chunk tokens ride along with the decode rows) and without (prefill and
+decode alternate, one budget-sized prefill step at a time). Measured in the scheduler, where the
+tokens are made.
+
+  python benchmark/mixed_gap.py [--model PATH] [--chunk 64,128] [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Dict, List
+
+
+def run(model: str, chunk: int, mixed: bool, dtype: Any, device: str) -> Dict[str, float]:
+    from minisgl.core import SamplingParams
+    from minisgl.distributed import DistributedInfo
+    from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
+
+    sched = Scheduler(
+        SchedulerConfig(
+            model_path=model, tp_info=DistributedInfo(0, 1), dtype=dtype, device=device,
+            max_seq_len_override=2048, num_page_override=8192, max_extend_tokens=chunk, mixed_batches=mixed,
+        )
+    )  # fmt: skip
+    try:
+        sched.add_request(UserRequest(0, [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)))
+        times: List[float] = []
+        window: List[int] = []
+        while sched.has_work():
+            outs = sched.step()
+            if any(o.uid == 0 for o in outs):
+                times.append(time.perf_counter())
+            if len(times) == 100 and not window:
+                for i in range(4):
+                    prompt = [(7 * i + j) % 5000 + 1 for j in range(1500)]
+                    sched.add_request(UserRequest(10 + i, prompt, SamplingParams(temperature=0.0, max_tokens=1)))
+                window.append(len(times))
+            if len(window) == 1 and not any(r.uid >= 10 for r in sched.prefilling) and not sched.waiting:
+                window.append(len(times))
+    finally:
+        sched.shutdown()
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    during = gaps[window[0] : window[1]] or [0.0]
+    median = statistics.median(gaps)
+    return {"median_ms": median * 1e3, "max_during_ms": max(during) * 1e3, "ratio": max(during) / median, "steps_during": len(during)}
+
+
+def main() -> None:
+    import torch
+
+    from minisgl.utils.hf import resolve_model_path
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    ap.add_argument("--chunk", default="64,128")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    model = resolve_model_path(args.model)
+    dtype = getattr(torch, args.dtype)
+    out: Dict[str, Any] = {"model": args.model or "embedded", "loadavg_start": os.getloadavg()[0]}
+    for chunk in [int(c) for c in args.chunk.split(",")]:
+        out[f"mixed chunk={chunk}"] = run(model, chunk, True, dtype, args.device)
+        print(f"mixed, chunk {chunk}:", out[f"mixed chunk={chunk}"], flush=True)
+    out["alternating chunk=8192"] = run(model, 8192, False, dtype, args.device)
+    print("alternating, budget 8192:", out["alternating chunk=8192"])
+    out["loadavg_end"] = os.getloadavg()[0]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
