@@ -48,7 +48,9 @@ def run(model: str, chunk: int, mixed: bool, dtype: Any, device: str) -> Dict[st
     finally:
         sched.shutdown()
     gaps = [b - a for a, b in zip(times, times[1:])]
-    during = gaps[window[0] : window[1]] or [0.0]
+    # gaps[k] ends at token k + 1: from the gap ending at the first token after the prompts
+    # arrived (window[0]) to one step past the last chunk (overlap reads a step late)
+    during = gaps[window[0] - 1 : window[1] + 1]
     median = statistics.median(gaps)
     return {"median_ms": median * 1e3, "max_during_ms": max(during) * 1e3, "ratio": max(during) / median, "steps_during": len(during)}
 
