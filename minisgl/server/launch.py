@@ -313,6 +313,34 @@ def serve_follower_node(args: ServerArgs, children: List[Child]) -> int:
             return 0
 
 
+def check_model_files(args: ServerArgs) -> str | None:
+    """What the model folder lacks for these options, or None: found now with a hint, rather than
+    as a traceback from a worker after the weights have loaded."""
+    from minisgl.utils.hf import has_tokenizer_files, has_weight_files
+
+    if args.skip_tokenizer_init and args.tokenizer:
+        return "--tokenizer and --skip-tokenizer-init exclude each other: give one"
+    if args.skip_tokenizer_init and args.shell:
+        return "--shell chats in text: it needs a tokenizer (drop --skip-tokenizer-init)"
+    if args.load_format != "dummy" and not has_weight_files(args.model_path):
+        return f"the model folder {args.model_path} has no weight files; --load-format dummy serves random weights (benchmarks)"
+    if args.skip_tokenizer_init:
+        return None
+    if args.tokenizer:
+        folder = os.path.expanduser(args.tokenizer)
+        if os.path.isdir(folder) and not has_tokenizer_files(folder):
+            return f"--tokenizer {args.tokenizer}: the folder has no tokenizer files (tokenizer.json, tokenizer_config.json, ...)"
+        if not os.path.isdir(folder) and os.path.exists(folder):
+            return f"--tokenizer {args.tokenizer} is not a folder"
+        return None
+    if not has_tokenizer_files(args.model_path):
+        return (
+            f"the model folder {args.model_path} has no tokenizer; pass --tokenizer FOLDER, "
+            "or --skip-tokenizer-init to serve token ids only"
+        )
+    return None
+
+
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) until a signal or a failure; returns the exit status
     (EXIT_OK, EXIT_FAILURE or EXIT_USAGE; argparse also exits 2 for a bad command line)."""
@@ -342,6 +370,10 @@ def launch(args: ServerArgs) -> int:
             args.model_path = resolve_model_path(args.model)
         except (FileNotFoundError, ValueError) as exc:
             logger.error("cannot load the model: %s", exc)
+            return EXIT_USAGE
+        problem = check_model_files(args)
+        if problem is not None:
+            logger.error("%s", problem)
             return EXIT_USAGE
         args.ipc_dir = ipc_dir
         try:

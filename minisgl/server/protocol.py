@@ -148,9 +148,14 @@ class SamplingFields(_Base):
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
     include_stop_str_in_output: bool = False
     response_format: Optional[ResponseFormat] = None
+    # vLLM's: each choice (and each streamed chunk) carries the ids of its tokens as `token_ids`
+    return_token_ids: bool = False
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)
+
+    def wants_grammar(self) -> bool:
+        return self.response_format is not None and self.response_format.type != "text"
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Choice 0's parameters (`SamplingParams.for_choice` derives the others)."""

@@ -34,6 +34,8 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Append tokens and return the text they complete (everything, when `final`)."""
         self.ids.extend(token_ids)
+        if self.tokenizer is None:  # --skip-tokenizer-init: token ids only, never any text
+            return ""
         if len(self.ids) == self.read_offset:
             return ""
         prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])

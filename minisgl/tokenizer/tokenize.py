@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+NO_TOKENIZER = "this server runs with --skip-tokenizer-init (no tokenizer): send token ids"
+
 
 class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None with --skip-tokenizer-init: only token-id prompts
 
     def encode_text(self, text: str) -> List[int]:
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
         if not text:
             raise ValueError("prompt is empty")
         return list(self.tokenizer(text).input_ids)
@@ -24,6 +28,8 @@ class PromptEncoder:
         chat_template_kwargs: Dict[str, Any] | None = None,
         tools: List[Dict[str, Any]] | None = None,
     ) -> List[int]:
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
         if not messages:
             raise ValueError("messages is empty: send at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:

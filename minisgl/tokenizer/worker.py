@@ -36,7 +36,7 @@ from minisgl.message import (
 )
 from minisgl.tokenizer.detokenize import DetokState
 from minisgl.tokenizer.encode_pool import EncodePool
-from minisgl.tokenizer.tokenize import PromptEncoder
+from minisgl.tokenizer.tokenize import NO_TOKENIZER, PromptEncoder
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -120,6 +120,9 @@ class TokenizerWorker:
 
     def _on_tokenize_only(self, msg: TokenizeOnlyMsg) -> None:
         """/tokenize and /detokenize (the API server caps their size, as for generation)."""
+        if self.tokenizer is None:  # the API server refuses these first; a second line of defence
+            self._to_api(ErrorMsg(msg.uid, NO_TOKENIZER, 400, None, "tokenizer_required"))
+            return
         try:
             if msg.token_ids is not None:
                 self._to_api(ToolReply(msg.uid, text=self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)))
@@ -164,6 +167,8 @@ class TokenizerWorker:
 
     def _piece(self, token_id: int) -> str:
         piece = self._piece_cache.get(token_id)
+        if piece is None and self.tokenizer is None:
+            return ""
         if piece is None:
             piece = self.tokenizer.decode([token_id], skip_special_tokens=False)
             if len(self._piece_cache) < 200_000:
@@ -268,10 +273,12 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     from minisgl.server.process_utils import IpcAddrs, fail_startup, push_socket, setup_child_process
 
     parent = setup_child_process("minisgl-tokenizer", args.log_level)
+    tokenizer: Any = None  # --skip-tokenizer-init: token ids in, token ids out
     try:
-        from minisgl.utils.hf import load_tokenizer
+        if args.tokenizer_path is not None:
+            from minisgl.utils.hf import load_tokenizer
 
-        tokenizer = load_tokenizer(args.model_path)
+            tokenizer = load_tokenizer(args.tokenizer_path)
     except BaseException as exc:
         fail_startup(ready_conn, "tokenizer worker", exc)
     addrs = IpcAddrs.in_dir(args.ipc_dir)
@@ -283,10 +290,11 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one renders chats
         template = template.get("default") or next(iter(template.values()), None)
-    ready_conn.send(("ready", {"has_chat_template": template is not None, "chat_template": template}))
+    ready_conn.send(("ready", {"has_chat_template": template is not None, "chat_template": template, "tokenizer": args.tokenizer_path}))
     ready_conn.close()
-    logger.info("tokenizer worker ready")
-    pool = EncodePool(args.model_path, args.num_tokenizer_workers, args.log_level) if args.num_tokenizer_workers > 0 else None
+    logger.info("tokenizer worker ready (%s)", args.tokenizer_path or "no tokenizer: --skip-tokenizer-init")
+    use_pool = tokenizer is not None and args.num_tokenizer_workers > 0
+    pool = EncodePool(args.tokenizer_path, args.num_tokenizer_workers, args.log_level) if use_pool else None
     try:
         TokenizerWorker(tokenizer, to_scheduler, to_api, pool).run(recv_sock, parent)
     finally:

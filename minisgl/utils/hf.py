@@ -131,7 +131,31 @@ def cached_load_hf_config(model_path: str | None) -> Any:
     return AutoConfig.from_pretrained(resolve_model_path(model_path))
 
 
+# model folder -> the tokenizer folder given apart (`--tokenizer`), for code that only knows the
+# model's path (the scheduler's grammar backend); filled in each process that needs it.
+_TOKENIZER_PATHS: dict[str, str] = {}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def register_tokenizer_path(model_path: str, tokenizer_path: str) -> None:
+    """Make `load_tokenizer(model_path)` load the tokenizer of `tokenizer_path` instead."""
+    _TOKENIZER_PATHS[model_path] = tokenizer_path
+
+
+def has_tokenizer_files(folder: str) -> bool:
+    return any((Path(folder) / name).exists() for name in TOKENIZER_FILES)
+
+
+def has_weight_files(folder: str) -> bool:
+    return any(p.suffix in WEIGHT_SUFFIXES for p in Path(folder).iterdir() if p.is_file())
+
+
 def load_tokenizer(model_path: str | None) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_path(model_path))
+    path = _TOKENIZER_PATHS.get(model_path or "", model_path)
+    if path is not None and Path(path).expanduser().is_dir():
+        return AutoTokenizer.from_pretrained(str(Path(path).expanduser()))
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))

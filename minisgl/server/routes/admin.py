@@ -18,7 +18,7 @@ from minisgl.server.frontend import Unavailable
 from minisgl.server.metrics import CONTENT_TYPE
 from minisgl.server.protocol import ChatMessage, TokenId
 from minisgl.server.protocol import _Base as _Strict
-from minisgl.server.routes.common import APIError, GuardedRoute, check_model, get_state, read_body, require_api_key
+from minisgl.server.routes.common import APIError, GuardedRoute, check_model, get_state, need_tokenizer, read_body, require_api_key
 
 open_router = APIRouter(route_class=GuardedRoute)
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
@@ -80,6 +80,8 @@ async def server_info(request: Request) -> Dict[str, Any]:
     return {
         "model": state.model_name,
         "model_path": state.args.model_path,
+        "tokenizer_path": state.args.tokenizer_path,
+        "skip_tokenizer_init": state.args.skip_tokenizer_init,
         "scheduler": state.info,
         "limits": state.limits.__dict__,
         "stats": None if stats is None else {k: getattr(stats, k) for k in stats.__dataclass_fields__},
@@ -119,6 +121,7 @@ async def tokenize(request: Request) -> Dict[str, Any]:
     state = get_state(request)
     body: TokenizeRequest = await read_body(request, TokenizeRequest)
     check_model(state, body.model)
+    need_tokenizer(state, "/tokenize")
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
     messages = [m.to_template() for m in body.messages] if body.messages is not None else None
@@ -135,6 +138,7 @@ async def detokenize(request: Request) -> Dict[str, Any]:
     state = get_state(request)
     body: DetokenizeRequest = await read_body(request, DetokenizeRequest)
     check_model(state, body.model)
+    need_tokenizer(state, "/detokenize")
     try:
         check_token_ids(body.tokens, state.limits.vocab_size, "tokens", allow_empty=True)
         state.limits.check_prompt_ids(body.tokens, "tokens")

@@ -23,6 +23,7 @@ from minisgl.server.routes.common import (
     check_model,
     events,
     get_state,
+    need_tokenizer,
     read_body,
     require_api_key,
     respond,
@@ -40,6 +41,7 @@ async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT_FIELDS)
     check_model(state, body.model)
+    need_tokenizer(state, "/v1/chat/completions (the chat template renders text; use /v1/completions with token ids)", "messages")
     try:
         messages = [m.to_template() for m in body.messages]
     except ValueError as exc:
@@ -81,12 +83,15 @@ async def chat_completions(request: Request) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     want_lp = k is not None
+    want_ids = body.return_token_ids
     return await respond(
         request,
         msgs,
         body.stream,
-        lambda rs, first: _chat_stream(rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call),
-        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call),
+        lambda rs, first: _chat_stream(
+            rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call, want_ids
+        ),
+        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call, want_ids),
     )
 
 
@@ -109,7 +114,14 @@ def _finish_reason(reason: str | None, calls: List[ToolCall]) -> str | None:
 
 
 def _chat_response(
-    results: List[Result], rid: str, model: str, want_lp: bool, parser: ToolParser | None, reasoning: bool, one_call: bool = False
+    results: List[Result],
+    rid: str,
+    model: str,
+    want_lp: bool,
+    parser: ToolParser | None,
+    reasoning: bool,
+    one_call: bool = False,
+    want_ids: bool = False,
 ) -> Dict[str, Any]:
     choices = []
     for i, r in enumerate(results):
@@ -126,15 +138,16 @@ def _chat_response(
             message["reasoning_content"] = message["reasoning"] = thought
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
-        choices.append(
-            {
-                "index": i,
-                "message": message,
-                "logprobs": _chat_logprobs(r.logprobs) if want_lp else None,
-                "finish_reason": _finish_reason(r.finish_reason, calls),
-                "stop_reason": r.matched_stop,
-            }
-        )
+        choice: Dict[str, Any] = {
+            "index": i,
+            "message": message,
+            "logprobs": _chat_logprobs(r.logprobs) if want_lp else None,
+            "finish_reason": _finish_reason(r.finish_reason, calls),
+            "stop_reason": r.matched_stop,
+        }
+        if want_ids:
+            choice["token_ids"] = list(r.token_ids)
+        choices.append(choice)
     return {
         "id": rid,
         "object": "chat.completion",
@@ -155,6 +168,7 @@ async def _chat_stream(
     parser: ToolParser | None,
     reasoning: bool,
     one_call: bool = False,
+    want_ids: bool = False,
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage)
     results = [Result() for _ in stream.uids]
@@ -174,7 +188,12 @@ async def _chat_stream(
             text = tool_streams[index].feed(text)
         return thought, text
 
+    pending_ids: List[int] = []  # return_token_ids: this reply's ids, sent with its first chunk
+
     def chunk(index: int, delta: Dict[str, Any], finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
+        if want_ids:
+            extra["token_ids"] = list(pending_ids)
+            pending_ids.clear()
         return out.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra})
 
     async for index, msg in events(stream, first):
@@ -186,11 +205,14 @@ async def _chat_stream(
         if not started[index]:
             started[index] = True
             yield chunk(index, {"role": "assistant", "content": ""})
+        pending_ids[:] = msg.token_ids or []
         thought, text = split(index, msg.text, msg.finished)
         if thought:
             yield chunk(index, {"reasoning_content": thought, "reasoning": thought})
         if text or (want_lp and msg.logprobs):
             yield chunk(index, {"content": text}, logprobs=_chat_logprobs(msg.logprobs or []) if want_lp else None)
+        elif pending_ids and not msg.finished:  # the text is held back: the ids still arrive now
+            yield chunk(index, {})
         if msg.finished:
             calls: List[ToolCall] = []
             if tool_streams is not None:

@@ -165,6 +165,7 @@ class ServerState:
         self.metrics = metrics
         self.limits = RequestLimits.for_server(args.max_request_bytes, args.max_prompt_bytes, info)
         self.model_name = args.model_name
+        self.skip_tokenizer = args.skip_tokenizer_init  # token ids in, token ids out
         self.model_aliases = {self.model_name, args.model or "", args.model_path}
         self.created = int(time.time())
         self._api_key = args.api_key.encode() if args.api_key else None
@@ -192,6 +193,17 @@ def require_api_key(request: Request) -> None:
         raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
     if scheme.lower() != "bearer" or not state.key_matches(token.strip()):
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
+
+
+def need_tokenizer(state: ServerState, what: str, param: str | None = None) -> None:
+    """Refuse `what` on a server without a tokenizer (--skip-tokenizer-init): never ignore it."""
+    if state.skip_tokenizer:
+        raise APIError(
+            400,
+            f"{what} needs a tokenizer, and this server runs with --skip-tokenizer-init (token ids in, token ids out)",
+            param=param,
+            code="tokenizer_required",
+        )
 
 
 def check_model(state: ServerState, model: str | None) -> None:

@@ -22,6 +22,7 @@ from minisgl.server.routes.common import (
     check_prompts,
     events,
     get_state,
+    need_tokenizer,
     prompt_messages,
     read_body,
     require_api_key,
@@ -47,6 +48,8 @@ async def completions(request: Request) -> Response:
         raise APIError(400, str(exc), param="prompt") from None
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"too many choices: {len(prompts)} prompts x n={body.n} > {MAX_CHOICES}", param="n")
+    if state.skip_tokenizer:
+        _check_token_only(state, body, prompts)
     check_prompts(prompts, state.limits, "prompt")
     max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS
     if max_tokens == 0 and not body.echo:
@@ -67,13 +70,28 @@ async def completions(request: Request) -> Response:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     want_lp = k is not None
     echo = [p if isinstance(p, str) else None for p in prompts for _ in range(body.n)] if body.echo else None
+    want_ids = body.return_token_ids or state.skip_tokenizer  # without a tokenizer, ids are the output
     return await respond(
         request,
         msgs,
         body.stream,
-        lambda rs, first: _completion_stream(rs, first, rid, state.model_name, include_usage, body.n, want_lp, echo, score_only),
-        lambda results: _completion_response(results, rid, state.model_name, body.n, want_lp, echo, score_only),
+        lambda rs, first: _completion_stream(rs, first, rid, state.model_name, include_usage, body.n, want_lp, echo, score_only, want_ids),
+        lambda results: _completion_response(results, rid, state.model_name, body.n, want_lp, echo, score_only, want_ids),
     )
+
+
+def _check_token_only(state: Any, body: CompletionRequest, prompts: List[Any]) -> None:
+    """--skip-tokenizer-init: refuse (never ignore) what needs text."""
+    if any(isinstance(p, str) for p in prompts):
+        need_tokenizer(state, "a text prompt (send token ids: a list of ints or a list of lists)", "prompt")
+    if body.stop_list():
+        need_tokenizer(state, "stop (stop strings are matched on text; stop_token_ids works)", "stop")
+    if body.logprobs is not None:
+        need_tokenizer(state, "logprobs (they return token texts)", "logprobs")
+    if body.echo:
+        need_tokenizer(state, "echo", "echo")
+    if body.wants_grammar():
+        need_tokenizer(state, "response_format (grammars are compiled against the vocabulary's texts)", "response_format")
 
 
 def _echo_prefix(r: Result, prompt: str | None, want_lp: bool) -> tuple[str, List[List[Any]]]:
@@ -108,20 +126,28 @@ def _completion_logprobs(entries: List[List[Any]], start_offset: int = 0) -> Dic
 
 
 def _completion_response(
-    results: List[Result], rid: str, model: str, n: int, want_lp: bool, echo: List[str | None] | None, score_only: bool
+    results: List[Result],
+    rid: str,
+    model: str,
+    n: int,
+    want_lp: bool,
+    echo: List[str | None] | None,
+    score_only: bool,
+    want_ids: bool = False,
 ) -> Dict[str, Any]:
     choices = []
     for i, r in enumerate(results):
         text, entries = _choice_text_and_logprobs(r, i, want_lp, echo, score_only)
-        choices.append(
-            {
-                "index": i,
-                "text": text,
-                "logprobs": _completion_logprobs(entries) if want_lp else None,
-                "finish_reason": "length" if score_only else r.finish_reason,
-                "stop_reason": None if score_only else r.matched_stop,
-            }
-        )
+        choice: Dict[str, Any] = {
+            "index": i,
+            "text": text,
+            "logprobs": _completion_logprobs(entries) if want_lp else None,
+            "finish_reason": "length" if score_only else r.finish_reason,
+            "stop_reason": None if score_only else r.matched_stop,
+        }
+        if want_ids:
+            choice["token_ids"] = [] if score_only else list(r.token_ids)
+        choices.append(choice)
     counts = usage(results, n)
     if score_only:  # the one token generated to finish the prefill is not returned, nor counted
         counts = {**counts, "completion_tokens": 0, "total_tokens": counts["prompt_tokens"]}
@@ -138,6 +164,7 @@ async def _completion_stream(
     want_lp: bool,
     echo: List[str | None] | None = None,
     score_only: bool = False,
+    want_ids: bool = False,
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "text_completion", model, include_usage)
     results = [Result() for _ in stream.uids]
@@ -163,10 +190,13 @@ async def _completion_stream(
             if msg.finished:
                 yield chunk(index, "", "length", _completion_logprobs([]) if want_lp else None)
             continue
-        if msg.text or msg.finished or (want_lp and msg.logprobs):
+        ids = msg.token_ids or []
+        if msg.text or msg.finished or (want_lp and msg.logprobs) or (want_ids and ids):
             lp = _completion_logprobs(msg.logprobs or [], offsets[index]) if want_lp else None
             offsets[index] += len(msg.text)
-            extra = {"stop_reason": msg.matched_stop} if msg.finished else {}
+            extra: Dict[str, Any] = {"stop_reason": msg.matched_stop} if msg.finished else {}
+            if want_ids:
+                extra["token_ids"] = ids
             yield chunk(index, msg.text, msg.finish_reason if msg.finished else None, lp, **extra)
     else:
         if include_usage:

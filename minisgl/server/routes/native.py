@@ -20,6 +20,7 @@ from minisgl.server.routes.common import (
     data_line,
     events,
     get_state,
+    need_tokenizer,
     prompt_messages,
     read_body,
     require_api_key,
@@ -56,6 +57,15 @@ async def generate(request: Request) -> Response:
     except ValueError as exc:
         raise APIError(400, "no prompt given", param=param) from exc
     sp = body.sampling_params
+    if state.skip_tokenizer:  # refuse (never ignore) what needs text
+        if body.text is not None:
+            need_tokenizer(state, "text (send input_ids)", "text")
+        if sp.stop_list():
+            need_tokenizer(state, "sampling_params.stop (stop strings are matched on text; stop_token_ids works)", "sampling_params.stop")
+        if body.return_logprob:
+            need_tokenizer(state, "return_logprob (it returns token texts)", "return_logprob")
+        if sp.grammar() is not None:
+            need_tokenizer(state, "a grammar (json_schema, regex, ebnf)", "sampling_params")
     if len(prompts) * sp.n > MAX_CHOICES:
         raise APIError(400, f"too many choices: {len(prompts)} prompts x n={sp.n} > {MAX_CHOICES}", param="sampling_params.n")
     check_prompts(prompts, state.limits, param)
