@@ -66,7 +66,7 @@ class TokenizerWorker:
 
     def flush_replies(self) -> None:
         if self._replies:
-            self._to_api(ReplyBatchMsg(self._replies))
+            self._to_api(ReplyBatchMsg(merge_replies(self._replies)))
             self._replies = []
 
     # ---- incoming ----------------------------------------------------------------------------
@@ -260,6 +260,31 @@ class TokenizerWorker:
                         self._fail(uid)
             self.collect_encoded()
             self.flush_replies()
+
+
+def merge_replies(replies: List[ReplyMsg]) -> List[ReplyMsg]:
+    """One reply per request: when this loop drained several scheduler steps at once (it, or the
+    API server, is behind), a request's replies become one, so the API server wakes its stream
+    and writes its socket once instead of once per token. Order within a request is kept."""
+    if len(replies) < 2:
+        return replies
+    first: Dict[int, ReplyMsg] = {}
+    out: List[ReplyMsg] = []
+    for r in replies:
+        a = first.get(r.uid)
+        if a is None:
+            first[r.uid] = r
+            out.append(r)
+            continue
+        a.text += r.text
+        a.num_tokens += r.num_tokens
+        a.token_ids = (a.token_ids or []) + (r.token_ids or [])
+        if r.logprobs:
+            a.logprobs = (a.logprobs or []) + r.logprobs
+        a.prompt_logprobs = a.prompt_logprobs if a.prompt_logprobs is not None else r.prompt_logprobs
+        a.finished, a.finish_reason, a.matched_stop = r.finished, r.finish_reason, r.matched_stop
+        a.prompt_tokens, a.completion_tokens, a.cached_tokens = r.prompt_tokens, r.completion_tokens, r.cached_tokens
+    return out
 
 
 def _finite(logprob: float) -> float:
