@@ -196,7 +196,7 @@ async def _watch_metrics(base_url: str, peak: Dict[str, float], stop: asyncio.Ev
     while not stop.is_set():
         try:
             m = await _metrics(base_url)
-            for key in ("minisgl_num_running_requests", "minisgl_num_waiting_requests"):
+            for key in ("minisgl_num_running_requests", "minisgl_num_waiting_requests", "minisgl_http_requests_in_flight"):
                 if key in m:
                     peak[key] = max(peak.get(key, 0.0), m[key])
         except Exception:
@@ -205,6 +205,16 @@ async def _watch_metrics(base_url: str, peak: Dict[str, float], stop: asyncio.Ev
             await asyncio.wait_for(stop.wait(), 0.25)
         except asyncio.TimeoutError:
             pass
+
+
+async def _watch_lag(lags: List[float], stop: asyncio.Event, period: float = 0.005) -> None:
+    """How late this client's event loop wakes up: when it is busy (parsing 256 streams on a
+    shared CPU), chunks wait in the socket and look bursty; a large lag says the client, not the
+    server, is the bottleneck."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        lags.append(max(0.0, time.perf_counter() - t - period))
 
 
 async def wait_idle(base_url: str, timeout: float = 120.0) -> None:
@@ -225,6 +235,8 @@ async def run_once(args: argparse.Namespace, reqs: List[Req], rate: float, heade
     peak: Dict[str, float] = {}
     stop = asyncio.Event()
     watcher = asyncio.create_task(_watch_metrics(args.base_url, peak, stop))
+    lags: List[float] = []
+    lag_watcher = asyncio.create_task(_watch_lag(lags, stop))
 
     async def one(req: Req) -> Outcome:
         if sem is None:
@@ -242,7 +254,10 @@ async def run_once(args: argparse.Namespace, reqs: List[Req], rate: float, heade
     duration = time.perf_counter() - start
     stop.set()
     await watcher
-    return summarize(outcomes, reqs, duration, rate, args.max_concurrency, peak)
+    await lag_watcher
+    result = summarize(outcomes, reqs, duration, rate, args.max_concurrency, peak)
+    result["client_lag_ms"] = _pct(lags)
+    return result
 
 
 def _pct(values: List[float], scale: float = 1000.0) -> Dict[str, float]:
@@ -291,6 +306,7 @@ def summarize(
         },
         "max_running_requests": peak.get("minisgl_num_running_requests"),
         "max_waiting_requests": peak.get("minisgl_num_waiting_requests"),
+        "max_http_in_flight": peak.get("minisgl_http_requests_in_flight"),
     }
 
 
@@ -308,7 +324,8 @@ def print_run(r: Dict[str, Any]) -> None:
         f"  TTFT ms p50/p90/p99/max {f(r['ttft_ms'])}; ITL {f(r['itl_ms'])}; E2E {f(r['e2e_ms'])}; TPOT p50 "
         f"{r['tpot_ms'].get('p50', float('nan')):.1f}\n"
         f"  burstiness: {b['gaps_below_0_1ms'] * 100:.1f}% gaps < 0.1 ms, ITL p99/p50 {b['itl_p99_over_p50'] or float('nan'):.1f}, "
-        f"{b['tokens_per_chunk']:.2f} tokens/chunk; max running {r['max_running_requests']}, waiting {r['max_waiting_requests']}"
+        f"{b['tokens_per_chunk']:.2f} tokens/chunk; max running {r['max_running_requests']}, waiting {r['max_waiting_requests']}, "
+        f"HTTP in flight {r['max_http_in_flight']}; client loop lag p99 {r['client_lag_ms'].get('p99', float('nan')):.1f} ms"
         + (f"; usage mismatches {r['usage_mismatches']}" if r["usage_mismatches"] else "")
         + (f"\n  errors: {r['errors']}" if r["errors"] else ""),
         flush=True,

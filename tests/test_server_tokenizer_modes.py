@@ -230,3 +230,16 @@ def test_missing_files_are_named_before_start_up(config_only: Path, bare_model: 
     err = _launch_fails("--model", str(bare_model))
     assert "no tokenizer" in err and "--tokenizer" in err and "--skip-tokenizer-init" in err
     assert "exclude each other" in _launch_fails("--model", str(bare_model), "--skip-tokenizer-init", "--tokenizer", str(bare_model))
+
+
+def test_continuous_usage_stats(ids_server: ServerProcess) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): usage on every chunk."""
+    body = {"prompt": PROMPTS[2], "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    events = _stream(ids_server, "/v1/completions", body)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert done == list(range(1, N_NEW + 1)) or (done == sorted(done) and done[-1] == N_NEW)
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPTS[2]) for c in chunks)
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == N_NEW

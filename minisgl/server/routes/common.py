@@ -495,14 +495,19 @@ async def events(stream: RequestStream, first: Event) -> AsyncIterator[Event]:
 class ChunkWriter:
     """SSE `data:` lines of one streamed response: every chunk shares id, object, created, model."""
 
-    def __init__(self, rid: str, obj: str, model: str, include_usage: bool) -> None:
+    def __init__(self, rid: str, obj: str, model: str, include_usage: bool, continuous_usage: bool = False) -> None:
         self.head = {"id": rid, "object": obj, "created": int(time.time()), "model": model}
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         # the shared fields are encoded once: only the choice is encoded per chunk
         self._open = "data: " + json.dumps(self.head, ensure_ascii=False)[:-1] + ', "choices": ['
         self._close = ('], "usage": null}' if include_usage else "]}") + "\n\n"  # OpenAI: usage null but on the last
 
-    def choice(self, choice: Dict[str, Any]) -> str:
+    def choice(self, choice: Dict[str, Any], so_far: "Result | None" = None) -> str:
+        if self.continuous_usage and so_far is not None:  # vLLM's continuous_usage_stats: this choice's counts
+            prompt, done = so_far.prompt_tokens, so_far.completion_tokens
+            counts = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            return self._open + json.dumps(choice, ensure_ascii=False) + f'], "usage": {json.dumps(counts)}}}\n\n'
         return self._open + json.dumps(choice, ensure_ascii=False) + self._close
 
     def usage(self, usage: Dict[str, Any]) -> str:
