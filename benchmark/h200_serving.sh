@@ -44,6 +44,10 @@ fi
   python3 -c "import uvloop, httptools; print('uvloop', uvloop.__version__, 'httptools', httptools.__version__)" 2>&1 | tail -1
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>/dev/null; } | tee "$OUT/env.txt"
 
+get() {  # $1: path; prints the body (python, not curl: the device image may lack it)
+  python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:$PORT$1', timeout=5).read().decode())"
+}
+
 SERVER_PID=""
 stop_server() {
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
@@ -61,7 +65,7 @@ start_server() {  # $1: log name, rest: flags
   SERVER_PID=$!
   local t0=$SECONDS
   for _ in $(seq 480); do
-    if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; then echo "server up after $((SECONDS - t0)) s"; return 0; fi
+    if get /health >/dev/null 2>&1; then echo "server up after $((SECONDS - t0)) s"; return 0; fi
     kill -0 "$SERVER_PID" 2>/dev/null || { echo "server died:"; tail -30 "$OUT/$log"; return 1; }
     sleep 0.5
   done
@@ -72,7 +76,7 @@ bench() {  # $1: name, rest: serving.py flags
   local name=$1; shift
   timeout 240 python3 benchmark/serving.py --base-url "http://127.0.0.1:$PORT" --output "$OUT/$name.json" \
     --plot "$OUT/$name.png" "$@" 2>&1 | tee "$OUT/$name.log"
-  curl -s "http://127.0.0.1:$PORT/metrics" > "$OUT/$name.metrics.txt"
+  get /metrics > "$OUT/$name.metrics.txt"
 }
 
 for part in $PARTS; do
@@ -84,7 +88,7 @@ for part in $PARTS; do
     serve)
       start_server server_ids.log --skip-tokenizer-init || continue
       recipe=(--workload random-ids --num-requests "$N" --max-input "$MAX_INPUT" --max-output "$MAX_OUTPUT")
-      curl -s "http://127.0.0.1:$PORT/server_info" > "$OUT/server_info_ids.json"
+      get /server_info > "$OUT/server_info_ids.json"
       # inf with max concurrency N: all N at once, as offline; then Poisson arrivals
       bench serve "${recipe[@]}" --request-rates "inf,$RATES" --max-concurrency "$N"
       stop_server ;;

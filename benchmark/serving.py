@@ -341,15 +341,16 @@ def plot(runs: List[Dict[str, Any]], path: str, title: str) -> None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return
-    runs = sorted(runs, key=lambda r: r["request_throughput"])
-    x = [r["request_throughput"] for r in runs]
+    # offered load on the x axis, in order (inf last); the achieved rate is in the tick labels
+    runs = sorted(runs, key=lambda r: math.inf if r["request_rate"] == "inf" else float(r["request_rate"]))
+    x = list(range(len(runs)))
+    ticks = [f"{r['request_rate']}\n({r['request_throughput']:.2f})" for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, key, name in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"), ("TTFT", "ITL", "E2E")):
-        for q, style in (("p50", "o-"), ("p99", "s--")):
+        for q, style in (("p50", "o-"), ("p90", "^:"), ("p99", "s--")):
             ax.plot(x, [r[key].get(q, float("nan")) for r in runs], style, label=q)
-        for r in runs:
-            ax.annotate(str(r["request_rate"]), (r["request_throughput"], r[key].get("p50", 0)), fontsize=7)
-        ax.set_xlabel("achieved requests/s (labels: offered rate)")
+        ax.set_xticks(x, ticks, fontsize=8)
+        ax.set_xlabel("offered requests/s (achieved)")
         ax.set_ylabel(f"{name} (ms)")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -370,6 +371,7 @@ def parse_rates(text: str) -> List[float]:
 
 async def amain(args: argparse.Namespace) -> Dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    load_start = os.getloadavg()
     if args.vocab_size is None:
         try:
             resp = await request(args.base_url + "/server_info", headers=headers, timeout=10)
@@ -394,6 +396,7 @@ async def amain(args: argparse.Namespace) -> Dict[str, Any]:
         "num_requests": args.num_requests,
         "args": {k: v for k, v in vars(args).items() if k not in ("api_key",)},
         "host": platform.node(),
+        "load_average_start": load_start,  # a shared machine's other work shows here
         "load_average": os.getloadavg(),
         "runs": runs,
     }
@@ -420,7 +423,17 @@ def main(argv: List[str] | None = None) -> Dict[str, Any]:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for a response's headers")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     ap.add_argument("--plot", default=None, help="write a latency-vs-load PNG here (needs matplotlib)")
+    ap.add_argument("--replot", default=None, help="plot the runs of this --output JSON instead of running anything")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as fh:
+            results = json.load(fh)
+        plot(
+            results["runs"],
+            args.plot or args.replot.removesuffix(".json") + ".png",
+            f"{results['workload']}, {results['num_requests']} requests",
+        )
+        return results
     results = asyncio.run(amain(args))
     if args.output:
         os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
