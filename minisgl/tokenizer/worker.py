@@ -34,7 +34,7 @@ from minisgl.message import (
     decode_msg,
     encode_msg,
 )
-from minisgl.tokenizer.detokenize import DetokState
+from minisgl.tokenizer.detokenize import DetokState, raw_decoder
 from minisgl.tokenizer.encode_pool import EncodePool
 from minisgl.tokenizer.tokenize import NO_TOKENIZER, PromptEncoder
 from minisgl.utils.logger import init_logger
@@ -48,6 +48,7 @@ ENCODING_POLL_MS = 5  # while prompts are being encoded in the pool
 class TokenizerWorker:
     def __init__(self, tokenizer: Any, to_scheduler: zmq.Socket, to_api: zmq.Socket, pool: EncodePool | None = None) -> None:
         self.tokenizer = tokenizer
+        self.raw_decoder = raw_decoder(tokenizer)  # the fast path of detokenization, when exact
         self.encoder = PromptEncoder(tokenizer)
         self.pool = pool
         self.encoding: Dict[int, Tuple[TokenizeMsg, "Future[List[int]]"]] = {}  # uid -> in the pool
@@ -147,7 +148,7 @@ class TokenizerWorker:
 
     def _start(self, msg: TokenizeMsg, ids: List[int]) -> None:
         self.states[msg.uid] = DetokState(
-            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids), msg.include_stop_str
+            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids), msg.include_stop_str, self.raw_decoder
         )
         if msg.sampling.prompt_logprobs is not None:
             self.states[msg.uid].prompt_ids = ids[:1]
