@@ -10,7 +10,8 @@
 #    ignored) on dummy-weight Qwen3-0.6B, bf16: the number to compare the server with;
 # 3. server A: `python -m minisgl --load-format dummy --skip-tokenizer-init` on the same model;
 #    benchmark/serving.py --workload random-ids (the same 256 requests as streams) all at once
-#    (rate inf, max concurrency 256), then at Poisson 30 and 60 req/s: serve.json, serve.png;
+#    (rate inf, max concurrency 256), then at Poisson 30 and 60 req/s: serve.json, serve.png
+#    (every run: output_tokens 133,966 as offline, usage_mismatches 0);
 # 4. server B: the same model with --tokenizer (the SmolLM2 tokenizer carried in
 #    .whl-serve/smollm2-tokenizer: a dummy model's text is noise anyway), the ShareGPT-shaped chat
 #    mix without max_tokens: each request runs until EOS or the context (--max-seq-len), so the
