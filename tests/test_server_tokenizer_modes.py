@@ -201,6 +201,12 @@ def test_separate_tokenizer_folder(bare_model: Path, tiny_chat_model: str, refer
                                                        "temperature": 0, "return_token_ids": True, "ignore_eos": True})  # fmt: skip
         streamed = [t for e in events[:-1] for c in e["choices"] for t in c.get("token_ids", [])]
         assert len(streamed) == 6
+        # a grammar: the scheduler process compiles it with the tokenizer of --tokenizer, which it
+        # finds by the model's path (the model folder itself has none)
+        body = {"prompt": "JSON:", "max_tokens": 8, "temperature": 0, "response_format": {"type": "json_object"}}
+        resp = _post(srv, "/v1/completions", body)
+        assert resp.status_code == 200, resp.text + srv.log()[-2000:]
+        assert resp.json()["choices"][0]["text"].lstrip().startswith("{")
     finally:
         srv.stop()
 
@@ -208,13 +214,26 @@ def test_separate_tokenizer_folder(bare_model: Path, tiny_chat_model: str, refer
 # ---- --load-format dummy ---------------------------------------------------------------------
 
 
-def test_dummy_weights_folder_is_servable(config_only: Path, reference: Dict[str, Any], tmp_path: Path) -> None:
-    srv = ServerProcess(str(config_only), *SERVER_FLAGS, "--skip-tokenizer-init", "--load-format", "dummy", log_path=tmp_path / "dummy.log")
+@pytest.mark.parametrize("mode", ["--skip-tokenizer-init", "--tokenizer"])
+def test_dummy_weights_folder_is_servable(
+    config_only: Path,
+    tiny_chat_model: str,
+    reference: Dict[str, Any],
+    tmp_path: Path,
+    mode: str,  # noqa: F811
+) -> None:
+    """A config.json-only folder serves random weights with either flag; the seeded dummy weights
+    give the offline LLM's greedy ids."""
+    flags = [mode] if mode == "--skip-tokenizer-init" else [mode, tiny_chat_model]
+    srv = ServerProcess(str(config_only), *SERVER_FLAGS, *flags, "--load-format", "dummy", log_path=tmp_path / "dummy.log")
     try:
         srv.wait_ready()
-        body = {"prompt": PROMPTS, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": PROMPTS, "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         out = _post(srv, "/v1/completions", body).json()
         assert [c["token_ids"] for c in out["choices"]] == reference["dummy_ids"]
+        if mode == "--tokenizer":  # and text, chat through the template
+            chat = _post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] >= 1, chat.text
     finally:
         srv.stop()
 
@@ -230,3 +249,16 @@ def test_missing_files_are_named_before_start_up(config_only: Path, bare_model: 
     err = _launch_fails("--model", str(bare_model))
     assert "no tokenizer" in err and "--tokenizer" in err and "--skip-tokenizer-init" in err
     assert "exclude each other" in _launch_fails("--model", str(bare_model), "--skip-tokenizer-init", "--tokenizer", str(bare_model))
+
+
+def test_continuous_usage_stats(ids_server: ServerProcess) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it): usage on every chunk."""
+    body = {"prompt": PROMPTS[2], "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    events = _stream(ids_server, "/v1/completions", body)
+    chunks = [e for e in events[:-1] if e["choices"]]
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert done == list(range(1, N_NEW + 1)) or (done == sorted(done) and done[-1] == N_NEW)
+    assert all(c["usage"]["prompt_tokens"] == len(PROMPTS[2]) for c in chunks)
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks)
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == N_NEW

@@ -91,6 +91,9 @@ def is_unset(value: Any) -> bool:
 
 class StreamOptions(_Base):
     include_usage: bool = False
+    # vLLM's: every chunk also carries its choice's usage so far (load generators such as
+    # guidellm ask for it)
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Base):

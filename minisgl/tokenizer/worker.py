@@ -34,7 +34,7 @@ from minisgl.message import (
     decode_msg,
     encode_msg,
 )
-from minisgl.tokenizer.detokenize import DetokState
+from minisgl.tokenizer.detokenize import DetokState, raw_decoder
 from minisgl.tokenizer.encode_pool import EncodePool
 from minisgl.tokenizer.tokenize import NO_TOKENIZER, PromptEncoder
 from minisgl.utils.logger import init_logger
@@ -48,6 +48,7 @@ ENCODING_POLL_MS = 5  # while prompts are being encoded in the pool
 class TokenizerWorker:
     def __init__(self, tokenizer: Any, to_scheduler: zmq.Socket, to_api: zmq.Socket, pool: EncodePool | None = None) -> None:
         self.tokenizer = tokenizer
+        self.raw_decoder = raw_decoder(tokenizer)  # the fast path of detokenization, when exact
         self.encoder = PromptEncoder(tokenizer)
         self.pool = pool
         self.encoding: Dict[int, Tuple[TokenizeMsg, "Future[List[int]]"]] = {}  # uid -> in the pool
@@ -66,7 +67,7 @@ class TokenizerWorker:
 
     def flush_replies(self) -> None:
         if self._replies:
-            self._to_api(ReplyBatchMsg(self._replies))
+            self._to_api(ReplyBatchMsg(merge_replies(self._replies)))
             self._replies = []
 
     # ---- incoming ----------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class TokenizerWorker:
 
     def _start(self, msg: TokenizeMsg, ids: List[int]) -> None:
         self.states[msg.uid] = DetokState(
-            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids), msg.include_stop_str
+            self.tokenizer, msg.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids), msg.include_stop_str, self.raw_decoder
         )
         if msg.sampling.prompt_logprobs is not None:
             self.states[msg.uid].prompt_ids = ids[:1]
@@ -260,6 +261,31 @@ class TokenizerWorker:
                         self._fail(uid)
             self.collect_encoded()
             self.flush_replies()
+
+
+def merge_replies(replies: List[ReplyMsg]) -> List[ReplyMsg]:
+    """One reply per request: when this loop drained several scheduler steps at once (it, or the
+    API server, is behind), a request's replies become one, so the API server wakes its stream
+    and writes its socket once instead of once per token. Order within a request is kept."""
+    if len(replies) < 2:
+        return replies
+    first: Dict[int, ReplyMsg] = {}
+    out: List[ReplyMsg] = []
+    for r in replies:
+        a = first.get(r.uid)
+        if a is None:
+            first[r.uid] = r
+            out.append(r)
+            continue
+        a.text += r.text
+        a.num_tokens += r.num_tokens
+        a.token_ids = (a.token_ids or []) + (r.token_ids or [])
+        if r.logprobs:
+            a.logprobs = (a.logprobs or []) + r.logprobs
+        a.prompt_logprobs = a.prompt_logprobs if a.prompt_logprobs is not None else r.prompt_logprobs
+        a.finished, a.finish_reason, a.matched_stop = r.finished, r.finish_reason, r.matched_stop
+        a.prompt_tokens, a.completion_tokens, a.cached_tokens = r.prompt_tokens, r.completion_tokens, r.cached_tokens
+    return out
 
 
 def _finite(logprob: float) -> float:

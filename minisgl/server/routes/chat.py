@@ -82,6 +82,7 @@ async def chat_completions(request: Request) -> Response:
     one_call = body.parallel_tool_calls is False  # at most one call per choice
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     want_lp = k is not None
     want_ids = body.return_token_ids
     return await respond(
@@ -89,7 +90,7 @@ async def chat_completions(request: Request) -> Response:
         msgs,
         body.stream,
         lambda rs, first: _chat_stream(
-            rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call, want_ids
+            rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call, want_ids, continuous_usage
         ),
         lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call, want_ids),
     )
@@ -169,8 +170,9 @@ async def _chat_stream(
     reasoning: bool,
     one_call: bool = False,
     want_ids: bool = False,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage)
+    out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage, continuous_usage)
     results = [Result() for _ in stream.uids]
     started = [False] * len(results)
     tool_streams = [ToolStream(parser) for _ in results] if parser is not None else None
@@ -194,7 +196,7 @@ async def _chat_stream(
         if want_ids:
             extra["token_ids"] = list(pending_ids)
             pending_ids.clear()
-        return out.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra})
+        return out.choice({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}, results[index])
 
     async for index, msg in events(stream, first):
         if isinstance(msg, ErrorMsg):

@@ -68,6 +68,7 @@ async def completions(request: Request) -> Response:
     )  # fmt: skip
     rid = f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage_stats)
     want_lp = k is not None
     echo = [p if isinstance(p, str) else None for p in prompts for _ in range(body.n)] if body.echo else None
     want_ids = body.return_token_ids or state.skip_tokenizer  # without a tokenizer, ids are the output
@@ -75,7 +76,9 @@ async def completions(request: Request) -> Response:
         request,
         msgs,
         body.stream,
-        lambda rs, first: _completion_stream(rs, first, rid, state.model_name, include_usage, body.n, want_lp, echo, score_only, want_ids),
+        lambda rs, first: _completion_stream(
+            rs, first, rid, state.model_name, include_usage, body.n, want_lp, echo, score_only, want_ids, continuous_usage
+        ),
         lambda results: _completion_response(results, rid, state.model_name, body.n, want_lp, echo, score_only, want_ids),
     )
 
@@ -165,14 +168,15 @@ async def _completion_stream(
     echo: List[str | None] | None = None,
     score_only: bool = False,
     want_ids: bool = False,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    out = ChunkWriter(rid, "text_completion", model, include_usage)
+    out = ChunkWriter(rid, "text_completion", model, include_usage, continuous_usage)
     results = [Result() for _ in stream.uids]
     offsets = [0] * len(results)
     echoed = [echo is None] * len(results)
 
     def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None, **extra: Any) -> str:
-        return out.choice({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra})
+        return out.choice({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra}, results[index])
 
     async for index, msg in events(stream, first):
         if isinstance(msg, ErrorMsg):
