@@ -111,6 +111,9 @@ class SamplingParams:
     # Logprobs of the prompt's tokens (each but the first) with this many top alternatives
     # (None: none). Such a request is never served from the prefix cache: its logits are needed.
     prompt_logprobs: int | None = None
+    # Scheduling priority under --schedule-policy priority: lower values are admitted first
+    # (and retracted last), as in vLLM; under FCFS only 0 is accepted.
+    priority: int = 0
 
     def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
         """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
@@ -157,6 +160,8 @@ class SamplingParams:
             raise InvalidRequest(
                 f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}", param="logprobs"
             )
+        if not _is_int(self.priority) or not -(2**31) <= self.priority < 2**31:
+            raise InvalidRequest(f"priority must be a 32-bit signed integer, got {self.priority!r}", param="priority")
         if self.grammar is not None:
             if not isinstance(self.grammar, GrammarSpec):
                 raise InvalidRequest("grammar must be a GrammarSpec", param="response_format")

@@ -36,6 +36,7 @@ def refs(hf_oracle):
 def small_pool_scheduler(model_path: Any, **kw: Any) -> Iterator[Scheduler]:
     page_size = kw.get("page_size", 1)
     kw.setdefault("num_page_override", 3 * CTX // page_size + 4)  # ~3 worst-case requests
+    kw.setdefault("max_running_req", 32)
     sched = Scheduler(
         SchedulerConfig(
             model_path=str(model_path),
@@ -43,7 +44,6 @@ def small_pool_scheduler(model_path: Any, **kw: Any) -> Iterator[Scheduler]:
             dtype=torch.float32,
             device=TEST_DEVICE,
             attention_backend=TEST_ATTENTION_BACKEND,
-            max_running_req=32,
             max_seq_len_override=CTX,
             **kw,
         )
@@ -142,3 +142,28 @@ def test_abort_of_a_retracted_request_frees_everything(tiny_dir, refs):
                 if out.uid in aborted and out.finished:
                     assert out.finish_reason == "abort"
         assert aborted, "nothing was retracted"
+
+
+def test_priority_policy_admits_the_most_urgent_first(tiny_dir) -> None:
+    """--schedule-policy priority: with one table row, queued requests run lowest priority
+    value first (FIFO among equals); under FCFS a non-zero priority is refused, naming it."""
+    from minisgl.sampling_params import InvalidRequest
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    priorities = [5, 0, 3, -1, 0]
+    with small_pool_scheduler(tiny_dir, schedule_policy="priority", max_running_req=1) as sched:
+        for uid, (p, pr) in enumerate(zip(prompts, priorities)):
+            sched.add_request(UserRequest(uid, p, SamplingParams(temperature=0.0, max_tokens=3, priority=pr)))
+        order: List[int] = []
+        while sched.has_work():
+            for out in sched.step():
+                if out.finished:
+                    order.append(out.uid)
+        assert order == [3, 1, 4, 2, 0]
+    with small_pool_scheduler(tiny_dir) as sched:
+        with pytest.raises(InvalidRequest, match="schedule-policy priority") as err:
+            sched.add_request(UserRequest(0, [1, 2], SamplingParams(max_tokens=2, priority=1)))
+        assert err.value.param == "priority"
+        sched.add_request(UserRequest(1, [1, 2], SamplingParams(max_tokens=2, priority=0)))
+        while sched.has_work():
+            sched.step()

@@ -36,10 +36,15 @@ class SchedulerConfig(EngineConfig):
     # Decode rows ride along with prefill chunks in one batch under max_extend_tokens, so a
     # running stream never waits a whole prefill step (False: prefill and decode alternate).
     mixed_batches: bool = True
+    # "fcfs": arrival order. "priority": SamplingParams.priority first (lower first; FIFO among
+    # equals), and retraction takes the least urgent first.
+    schedule_policy: Literal["fcfs", "priority"] = "fcfs"
 
     def __post_init__(self) -> None:
         if self.admission not in ("optimistic", "worst-case"):
             raise ValueError(f"admission must be 'optimistic' or 'worst-case', got {self.admission!r}")
+        if self.schedule_policy not in ("fcfs", "priority"):
+            raise ValueError(f"schedule_policy must be 'fcfs' or 'priority', got {self.schedule_policy!r}")
         if not 0.0 < self.schedule_conservativeness <= 1e6:
             raise ValueError(f"schedule_conservativeness must be in (0, 1e6], got {self.schedule_conservativeness}")
         if not 0.0 < self.min_new_token_ratio <= self.init_new_token_ratio <= 1.0:

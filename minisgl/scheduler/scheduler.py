@@ -153,6 +153,10 @@ class Scheduler:
         check_token_ids(req.input_ids, self.vocab_size, "input_ids")
         # max_tokens against the context: check_context refuses (strict) or clips (a default)
         req.sampling_params.validate(self.vocab_size)
+        if req.sampling_params.priority != 0 and self.config.schedule_policy != "priority":
+            raise InvalidRequest(
+                "priority scheduling is off: start the server with --schedule-policy priority to use 'priority'", param="priority"
+            )
         if req.sampling_params.grammar is not None:
             self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
         check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
@@ -168,7 +172,13 @@ class Scheduler:
 
     def add_request(self, req: UserRequest) -> None:
         self.validate(req)
-        self.waiting.append(req)
+        priority = req.sampling_params.priority
+        if self.config.schedule_policy == "priority" and self.waiting and self.waiting[-1].sampling_params.priority > priority:
+            # before the first waiting request that is less urgent (FIFO among equals)
+            at = next(i for i, w in enumerate(self.waiting) if w.sampling_params.priority > priority)
+            self.waiting.insert(at, req)
+        else:
+            self.waiting.append(req)
         self._queued_uids.add(req.uid)
 
     def abort(self, uid: int) -> bool:
@@ -350,7 +360,7 @@ class Scheduler:
         if self._decode_page_need(decodable) <= self._available_pages():
             return decodable
         assert self._in_flight is None, "retraction with a step in flight"
-        keep = sorted(decodable, key=lambda r: r.admit_seq)
+        keep = sorted(decodable, key=_urgency)  # the least urgent last
         while keep and self._decode_page_need(keep) > self._available_pages():
             # Everyone may go: prefilling requests hold reserved pages and always progress, and
             # the retracted resume (from the front of the queue) as pages return.
@@ -366,7 +376,7 @@ class Scheduler:
         req.num_retractions += 1
         self._retractions += 1
         self.retracted.append(req)
-        self.retracted.sort(key=lambda r: r.admit_seq)
+        self.retracted.sort(key=_urgency)
         logger.debug("retracted request %d at %d tokens", req.uid, len(req.token_ids))
 
     def _decay_new_token_ratio(self) -> None:
@@ -758,6 +768,11 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _urgency(req: SchedReq) -> tuple[int, int]:
+    """Sort key: the most urgent first (priority, then admission order; priority is 0 under FCFS)."""
+    return (req.sampling_params.priority, req.admit_seq)
 
 
 def _wants_prompt_logprobs(req: Req) -> bool:

@@ -38,6 +38,7 @@ class ServerArgs:
     admission: str = "optimistic"
     schedule_conservativeness: float = 1.0
     disable_mixed_batches: bool = False
+    schedule_policy: str = "fcfs"
     deterministic: bool = False
     memory_ratio: float = 0.9
     num_pages: int | None = None
@@ -134,6 +135,7 @@ class ServerArgs:
             admission=self.admission,  # type: ignore[arg-type]
             schedule_conservativeness=self.schedule_conservativeness,
             mixed_batches=not self.disable_mixed_batches,
+            schedule_policy=self.schedule_policy,  # type: ignore[arg-type]
             deterministic=self.deterministic,
             cache_type=self.cache,
             enable_overlap=False if self.disable_overlap else None,
@@ -289,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=1.0,
         help="scales the optimistic estimate of tokens still to come (> 1: admit fewer, retract less)",
+    )
+    sched.add_argument(
+        "--schedule-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
+        help="fcfs: arrival order; priority: the request field 'priority' first (lower first), retraction takes the least urgent",
     )
     sched.add_argument("--disable-mixed-batches", action="store_true", help="prefill and decode alternate instead of sharing a step")
     sched.add_argument(

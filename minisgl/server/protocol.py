@@ -153,6 +153,8 @@ class SamplingFields(_Base):
     response_format: Optional[ResponseFormat] = None
     # vLLM's: each choice (and each streamed chunk) carries the ids of its tokens as `token_ids`
     return_token_ids: bool = False
+    # vLLM's: lower is admitted first under --schedule-policy priority (FCFS accepts only 0)
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)
@@ -186,6 +188,7 @@ def _to_sampling_params(
         logit_bias=_parse_logit_bias(src.logit_bias),
         min_tokens=min_tokens,
         grammar=grammar,
+        priority=getattr(src, "priority", 0),
     )
 
 
