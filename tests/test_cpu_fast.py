@@ -69,6 +69,42 @@ def test_int8_per_row_and_quant_linear_dispatch():
     assert torch.equal(lin(big), torch.nn.functional.linear(big, dense))  # dense above the threshold
 
 
+@pytest.mark.parametrize("k", [576, 200])  # 200: a masked tail of 8 after six 32-blocks
+def test_bf16_gemv_matches_fp32_reference(k):
+    """The C skinny GEMM (kernel/cpu/gemv.c) behind QuantLinear for <= gemv_max_rows bf16 rows:
+    fp32 sums of exact bf16 products, one rounding to bf16, so every output is within one bf16
+    step of the fp32 reference (and as close as torch's own bf16 linear); rows past the limit
+    and fp32 inputs take torch's GEMM."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_gemv:
+        pytest.skip("no C compiler or no AVX512-BF16 here")
+    torch.manual_seed(0)
+    n = 203  # not a multiple of the 8-row tile or the 64-row thread chunk
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    for b in (None, bias):
+        lin = QuantLinear(w, None, b, gemv=kern.lib.gemv_bf16, gemv_max_rows=8, nthreads=2)
+        for m in (1, 2, 3, 5, 8):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+            ours = lin(x)
+            assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+            step = ref.abs() * 2**-8 + 1e-6  # one bf16 rounding of the exact sum, with fp32 slack
+            assert ((ours.float() - ref).abs() <= 1.01 * step).all(), m
+            torch_err = (torch.nn.functional.linear(x, w, b).float() - ref).abs().mean()
+            assert (ours.float() - ref).abs().mean() <= 1.5 * torch_err + 1e-6
+        x = torch.randn(9, k).to(torch.bfloat16)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))  # past the limit: torch
+    # strided rows (a slice of a wider activation) are read correctly
+    wide = torch.randn(2, k + 64).to(torch.bfloat16)
+    x = wide[:, :k]
+    got = QuantLinear(w, None, gemv=kern.lib.gemv_bf16, nthreads=2)(x)
+    ref = QuantLinear(w, None)(x.contiguous())
+    assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+
+
 def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
     from safetensors.torch import load_file
 
