@@ -105,6 +105,44 @@ def test_bf16_gemv_matches_fp32_reference(k):
     assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 1), (32, 4, 2)])  # 32: the generic loop
+def test_paged_attention_kernel_matches_softmax_reference(dtype, d, hq, hk):
+    """The C decode attention over scattered pool slots (lengths off the 16-key block, one and
+    several rows per table row) equals fp32 softmax(q k^T / sqrt(d)) v on the same values, up
+    to the output's rounding."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    lens = [1, 15, 17, 100, 33]
+    slots_n = 512
+    kc = torch.randn(slots_n, hk, d).to(dtype)
+    vc = torch.randn(slots_n, hk, d).to(dtype)
+    table = torch.stack([torch.randperm(slots_n)[:128] for _ in lens]).to(torch.int32).contiguous()
+    width = (hq + 2 * hk) * d  # queries are read out of qkv rows, as in the runner
+    qkv = torch.randn(len(lens), width).to(dtype)
+    out = torch.empty(len(lens), hq * d, dtype=dtype)
+    rows = torch.arange(len(lens), dtype=torch.int64)
+    kv_len = torch.tensor(lens, dtype=torch.int64)
+    scale = d**-0.5
+    fn = kern.get("paged_attention", dtype)
+    fn(qkv.data_ptr(), width, kc.data_ptr(), vc.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(),
+       kv_len.data_ptr(), out.data_ptr(), len(lens), hq, hk, d, scale, 2)  # fmt: skip
+    g = hq // hk
+    for t, n in enumerate(lens):
+        sl = table[t, :n].long()
+        q = qkv[t, : hq * d].float().view(hq, d)
+        k = kc[sl].float().repeat_interleave(g, dim=1)  # [n, hq, d]
+        v = vc[sl].float().repeat_interleave(g, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", p, v).reshape(-1)
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        assert ((out[t].float() - ref).abs() <= tol * (ref.abs() + 0.1)).all(), (t, n)
+
+
 def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
     from safetensors.torch import load_file
 
