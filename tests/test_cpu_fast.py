@@ -143,6 +143,36 @@ def test_paged_attention_kernel_matches_softmax_reference(dtype, d, hq, hk):
         assert ((out[t].float() - ref).abs() <= tol * (ref.abs() + 0.1)).all(), (t, n)
 
 
+@pytest.mark.parametrize("h", [576, 40])  # 40: not a multiple of 16, the scalar loop
+def test_bf16_norm_and_silu_kernels_match_torch(h):
+    """add_rms_norm / silu_mul in bf16 (vectorized where h % 16 == 0) against the module path's
+    torch ops: equal up to one bf16 step in a handful of elements (summation order, exp's last
+    bit), the residual stream bitwise equal."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    rows, eps = 70, 1e-5  # >= 64 rows: the parallel loop
+    x, res, w = (torch.randn(rows, h) * 3).bfloat16(), torch.randn(rows, h).bfloat16(), torch.randn(h).bfloat16()
+    want_res = x + res
+    xf = want_res.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+    out, r = torch.empty_like(x), res.clone()
+    kern.get("add_rms_norm", torch.bfloat16)(x.data_ptr(), r.data_ptr(), w.data_ptr(), out.data_ptr(), rows, h, eps, 1)
+    assert torch.equal(r, want_res)
+    step = want.float().abs() * 2**-7 + 1e-30
+    close = (out.float() - want.float()).abs() <= step
+    assert close.all() and (out != want).float().mean() < 0.01
+    gu = (torch.randn(rows, 2 * h) * 4).bfloat16()
+    want = torch.nn.functional.silu(gu[:, :h]) * gu[:, h:]
+    act = torch.empty(rows, h, dtype=torch.bfloat16)
+    kern.get("silu_mul", torch.bfloat16)(gu.data_ptr(), act.data_ptr(), rows, h)
+    assert ((act.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
+    assert (act != want).float().mean() < 0.01
+
+
 def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
     from safetensors.torch import load_file
 

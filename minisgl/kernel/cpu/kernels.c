@@ -80,6 +80,50 @@ static inline __m512 ld16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+/* fp32 -> bf16 bits, 16 lanes, exactly f_to_bf16 (round to nearest even, NaN kept quiet,
+ * denormals kept: VCVTNEPS2BF16 would flush them). */
+static inline __m256i f16_to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __m512 bf16x16_to_f(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static inline __m512 rnd16_bf16(__m512 v) { return bf16x16_to_f(f16_to_bf16x16(v)); }
+#define LDH(p) bf16x16_to_f(_mm256_loadu_si256((const __m256i *)(p)))
+#define STH(p, v) _mm256_storeu_si256((__m256i *)(p), f16_to_bf16x16(v))
+
+/* The bf16 add_rms_norm / silu_mul rows, 16 lanes at a time (h % 16 == 0): the same roundings
+ * as the scalar loops, which the compiler does not vectorize (bf16 stores round per element). */
+static void rms_row_bf16_v(const uint16_t *xr, uint16_t *rr, const uint16_t *w, uint16_t *orow, long h,
+                           float eps, int has_residual) {
+    __m512 ss = _mm512_setzero_ps();
+    for (long i = 0; i < h; i += 16) {
+        __m512 v = LDH(xr + i);
+        if (has_residual) v = rnd16_bf16(_mm512_add_ps(v, LDH(rr + i)));
+        STH(rr + i, v);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    /* the scalar loop sums in index order; a 16-lane sum differs in the last bits only */
+    float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps);
+    __m512 vi = _mm512_set1_ps(inv);
+    for (long i = 0; i < h; i += 16) STH(orow + i, _mm512_mul_ps(LDH(w + i), rnd16_bf16(_mm512_mul_ps(LDH(rr + i), vi))));
+}
+static void silu_row_bf16_v(const uint16_t *g, const uint16_t *u, uint16_t *o, long inter) {
+    for (long i = 0; i < inter; i += 16) {
+        __m512 a = LDH(g + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        __m512 sv = rnd16_bf16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        STH(o + i, _mm512_mul_ps(sv, LDH(u + i)));
+    }
+}
+#define RMS_ROW_FAST_bf16                                                                        \
+    if (h % 16 == 0) { rms_row_bf16_v(xr, rr, w, orow, h, eps, has_residual); continue; }
+#define SILU_ROW_FAST_bf16                                                                       \
+    if (inter % 16 == 0) { silu_row_bf16_v(g, u, out + r * inter, inter); continue; }
+
 #define DEFINE_FAST_ATTN(SUF, T, D)                                                              \
 static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache,               \
                                   const int32_t *slots, long n, long hk, long kh, long g,         \
@@ -261,7 +305,11 @@ DEFINE_FAST_ATTN(bf16, uint16_t, 128)
     }
 #else
 #define FAST_ATTN(SUF)
+#define RMS_ROW_FAST_bf16
+#define SILU_ROW_FAST_bf16
 #endif
+#define RMS_ROW_FAST_f32
+#define SILU_ROW_FAST_f32
 
 #define DEFINE_KERNELS(SUF, T)                                                                   \
 /* residual = x (+ residual);  out = w * T(residual * rsqrt(mean(residual^2) + eps)).        \
@@ -273,6 +321,7 @@ void add_rms_norm_##SUF(const T *x, T *residual, const T *w, T *out, long rows, 
         const T *xr = x + r * h;                                                                \
         T *rr = residual + r * h;                                                               \
         T *orow = out + r * h;                                                                  \
+        RMS_ROW_FAST_##SUF                                                                      \
         float ss = 0.f;                                                                         \
         for (long i = 0; i < h; i++) {                                                          \
             float v = ld_##SUF(xr, i);                                                          \
@@ -291,6 +340,7 @@ void silu_mul_##SUF(const T *gu, T *out, long rows, long inter) {               
     _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long r = 0; r < rows; r++) {                                                           \
         const T *g = gu + r * 2 * inter, *u = g + inter;                                        \
+        SILU_ROW_FAST_##SUF                                                                     \
         for (long i = 0; i < inter; i++) {                                                      \
             float a = ld_##SUF(g, i);                                                           \
             float s = rnd_##SUF(a / (1.0f + fast_exp(-a)));                                         \
