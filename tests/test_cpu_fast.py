@@ -105,6 +105,34 @@ def test_bf16_gemv_matches_fp32_reference(k):
     assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
 
 
+@pytest.mark.parametrize("m,n,k", [(9, 48, 64), (40, 960, 576), (500, 80, 1536), (16, 16, 32)])
+def test_amx_gemm_matches_fp32_reference(m, n, k):
+    """The AMX tile GEMM (kernel/cpu/amx.c) behind QuantLinear for > gemv_max_rows bf16 rows:
+    within one bf16 rounding of the fp32 reference, as torch's bf16 linear is (row blocks off
+    16, an odd number of 16-column tiles, strided rows); shapes it does not tile fall back."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(0)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    wide = torch.randn(m, k + 32).to(torch.bfloat16)
+    for b, x in ((None, wide[:, :k].contiguous()), (bias, wide[:, :k])):
+        lin = QuantLinear(w, None, b, gemv=kern.lib.gemv_bf16, gemv_max_rows=8, nthreads=2, amx=kern.lib.gemm_amx_bf16)
+        ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+        ours = lin(x)
+        assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+        assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
+        torch_err = (torch.nn.functional.linear(x, w, b).float() - ref).abs().mean()
+        assert (ours.float() - ref).abs().mean() <= 1.5 * torch_err + 1e-6
+    w_odd = (torch.randn(n, 40) * 0.05).to(torch.bfloat16)  # k % 32 != 0: declined, torch's GEMM
+    lin = QuantLinear(w_odd, None, amx=kern.lib.gemm_amx_bf16, nthreads=2)
+    x = torch.randn(m, 40).to(torch.bfloat16)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w_odd))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 1), (32, 4, 2)])  # 32: the generic loop
 def test_paged_attention_kernel_matches_softmax_reference(dtype, d, hq, hk):

@@ -102,6 +102,7 @@ class CpuDecodeRunner:
         ck = cpu_kernels() if model.model.embed_tokens.weight.dtype == torch.bfloat16 else None  # type: ignore[attr-defined]
         # The C bf16 skinny GEMM for small batches: reads the module's own weights (no copy).
         gemv = ck.lib.gemv_bf16 if ck is not None and ck.has_gemv else None
+        amx = ck.lib.gemm_amx_bf16 if ck is not None and ck.has_amx and read_env().cpu_amx else None
         nt = self.nthreads
         self.layers: List[_Layer] = []
         for i, layer in enumerate(model.model.layers):  # type: ignore[attr-defined]
@@ -111,7 +112,7 @@ class CpuDecodeRunner:
             def lin(mod: Any, name: str) -> QuantLinear:
                 q = quant.get(prefix + name)
                 packed = pack_bf16(mod.weight) if pack else None
-                return QuantLinear(mod.weight, q, mod.bias, dense_above, packed, gemv, nthreads=nt)
+                return QuantLinear(mod.weight, q, mod.bias, dense_above, packed, gemv, nthreads=nt, amx=amx)
 
             self.layers.append(
                 _Layer(
@@ -129,7 +130,7 @@ class CpuDecodeRunner:
         self.final_norm = model.model.norm.weight  # type: ignore[attr-defined]
         head = model.lm_head.weight  # type: ignore[attr-defined]
         packed = pack_bf16(head) if pack else None
-        self.lm_head = QuantLinear(head, quant.get("lm_head"), None, dense_above, packed, gemv, nthreads=nt)
+        self.lm_head = QuantLinear(head, quant.get("lm_head"), None, dense_above, packed, gemv, nthreads=nt, amx=amx)
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
