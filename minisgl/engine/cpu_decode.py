@@ -7,7 +7,9 @@ through `CpuDecodeRunner.forward`, which walks the layers with the fewest torch 
 - q/k/v and gate/up are one GEMM each (already merged at load);
 - rotary tables are pre-cast to the model dtype, q and k rotate in one op chain;
 - attention reads the paged KV pool by slot index (no per-layer cast of every context to fp32);
-- optional weight-only int4/int8 GEMMs (`layers/quant.py`) for small batches.
+- optional weight-only int4/int8 GEMMs (`layers/quant.py`) for small batches;
+- bf16 GEMMs on the C kernels that read the module's weights in place (kernel/cpu: a VDPBF16PS
+  GEMV for <= 8 rows, AMX tiles above), torch's GEMM where the CPU lacks them.
 
 With the C kernels (kernel/cpu) the runner also runs prefill: the same paged attention kernel
 takes any number of query rows per request (causal over the cached prefix and the new tokens).
