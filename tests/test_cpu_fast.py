@@ -69,6 +69,138 @@ def test_int8_per_row_and_quant_linear_dispatch():
     assert torch.equal(lin(big), torch.nn.functional.linear(big, dense))  # dense above the threshold
 
 
+@pytest.mark.parametrize("k", [576, 200])  # 200: a masked tail of 8 after six 32-blocks
+def test_bf16_gemv_matches_fp32_reference(k):
+    """The C skinny GEMM (kernel/cpu/gemv.c) behind QuantLinear for <= gemv_max_rows bf16 rows:
+    fp32 sums of exact bf16 products, one rounding to bf16, so every output is within one bf16
+    step of the fp32 reference (and as close as torch's own bf16 linear); rows past the limit
+    and fp32 inputs take torch's GEMM."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_gemv:
+        pytest.skip("no C compiler or no AVX512-BF16 here")
+    torch.manual_seed(0)
+    n = 203  # not a multiple of the 8-row tile or the 64-row thread chunk
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    for b in (None, bias):
+        lin = QuantLinear(w, None, b, gemv=kern.lib.gemv_bf16, gemv_max_rows=8, nthreads=2)
+        for m in (1, 2, 3, 5, 8):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+            ours = lin(x)
+            assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+            step = ref.abs() * 2**-8 + 1e-6  # one bf16 rounding of the exact sum, with fp32 slack
+            assert ((ours.float() - ref).abs() <= 1.01 * step).all(), m
+            torch_err = (torch.nn.functional.linear(x, w, b).float() - ref).abs().mean()
+            assert (ours.float() - ref).abs().mean() <= 1.5 * torch_err + 1e-6
+        x = torch.randn(9, k).to(torch.bfloat16)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, w, b))  # past the limit: torch
+    # strided rows (a slice of a wider activation) are read correctly
+    wide = torch.randn(2, k + 64).to(torch.bfloat16)
+    x = wide[:, :k]
+    got = QuantLinear(w, None, gemv=kern.lib.gemv_bf16, nthreads=2)(x)
+    ref = QuantLinear(w, None)(x.contiguous())
+    assert (got.float() - ref.float()).abs().max() <= ref.float().abs().max() * 2**-7
+
+
+@pytest.mark.parametrize("m,n,k", [(9, 48, 64), (40, 960, 576), (500, 80, 1536), (16, 16, 32)])
+def test_amx_gemm_matches_fp32_reference(m, n, k):
+    """The AMX tile GEMM (kernel/cpu/amx.c) behind QuantLinear for > gemv_max_rows bf16 rows:
+    within one bf16 rounding of the fp32 reference, as torch's bf16 linear is (row blocks off
+    16, an odd number of 16-column tiles, strided rows); shapes it does not tile fall back."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(0)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    wide = torch.randn(m, k + 32).to(torch.bfloat16)
+    for b, x in ((None, wide[:, :k].contiguous()), (bias, wide[:, :k])):
+        lin = QuantLinear(w, None, b, gemv=kern.lib.gemv_bf16, gemv_max_rows=8, nthreads=2, amx=kern.lib.gemm_amx_bf16)
+        ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+        ours = lin(x)
+        assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+        assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
+        torch_err = (torch.nn.functional.linear(x, w, b).float() - ref).abs().mean()
+        assert (ours.float() - ref).abs().mean() <= 1.5 * torch_err + 1e-6
+    w_odd = (torch.randn(n, 40) * 0.05).to(torch.bfloat16)  # k % 32 != 0: declined, torch's GEMM
+    lin = QuantLinear(w_odd, None, amx=kern.lib.gemm_amx_bf16, nthreads=2)
+    x = torch.randn(m, 40).to(torch.bfloat16)
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, w_odd))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 1), (32, 4, 2)])  # 32: the generic loop
+def test_paged_attention_kernel_matches_softmax_reference(dtype, d, hq, hk):
+    """The C decode attention over scattered pool slots (lengths off the 16-key block, one and
+    several rows per table row) equals fp32 softmax(q k^T / sqrt(d)) v on the same values, up
+    to the output's rounding."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    lens = [1, 15, 17, 100, 33]
+    slots_n = 512
+    kc = torch.randn(slots_n, hk, d).to(dtype)
+    vc = torch.randn(slots_n, hk, d).to(dtype)
+    table = torch.stack([torch.randperm(slots_n)[:128] for _ in lens]).to(torch.int32).contiguous()
+    width = (hq + 2 * hk) * d  # queries are read out of qkv rows, as in the runner
+    qkv = torch.randn(len(lens), width).to(dtype)
+    out = torch.empty(len(lens), hq * d, dtype=dtype)
+    rows = torch.arange(len(lens), dtype=torch.int64)
+    kv_len = torch.tensor(lens, dtype=torch.int64)
+    scale = d**-0.5
+    fn = kern.get("paged_attention", dtype)
+    fn(qkv.data_ptr(), width, kc.data_ptr(), vc.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(),
+       kv_len.data_ptr(), out.data_ptr(), len(lens), hq, hk, d, scale, 2)  # fmt: skip
+    g = hq // hk
+    for t, n in enumerate(lens):
+        sl = table[t, :n].long()
+        q = qkv[t, : hq * d].float().view(hq, d)
+        k = kc[sl].float().repeat_interleave(g, dim=1)  # [n, hq, d]
+        v = vc[sl].float().repeat_interleave(g, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", p, v).reshape(-1)
+        tol = 1e-5 if dtype == torch.float32 else 2**-8
+        assert ((out[t].float() - ref).abs() <= tol * (ref.abs() + 0.1)).all(), (t, n)
+
+
+@pytest.mark.parametrize("h", [576, 40])  # 40: not a multiple of 16, the scalar loop
+def test_bf16_norm_and_silu_kernels_match_torch(h):
+    """add_rms_norm / silu_mul in bf16 (vectorized where h % 16 == 0) against the module path's
+    torch ops: equal up to one bf16 step in a handful of elements (summation order, exp's last
+    bit), the residual stream bitwise equal."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    rows, eps = 70, 1e-5  # >= 64 rows: the parallel loop
+    x, res, w = (torch.randn(rows, h) * 3).bfloat16(), torch.randn(rows, h).bfloat16(), torch.randn(h).bfloat16()
+    want_res = x + res
+    xf = want_res.float()
+    want = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+    out, r = torch.empty_like(x), res.clone()
+    kern.get("add_rms_norm", torch.bfloat16)(x.data_ptr(), r.data_ptr(), w.data_ptr(), out.data_ptr(), rows, h, eps, 1)
+    assert torch.equal(r, want_res)
+    step = want.float().abs() * 2**-7 + 1e-30
+    close = (out.float() - want.float()).abs() <= step
+    assert close.all() and (out != want).float().mean() < 0.01
+    gu = (torch.randn(rows, 2 * h) * 4).bfloat16()
+    want = torch.nn.functional.silu(gu[:, :h]) * gu[:, h:]
+    act = torch.empty(rows, h, dtype=torch.bfloat16)
+    kern.get("silu_mul", torch.bfloat16)(gu.data_ptr(), act.data_ptr(), rows, h)
+    assert ((act.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
+    assert (act != want).float().mean() < 0.01
+
+
 def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
     from safetensors.torch import load_file
 

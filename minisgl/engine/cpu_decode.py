@@ -7,7 +7,9 @@ through `CpuDecodeRunner.forward`, which walks the layers with the fewest torch 
 - q/k/v and gate/up are one GEMM each (already merged at load);
 - rotary tables are pre-cast to the model dtype, q and k rotate in one op chain;
 - attention reads the paged KV pool by slot index (no per-layer cast of every context to fp32);
-- optional weight-only int4/int8 GEMMs (`layers/quant.py`) for small batches.
+- optional weight-only int4/int8 GEMMs (`layers/quant.py`) for small batches;
+- bf16 GEMMs on the C kernels that read the module's weights in place (kernel/cpu: a VDPBF16PS
+  GEMV for <= 8 rows, AMX tiles above), torch's GEMM where the CPU lacks them.
 
 With the C kernels (kernel/cpu) the runner also runs prefill: the same paged attention kernel
 takes any number of query rows per request (causal over the cached prefix and the new tokens).
@@ -98,6 +100,12 @@ class CpuDecodeRunner:
         # 17 ms per batch-1 step here) for one more copy of those weights in memory, which the
         # engine's load-memory budget (tests/test_weight_memory.py) does not allow by default.
         pack = read_env().cpu_packed
+        self.nthreads = torch.get_num_threads()
+        ck = cpu_kernels() if model.model.embed_tokens.weight.dtype == torch.bfloat16 else None  # type: ignore[attr-defined]
+        # The C bf16 skinny GEMM for small batches: reads the module's own weights (no copy).
+        gemv = ck.lib.gemv_bf16 if ck is not None and ck.has_gemv else None
+        amx = ck.lib.gemm_amx_bf16 if ck is not None and ck.has_amx and read_env().cpu_amx else None
+        nt = self.nthreads
         self.layers: List[_Layer] = []
         for i, layer in enumerate(model.model.layers):  # type: ignore[attr-defined]
             attn, mlp = layer.self_attn, layer.mlp
@@ -105,7 +113,8 @@ class CpuDecodeRunner:
 
             def lin(mod: Any, name: str) -> QuantLinear:
                 q = quant.get(prefix + name)
-                return QuantLinear(mod.weight, q, mod.bias, dense_above, pack_bf16(mod.weight) if pack else None)
+                packed = pack_bf16(mod.weight) if pack else None
+                return QuantLinear(mod.weight, q, mod.bias, dense_above, packed, gemv, nthreads=nt, amx=amx)
 
             self.layers.append(
                 _Layer(
@@ -122,7 +131,8 @@ class CpuDecodeRunner:
         self.embed = model.model.embed_tokens.weight  # type: ignore[attr-defined]
         self.final_norm = model.model.norm.weight  # type: ignore[attr-defined]
         head = model.lm_head.weight  # type: ignore[attr-defined]
-        self.lm_head = QuantLinear(head, quant.get("lm_head"), None, dense_above, pack_bf16(head) if pack else None)
+        packed = pack_bf16(head) if pack else None
+        self.lm_head = QuantLinear(head, quant.get("lm_head"), None, dense_above, packed, gemv, nthreads=nt, amx=amx)
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
@@ -133,7 +143,6 @@ class CpuDecodeRunner:
             if k is not None and self.d <= k.max_head_dim and g <= k.max_group and self.d % 2 == 0:
                 self.kernels = k
                 self._bind(k, dtype)
-        self.nthreads = torch.get_num_threads()
 
     def _bind(self, k: CpuKernels, dtype: torch.dtype) -> None:
         self._rms_fn = k.get("add_rms_norm", dtype)

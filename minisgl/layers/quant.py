@@ -18,7 +18,7 @@ Scales are stored in the activation dtype (bf16 for speed; fp32 gives an exact r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -26,6 +26,8 @@ QuantMethod = Literal["int4", "int8"]
 INT4_GROUP = 32
 # Rows (tokens) above which the dense weight beats the quantized kernel on this CPU.
 DEFAULT_DENSE_ABOVE = 8
+# Rows up to which the C bf16 skinny GEMM (kernel/cpu/gemv.c) beats oneDNN's bf16 linear here.
+DEFAULT_GEMV_MAX_ROWS = 8
 
 
 def _check_cpu(t: torch.Tensor) -> None:
@@ -135,19 +137,47 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+GemvFn = Callable[[int, int, int, int, int, int, int | None, int, int], int]
+
+
 class QuantLinear:
     """y = x W^T (+ b) that reads the quantized weight for small row counts (memory-bound decode)
     and the dense one above `dense_above` rows (compute-bound: prefill, large batches); the dense
-    weight in oneDNN's packed layout when `packed` is given."""
+    weight in oneDNN's packed layout when `packed` is given. With `gemv` (the C bf16 skinny GEMM,
+    kernel/cpu) dense calls of <= `gemv_max_rows` rows read the plain bf16 weight in place; with
+    `amx` (the C AMX GEMM) the larger ones do too (torch's GEMM where a kernel declines)."""
 
     def __init__(self, dense: torch.Tensor, quant: QuantWeight | None, bias: torch.Tensor | None = None,
-                 dense_above: int = DEFAULT_DENSE_ABOVE, packed: torch.Tensor | None = None) -> None:  # fmt: skip
+                 dense_above: int = DEFAULT_DENSE_ABOVE, packed: torch.Tensor | None = None,
+                 gemv: GemvFn | None = None, gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS,
+                 nthreads: int = 1, amx: GemvFn | None = None) -> None:  # fmt: skip
         self.dense, self.quant, self.bias = dense, quant, bias
         self.dense_above = dense_above
         self.packed = packed
+        ok = dense.dtype == torch.bfloat16 and dense.is_contiguous() and dense.device.type == "cpu"
+        ok = ok and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        self.gemv = gemv if ok else None
+        self.amx = amx if ok and packed is None else None
+        self.gemv_max_rows = gemv_max_rows
+        self.nthreads = nthreads
+
+    def _c_gemm(self, fn: GemvFn, x: torch.Tensor) -> torch.Tensor | None:
+        """y from one of the C kernels (same signature), None where it declined the shape."""
+        if x.dim() != 2 or x.stride(-1) != 1:
+            x = x.reshape(-1, x.shape[-1]).contiguous()
+        m, (n, k) = x.shape[0], self.dense.shape
+        y = x.new_empty(m, n)
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        ok = fn(x.data_ptr(), x.stride(0), m, self.dense.data_ptr(), n, k, bias, y.data_ptr(), self.nthreads)
+        return y if ok else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None or x.shape[0] > self.dense_above:
+            if x.dtype == torch.bfloat16:
+                fn = self.gemv if x.shape[0] <= self.gemv_max_rows else None
+                y = self._c_gemm(fn or self.amx, x) if (fn or self.amx) is not None else None  # type: ignore[arg-type]
+                if y is not None:
+                    return y
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.nn.functional.linear(x, self.dense, self.bias)

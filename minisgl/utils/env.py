@@ -18,6 +18,7 @@ option or a config field; these are the few process-wide switches.
 | MINISGL_CPU_KERNELS | bool | true | CPU: build and use the C kernels (false: the same loop on torch ops) |
 | CC | str | cc, gcc on PATH | the C compiler of the CPU kernels |
 | MINISGL_CPU_PACKED | bool | false | CPU: bf16 GEMM weights packed once for oneDNN (faster, twice the weight memory) |
+| MINISGL_CPU_AMX | bool | true | CPU: bf16 GEMMs of > 8 rows on the C AMX kernel (false: oneDNN through torch) |
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class Env:
     cpu_fast_decode: bool
     cpu_kernels: bool
     cpu_packed: bool
+    cpu_amx: bool
     cc: str | None
 
 
@@ -71,5 +73,6 @@ def read_env() -> Env:
         cpu_fast_decode=_flag("MINISGL_CPU_FAST_DECODE", True),
         cpu_kernels=_flag("MINISGL_CPU_KERNELS", True),
         cpu_packed=_flag("MINISGL_CPU_PACKED", False),
+        cpu_amx=_flag("MINISGL_CPU_AMX", True),
         cc=os.environ.get("CC") or None,
     )

@@ -1,6 +1,7 @@
 """Fused C kernels for the CPU decode step, built on first use and called through ctypes.
 
-`kernels.c` is compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
+`kernels.c` (norms, rotary, SiLU, paged attention), `gemv.c` (the bf16 skinny GEMM of small
+decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
 a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
 headers, so no minute-long extension build. Without a compiler, or with MINISGL_CPU_KERNELS=0,
 `cpu_kernels()` returns None and callers use their torch-op path.
@@ -24,7 +25,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRC = Path(__file__).with_name("kernels.c")
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -55,14 +56,14 @@ def _build() -> Path:
     cc = read_env().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = _SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SRCS)
     key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
     out = _cache_dir() / f"minisgl_cpu_{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-    proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(_SRC), "-lm"], capture_output=True, text=True)
+    proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), *map(str, _SRCS), "-lm"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:2000]}")
     os.replace(tmp, out)  # atomic: concurrent builders produce the same file
@@ -78,6 +79,14 @@ class CpuKernels:
                 fn.argtypes, fn.restype = sig, None
         lib.max_head_dim.restype = lib.max_group.restype = ctypes.c_long
         self.max_head_dim, self.max_group = lib.max_head_dim(), lib.max_group()
+        lib.gemv_available.restype = ctypes.c_int
+        lib.gemv_bf16.argtypes, lib.gemv_bf16.restype = [_P, _L, _L, _P, _L, _L, _P, _P, _I], ctypes.c_int
+        # 0 where the compiler had no AVX512-BF16 for this CPU: bf16 GEMMs stay on torch
+        self.has_gemv = bool(lib.gemv_available())
+        lib.amx_available.restype = ctypes.c_int
+        lib.gemm_amx_bf16.argtypes, lib.gemm_amx_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
+        # 0 without AMX (compiler or CPU) or where Linux refuses the tile state
+        self.has_amx = bool(lib.amx_available())
 
     def get(self, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")

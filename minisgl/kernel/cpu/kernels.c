@@ -80,6 +80,50 @@ static inline __m512 ld16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+/* fp32 -> bf16 bits, 16 lanes, exactly f_to_bf16 (round to nearest even, NaN kept quiet,
+ * denormals kept: VCVTNEPS2BF16 would flush them). */
+static inline __m256i f16_to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __m512 bf16x16_to_f(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static inline __m512 rnd16_bf16(__m512 v) { return bf16x16_to_f(f16_to_bf16x16(v)); }
+#define LDH(p) bf16x16_to_f(_mm256_loadu_si256((const __m256i *)(p)))
+#define STH(p, v) _mm256_storeu_si256((__m256i *)(p), f16_to_bf16x16(v))
+
+/* The bf16 add_rms_norm / silu_mul rows, 16 lanes at a time (h % 16 == 0): the same roundings
+ * as the scalar loops, which the compiler does not vectorize (bf16 stores round per element). */
+static void rms_row_bf16_v(const uint16_t *xr, uint16_t *rr, const uint16_t *w, uint16_t *orow, long h,
+                           float eps, int has_residual) {
+    __m512 ss = _mm512_setzero_ps();
+    for (long i = 0; i < h; i += 16) {
+        __m512 v = LDH(xr + i);
+        if (has_residual) v = rnd16_bf16(_mm512_add_ps(v, LDH(rr + i)));
+        STH(rr + i, v);
+        ss = _mm512_fmadd_ps(v, v, ss);
+    }
+    /* the scalar loop sums in index order; a 16-lane sum differs in the last bits only */
+    float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)h + eps);
+    __m512 vi = _mm512_set1_ps(inv);
+    for (long i = 0; i < h; i += 16) STH(orow + i, _mm512_mul_ps(LDH(w + i), rnd16_bf16(_mm512_mul_ps(LDH(rr + i), vi))));
+}
+static void silu_row_bf16_v(const uint16_t *g, const uint16_t *u, uint16_t *o, long inter) {
+    for (long i = 0; i < inter; i += 16) {
+        __m512 a = LDH(g + i);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        __m512 sv = rnd16_bf16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+        STH(o + i, _mm512_mul_ps(sv, LDH(u + i)));
+    }
+}
+#define RMS_ROW_FAST_bf16                                                                        \
+    if (h % 16 == 0) { rms_row_bf16_v(xr, rr, w, orow, h, eps, has_residual); continue; }
+#define SILU_ROW_FAST_bf16                                                                       \
+    if (inter % 16 == 0) { silu_row_bf16_v(g, u, out + r * inter, inter); continue; }
+
 #define DEFINE_FAST_ATTN(SUF, T, D)                                                              \
 static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache,               \
                                   const int32_t *slots, long n, long hk, long kh, long g,         \
@@ -153,8 +197,98 @@ static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache
 }
 DEFINE_FAST_ATTN(f32, float, 64)
 DEFINE_FAST_ATTN(f32, float, 128)
+#if defined(__AVX512BF16__)
+/* 16 vectors -> one: lane b = the sum of d[b]'s 16 lanes. A shuffle tree (45 ops) in place of
+ * 16 horizontal reductions (~9 dependent ops each), which dominated the per-key score cost. */
+static inline __m512 hsum16x16(__m512 d[16]) {
+    __m512 e[8], f[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [k2i, k2i+1, k2i, k2i+1] partials */
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
+                             _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: [k4i .. k4i+3] partials */
+        __m512d a = _mm512_castps_pd(e[2 * i]), b = _mm512_castps_pd(e[2 * i + 1]);
+        f[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* across the four 128-bit lanes */
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88), _mm512_shuffle_f32x4(f[2], f[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+/* bf16 decode attention with VDPBF16PS scores: q and k are bf16 already, their products are
+ * exact in fp32 and summed in fp32 (what the fp32 path computes, in another order); the scale
+ * (a power of two for head_dim 64 / 256, else one fp32 rounding) is applied to the sums. p and
+ * V stay fp32, as in the generic kernel. */
+#define DEFINE_DP_ATTN(D)                                                                         \
+static void attn_task_bf16_##D(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, \
+                               const int32_t *slots, long n, long hk, long kh, long g,            \
+                               float scale, uint16_t *out) {                                      \
+    enum { V = D / 16, W = D / 32 };                                                              \
+    __m512bh qb[8][W];                                                                            \
+    __m512 acc[8][V];                                                                             \
+    float mx[8], den[8];                                                                          \
+    for (long j = 0; j < g; j++) {                                                                \
+        for (int c = 0; c < W; c++) qb[j][c] = (__m512bh)_mm512_loadu_si512(q + j * D + c * 32);  \
+        for (int c = 0; c < V; c++) acc[j][c] = _mm512_setzero_ps();                              \
+        mx[j] = -INFINITY; den[j] = 0.f;                                                          \
+    }                                                                                             \
+    const __m512 vscale = _mm512_set1_ps(scale);                                                  \
+    for (long s0 = 0; s0 < n; s0 += 16) {                                                         \
+        int nb = n - s0 < 16 ? (int)(n - s0) : 16;                                                \
+        __mmask16 live = (__mmask16)((1u << nb) - 1u);                                            \
+        for (long b = s0 + 16; b < s0 + 32 && b < n; b++) { /* next block's scattered rows */    \
+            const char *kp = (const char *)(k_cache + ((long)slots[b] * hk + kh) * D);            \
+            const char *vp = (const char *)(v_cache + ((long)slots[b] * hk + kh) * D);            \
+            for (int off = 0; off < D * 2; off += 64) {                                           \
+                _mm_prefetch(kp + off, _MM_HINT_T0);                                              \
+                _mm_prefetch(vp + off, _MM_HINT_T0);                                              \
+            }                                                                                     \
+        }                                                                                         \
+        const uint16_t *kr[16];                                                                   \
+        for (int b = 0; b < 16; b++) kr[b] = k_cache + ((long)slots[s0 + (b < nb ? b : 0)] * hk + kh) * D; \
+        float pj[8][16];                                                                          \
+        for (long j = 0; j < g; j++) {                                                            \
+            __m512 d[16];                                                                         \
+            for (int b = 0; b < 16; b++) {                                                        \
+                __m512 t = _mm512_setzero_ps();                                                   \
+                for (int c = 0; c < W; c++)                                                       \
+                    t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(kr[b] + c * 32), qb[j][c]); \
+                d[b] = t;                                                                         \
+            }                                                                                     \
+            __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(hsum16x16(d), vscale)); \
+            float bm = _mm512_reduce_max_ps(sv);                                                  \
+            if (bm > mx[j]) {                                                                     \
+                float corr = fast_exp(mx[j] - bm);                                                \
+                den[j] *= corr;                                                                   \
+                for (int c = 0; c < V; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], _mm512_set1_ps(corr)); \
+                mx[j] = bm;                                                                       \
+            }                                                                                     \
+            __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx[j])))); \
+            den[j] += _mm512_reduce_add_ps(pv);                                                   \
+            _mm512_storeu_ps(pj[j], pv);                                                          \
+        }                                                                                         \
+        for (int b = 0; b < nb; b++) {                                                            \
+            const uint16_t *vr = v_cache + ((long)slots[s0 + b] * hk + kh) * D;                   \
+            __m512 vv[V];                                                                         \
+            for (int c = 0; c < V; c++) vv[c] = ld16_bf16(vr + c * 16);                           \
+            for (long j = 0; j < g; j++) {                                                        \
+                __m512 w = _mm512_set1_ps(pj[j][b]);                                              \
+                for (int c = 0; c < V; c++) acc[j][c] = _mm512_fmadd_ps(w, vv[c], acc[j][c]);     \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (long j = 0; j < g; j++) {                                                                \
+        float inv = n > 0 ? 1.0f / den[j] : 0.f;                                                  \
+        float tmp[D];                                                                             \
+        for (int c = 0; c < V; c++) _mm512_storeu_ps(tmp + c * 16, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv))); \
+        for (int i = 0; i < D; i++) st_bf16(out + j * D, i, tmp[i]);                              \
+    }                                                                                             \
+}
+DEFINE_DP_ATTN(64)
+DEFINE_DP_ATTN(128)
+#else
 DEFINE_FAST_ATTN(bf16, uint16_t, 64)
 DEFINE_FAST_ATTN(bf16, uint16_t, 128)
+#endif
 #define FAST_ATTN(SUF)                                                                           \
     if (d == 64 || d == 128) {                                                                   \
         int nt = (work * hk * d < 65536) ? 1 : nthreads;                                         \
@@ -171,7 +305,11 @@ DEFINE_FAST_ATTN(bf16, uint16_t, 128)
     }
 #else
 #define FAST_ATTN(SUF)
+#define RMS_ROW_FAST_bf16
+#define SILU_ROW_FAST_bf16
 #endif
+#define RMS_ROW_FAST_f32
+#define SILU_ROW_FAST_f32
 
 #define DEFINE_KERNELS(SUF, T)                                                                   \
 /* residual = x (+ residual);  out = w * T(residual * rsqrt(mean(residual^2) + eps)).        \
@@ -183,6 +321,7 @@ void add_rms_norm_##SUF(const T *x, T *residual, const T *w, T *out, long rows, 
         const T *xr = x + r * h;                                                                \
         T *rr = residual + r * h;                                                               \
         T *orow = out + r * h;                                                                  \
+        RMS_ROW_FAST_##SUF                                                                      \
         float ss = 0.f;                                                                         \
         for (long i = 0; i < h; i++) {                                                          \
             float v = ld_##SUF(xr, i);                                                          \
@@ -201,6 +340,7 @@ void silu_mul_##SUF(const T *gu, T *out, long rows, long inter) {               
     _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long r = 0; r < rows; r++) {                                                           \
         const T *g = gu + r * 2 * inter, *u = g + inter;                                        \
+        SILU_ROW_FAST_##SUF                                                                     \
         for (long i = 0; i < inter; i++) {                                                      \
             float a = ld_##SUF(g, i);                                                           \
             float s = rnd_##SUF(a / (1.0f + fast_exp(-a)));                                         \
