@@ -5,8 +5,12 @@ greedy tokens (fp32) and no page leaks."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -167,3 +171,28 @@ def test_priority_policy_admits_the_most_urgent_first(tiny_dir) -> None:
         sched.add_request(UserRequest(1, [1, 2], SamplingParams(max_tokens=2, priority=0)))
         while sched.has_work():
             sched.step()
+
+
+def test_stream_gap_while_long_prompts_arrive(embedded_model_dir) -> None:
+    """Mixed batches on the embedded SmolLM2 (bf16): while four 1,500-token prompts are
+    prefilled in 16-token chunks beside a decoding stream's row, its longest inter-token gap
+    stays within 3x its median gap, and within 3x its median decode-only gap (alternating
+    instead, the prefill step stalls it ~160x: benchmark/mixed_gap.py, docs/PERFORMANCE.md).
+    A timing on a 2-core machine: the better of two runs counts, so one preemption does not
+    fail it. The tiny test models cannot show this: their decode step is ~0.2 ms of fixed
+    overhead that any prefill chunk dwarfs."""
+    import json
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, str(root / "benchmark" / "mixed_gap.py"), "--model", embedded_model_dir, "--chunk", "16", "--skip-alternating"]
+    if TEST_DEVICE != "cpu":
+        cmd += ["--device", TEST_DEVICE]
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1])["mixed chunk=16"])
+        if runs[-1]["ratio"] <= 3.0 and runs[-1]["ratio_to_decode_median"] <= 3.0:
+            break
+    best = min(runs, key=lambda r: r["ratio_to_decode_median"])
+    assert best["ratio"] <= 3.0 and best["ratio_to_decode_median"] <= 3.0, runs
