@@ -99,23 +99,10 @@ def reference(kind: str, x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, w: 
 
 
 def graph_time(fn: Any, reps: int = 10) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            fn()
-        g.replay()
-        times = []
-        for _ in range(3):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(s)
-            for _ in range(reps):
-                g.replay()
-            b.record(s)
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3 / reps)
-    return sorted(times)[1]
+    """Seconds per call of fn replayed from a CUDA graph (the plan's own timer)."""
+    from minisgl.kernel.skinny import _graph_time
+
+    return _graph_time(fn, torch.cuda.Stream(), reps)
 
 
 def rel(a: torch.Tensor, ref: torch.Tensor) -> float:

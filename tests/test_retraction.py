@@ -16,7 +16,8 @@ from typing import Any, Dict, Iterator, List
 import pytest
 import torch
 from helpers import TEST_ATTENTION_BACKEND, TEST_DEVICE
-from sched_helpers import TINY, assert_idle_and_clean, assert_match_ref, refs_for
+from sched_helpers import assert_idle_and_clean, assert_match_ref
+from test_scheduler import refs, tiny_dir  # noqa: F401  (fixtures)
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
@@ -24,16 +25,6 @@ from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
 
 CTX = 384
 REF_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir(TINY)
-
-
-@pytest.fixture(scope="module")
-def refs(hf_oracle):
-    return refs_for(hf_oracle(TINY))
 
 
 @contextmanager
