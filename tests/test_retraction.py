@@ -169,8 +169,8 @@ def test_stream_gap_while_long_prompts_arrive(embedded_model_dir) -> None:
     prefilled in 16-token chunks beside a decoding stream's row, its longest inter-token gap
     stays within 3x its median gap, and within 3x its median decode-only gap (alternating
     instead, the prefill step stalls it ~160x: benchmark/mixed_gap.py, docs/PERFORMANCE.md).
-    A timing on a 2-core machine: the better of two runs counts, so one preemption does not
-    fail it. The tiny test models cannot show this: their decode step is ~0.2 ms of fixed
+    A timing on a 2-core machine: the benchmark runs on one core (one thread: no thread
+    barrier that another process's load can stretch), and the better of two runs counts. The tiny test models cannot show this: their decode step is ~0.2 ms of fixed
     overhead that any prefill chunk dwarfs."""
     import json
 
@@ -180,10 +180,17 @@ def test_stream_gap_while_long_prompts_arrive(embedded_model_dir) -> None:
         cmd += ["--device", TEST_DEVICE]
     runs = []
     for _ in range(2):
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=600, cwd=root, env=dict(os.environ, PYTHONPATH=str(root)),
+            preexec_fn=_one_core if TEST_DEVICE == "cpu" else None,
+        )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1])["mixed chunk=16"])
         if runs[-1]["ratio"] <= 3.0 and runs[-1]["ratio_to_decode_median"] <= 3.0:
             break
     best = min(runs, key=lambda r: r["ratio_to_decode_median"])
     assert best["ratio"] <= 3.0 and best["ratio_to_decode_median"] <= 3.0, runs
+
+
+def _one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # the engine sizes its threads by affinity
