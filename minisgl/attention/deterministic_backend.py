@@ -63,7 +63,7 @@ class DeterministicAttnBackend(BaseAttnBackend):
         if q.is_cuda:
             from minisgl.kernel.triton_deterministic import deterministic_attention
 
-            return deterministic_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.positions)
+            return deterministic_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.positions, max(meta.chunk_blocks))
         out = torch.empty_like(q)
         for c, num_blocks in enumerate(meta.chunk_blocks):
             lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])

@@ -79,8 +79,11 @@ def deterministic_attention(
     page_table: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
+    num_blocks: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, Hq, D]; k/v_cache: [slots, Hk, D]; rows/positions: [T]. Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k/v_cache: [slots, Hk, D]; rows/positions: [T]. Returns [T, Hq, D].
+    `num_blocks`: BLOCK-key blocks of the longest query, known on the host (None: read from
+    `positions`, a device sync)."""
     num_tokens, hq, head_dim = q.shape
     hk = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -88,7 +91,7 @@ def deterministic_attention(
         return out
     _deterministic_attention_kernel[(num_tokens, hq)](
         q, k_cache, v_cache, out, page_table, rows, positions,
-        head_dim**-0.5, int(positions.max().item()) // BLOCK + 1,
+        head_dim**-0.5, num_blocks if num_blocks is not None else int(positions.max().item()) // BLOCK + 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=hq // hk, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK,

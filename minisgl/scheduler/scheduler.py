@@ -121,6 +121,8 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         # shares of their max_tokens that recently finished requests used: the estimate's target
         self._finished_shares: Deque[float] = deque(maxlen=64)
+        self._ratio_target = config.min_new_token_ratio  # where the estimate decays to (see _finish)
+        self._decode_need = 0  # pages the scheduled step's decode rows need (set by _schedule)
         self._admit_counter = 0
         self._retractions = 0
         self._mixed_steps = 0
@@ -222,14 +224,16 @@ class Scheduler:
 
     def _step(self) -> List[TokenOutput]:
         outputs: List[TokenOutput] = []
-        if self._in_flight is not None and self._pages_short():
+        decodable, need = self._decodable()
+        if self._in_flight is not None and need > self._available_pages():
             # Retraction frees pages at once: first finish the step that may still write them
             # (its tokens are real output; finished requests return their pages too).
             flight, self._in_flight = self._in_flight, None
             outputs += self._process(flight)
             self._release_deferred()
+            decodable, need = self._decodable()
         start = time.perf_counter()
-        batch = self._schedule()
+        batch = self._schedule(decodable, need)
         if batch is not None:
             self._step_batches.append(batch)
         launched = self._launch(batch) if batch is not None else None
@@ -294,10 +298,17 @@ class Scheduler:
         return out
 
     # ---- scheduling --------------------------------------------------------------------------
-    def _schedule(self) -> Batch | None:
+    def _decodable(self) -> tuple[List[SchedReq], int]:
+        """The requests that can decode next, and the pages that step needs beyond theirs
+        (0 under worst-case admission: their reservations cover it)."""
         decodable = [r for r in self.running if r.can_decode]
-        if decodable and self.config.admission == "optimistic":
-            decodable = self._retract_until_fits(decodable)
+        need = self._decode_page_need(decodable) if self.config.admission == "optimistic" else 0
+        return decodable, need
+
+    def _schedule(self, decodable: List[SchedReq], need: int) -> Batch | None:
+        if need > self._available_pages():
+            decodable, need = self._retract_until_fits(decodable, need)
+        self._decode_need = need
         want_prefill = bool(self.waiting or self.prefilling or self.retracted)
         if want_prefill and decodable and self.config.mixed_batches:
             # One batch: every decode row (one token each) plus prefill chunks in the rest of
@@ -348,25 +359,21 @@ class Scheduler:
         ps = self.page_size
         return sum(max(0, div_ceil(r.device_len, ps) - len(r.pages)) for r in reqs)
 
-    def _pages_short(self) -> bool:
-        if self.config.admission != "optimistic":
-            return False
-        return self._decode_page_need([r for r in self.running if r.can_decode]) > self._available_pages()
-
-    def _retract_until_fits(self, decodable: List[SchedReq]) -> List[SchedReq]:
-        """Take pages back from the latest admitted decoders until this decode step fits.
+    def _retract_until_fits(self, decodable: List[SchedReq], need: int) -> tuple[List[SchedReq], int]:
+        """Take pages back from the least urgent decoders until this decode step's `need`
+        fits; returns who stays and what they need.
 
         Called with no step in flight (`_step` drains it first), so freed pages are unused."""
-        if self._decode_page_need(decodable) <= self._available_pages():
-            return decodable
         assert self._in_flight is None, "retraction with a step in flight"
         keep = sorted(decodable, key=_urgency)  # the least urgent last
-        while keep and self._decode_page_need(keep) > self._available_pages():
+        while keep and need > self._available_pages():
             # Everyone may go: prefilling requests hold reserved pages and always progress, and
             # the retracted resume (from the front of the queue) as pages return.
-            self._retract(keep.pop())
+            victim = keep.pop()
+            need -= self._decode_page_need([victim])
+            self._retract(victim)
         self.new_token_ratio = min(1.0, self.new_token_ratio * 1.5 + 0.05)
-        return keep
+        return keep, need
 
     def _retract(self, req: SchedReq) -> None:
         """Return a decoding request's row and pages (its KV goes to the prefix cache, so a
@@ -382,12 +389,8 @@ class Scheduler:
     def _decay_new_token_ratio(self) -> None:
         """Each step moves the estimate toward what finished requests used (with a margin), or
         toward the minimum before any finished: optimism grows until a retraction says stop."""
-        shares = self._finished_shares
-        target = self.config.min_new_token_ratio
-        if shares:
-            target = min(1.0, max(target, 1.25 * sum(shares) / len(shares)))
         keep = 1.0 - 1.0 / self.config.new_token_ratio_decay_steps
-        self.new_token_ratio = target + (self.new_token_ratio - target) * keep
+        self.new_token_ratio = self._ratio_target + (self.new_token_ratio - self._ratio_target) * keep
 
     def _fits(self, need_now: int, future: int, expected: int) -> bool:
         if self.config.admission == "optimistic":
@@ -409,7 +412,8 @@ class Scheduler:
             budget -= chunk
             reqs.append(req)
         optimistic = self.config.admission == "optimistic"
-        expected = self._expected_decode_pages() if optimistic else 0
+        # (only when something may be admitted: it walks every admitted request)
+        expected = self._expected_decode_pages() if optimistic and (self.retracted or self.waiting) else 0
         in_flight = self._in_flight.batch.reqs if self._in_flight is not None else []
         while self.retracted and budget > 0 and self.free_rows:
             req = self.retracted[0]
@@ -539,7 +543,7 @@ class Scheduler:
         ahead = self.alloc_ahead
         if self.config.admission == "optimistic" and ahead:
             # ahead of need only while the pool has room to spare for it
-            spare = self._available_pages() - self._decode_page_need(batch.reqs)  # type: ignore[arg-type]
+            spare = self._available_pages() - self._decode_need
             if spare < 2 * batch.size * div_ceil(ahead, ps):
                 ahead = 0
         for req in batch.reqs:
@@ -586,11 +590,13 @@ class Scheduler:
                 tokens = torch.where(keep, tokens, self.token_pool[rows_w, pos_w])
             self.token_pool[rows_w, pos_w] = tokens
         if batch.is_prefill:  # bookkeeping the next schedule depends on
-            for req, real in zip(batch.reqs, emits):
+            for i, (req, real) in enumerate(zip(batch.reqs, emits)):
                 assert isinstance(req, SchedReq)
+                if i < batch.num_decode_rows:
+                    continue  # a mixed batch's decode rows are running already
                 if not real:
                     req.device_len = req.cached_len  # mid-prompt chunk: the next chunk continues here
-                elif req in self.prefilling:  # (decode rows of a mixed batch are running already)
+                else:
                     self.prefilling.remove(req)
                     self.running.append(req)
         return _InFlight(batch, output, emits)
@@ -687,7 +693,9 @@ class Scheduler:
         if req in self.retracted:
             self.retracted.remove(req)
         if reason in ("stop", "length") and req.output_len > 0:
-            self._finished_shares.append(req.num_output / req.output_len)
+            shares = self._finished_shares
+            shares.append(req.num_output / req.output_len)
+            self._ratio_target = min(1.0, max(self.config.min_new_token_ratio, 1.25 * sum(shares) / len(shares)))
         self._deferred.append(req)
 
     def _release_deferred(self) -> None:

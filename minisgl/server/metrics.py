@@ -63,11 +63,11 @@ class ServerMetrics:
         self.peak_running.set(s.peak_running)
         self.num_retracted.set(s.num_retracted)
         self.new_token_ratio.set(s.new_token_ratio)
-        self.retractions.inc(max(0, s.retractions - (last.retractions if (last := self._last) else 0)))
         last = self._last
         self.prompt_tokens.inc(max(0, s.prompt_tokens - (last.prompt_tokens if last else 0)))
         self.generation_tokens.inc(max(0, s.generated_tokens - (last.generated_tokens if last else 0)))
         self.aborted.inc(max(0, s.aborted_requests - (last.aborted_requests if last else 0)))
+        self.retractions.inc(max(0, s.retractions - (last.retractions if last else 0)))
         self._last = s
 
     def render(self) -> bytes:
