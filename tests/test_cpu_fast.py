@@ -41,32 +41,76 @@ def _generate(engine, prompts: List[List[int]], steps: int) -> List[List[int]]:
 
 
 # ---- quantized weights -------------------------------------------------------------------------
-def test_q4_1_maps_onto_int4_without_loss():
-    torch.manual_seed(0)
-    n, k = 48, 128
+def _q4_1_blocks(n: int, k: int):
+    """Random Q4_1 blocks as GGUF stores them: codes spanning [0, 15], fp16 d and m."""
     codes = torch.randint(0, 16, (n, k))
     codes[:, 0::32], codes[:, 1::32] = 0, 15  # Q4_1 blocks span their min and max
-    d, m = torch.rand(n, k // 32) * 0.01, torch.randn(n, k // 32) * 0.05
-    w = Int4Weight.from_q4_1(codes, d, m, torch.float32)
+    d = (torch.rand(n, k // 32) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(n, k // 32) * 0.05).half().float()
+    return codes, d, m
+
+
+@pytest.mark.parametrize("k", [128, 96])  # 96: an odd number of blocks (the record pads a pair)
+def test_q4_1_maps_onto_int4_without_loss(k):
+    torch.manual_seed(0)
+    n = 48
+    codes, d, m = _q4_1_blocks(n, k)
+    w = Int4Weight.from_q4_1(codes, d, m)
     expect = codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
-    assert torch.allclose(w.dequantize(), expect, atol=1e-6)
+    assert torch.equal(w.dequantize(), expect)  # d * q + m in fp32, as gguf-py computes it
+    got_codes, got_d, got_m = w.blocks()
+    assert torch.equal(got_codes.long(), codes) and torch.equal(got_d, d) and torch.equal(got_m, m)
     # round-to-nearest on weights already on a Q4_1 grid recovers that grid (up to fp rounding)
     again = Int4Weight.quantize(expect)
     assert torch.allclose(again.dequantize(), expect, atol=1e-5)
     x = torch.randn(3, k)
-    assert torch.allclose(w.mm(x), x @ expect.t(), atol=1e-4)
+    assert torch.allclose(w.mm(x), x @ expect.t(), atol=1e-4)  # fp32: torch's int4 kernel
 
 
-def test_int8_per_row_and_quant_linear_dispatch():
+def test_int8_blocks_and_quant_linear_dispatch():
     torch.manual_seed(0)
     dense = torch.randn(40, 64)
     q = Int8Weight.quantize(dense)
-    step = dense.abs().amax(-1, keepdim=True) / 127
+    # within half a step of each 32-block's own scale (fp16, as Q8_0 stores it)
+    step = (dense.reshape(40, 2, 32).abs().amax(-1) / 127).half().float().repeat_interleave(32, 1)
     assert ((q.dequantize() - dense).abs() <= step / 2 + 1e-6).all()
     lin = QuantLinear(dense, q, dense_above=4)
     small, big = torch.randn(2, 64), torch.randn(6, 64)
-    assert torch.allclose(lin(small), small @ q.dequantize().t(), atol=1e-4)  # quantized kernel
+    assert torch.allclose(lin(small), small @ q.dequantize().t(), atol=1e-4)  # quantized weights
     assert torch.equal(lin(big), torch.nn.functional.linear(big, dense))  # dense above the threshold
+
+
+@pytest.mark.parametrize("bits,k", [(4, 576), (4, 1536), (4, 96), (8, 576), (8, 96)])
+def test_quantized_gemv_matches_fp32_reference(bits, k):
+    """The C kernel on GGUF's blocks (kernel/cpu/qgemv.c) for bf16 activations: fp32 sums of the
+    exact dequantized weights, one rounding to bf16 (within one bf16 step of the fp32 reference
+    on the same weights), for 1-8 rows (the register tiles), 11 (two row blocks), strided rows
+    and an odd number of 64-column pairs; the same weights' torch path agrees."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_qgemv:
+        pytest.skip("no C compiler or no AVX512-BF16 here")
+    torch.manual_seed(0)
+    n = 203  # not a multiple of any row tile or the 16-row thread chunk
+    if bits == 4:
+        q = Int4Weight.from_q4_1(*_q4_1_blocks(n, k))
+    else:
+        q = Int8Weight.quantize(torch.randn(n, k) * 0.05)
+    w = q.dequantize()
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 11):
+        wide = torch.randn(m, k + 32).bfloat16()
+        for x in (wide[:, :k], wide[:, :k].contiguous()):
+            ref = x.float() @ w.t()
+            ours = q.mm(x, nthreads=2)
+            assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+            assert ((ours.float() - ref).abs() <= ref.abs() * 2**-8 + 1e-3 * ref.abs().max()).all(), m
+    # the fallback on the same records (fp32 activations) computes the same product
+    x = torch.randn(3, k)
+    if bits == 4 and n % 16:
+        q = Int4Weight.from_q4_1(*_q4_1_blocks(208, k))  # torch's int4 layout wants n % 16 == 0
+        w = q.dequantize()
+    assert torch.allclose(q.mm(x), x @ w.t(), atol=1e-4)
 
 
 @pytest.mark.parametrize("k", [576, 200])  # 200: a masked tail of 8 after six 32-blocks
@@ -208,7 +252,7 @@ def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
 
     src = gguf_source(embedded_model_dir)
     assert src is not None and src.endswith(".gguf")  # the converted folder remembers its GGUF
-    quant = load_gguf_quant(src, 9, 3, torch.float32)
+    quant = load_gguf_quant(src, 9, 3)
     sd = load_file(f"{embedded_model_dir}/model.safetensors")
     for layer in (0, 29):
         p = f"model.layers.{layer}."
@@ -220,9 +264,8 @@ def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
         }
         for name, w in ref.items():
             assert torch.equal(quant[p + name].dequantize(), w.float()), f"{p}{name}"
-    head = quant["lm_head"].dequantize()  # Q8_0 re-quantized per row: within half a row step
-    emb = sd["model.embed_tokens.weight"].float()
-    assert (head - emb).abs().max() <= (emb.abs().amax(-1) / 127).max() / 2 + 1e-6
+    head = quant["lm_head"].dequantize()  # the file's Q8_0 blocks as they are
+    assert torch.equal(head, sd["model.embed_tokens.weight"].float())
 
 
 # ---- the runner on tiny models (fp32, exact) -----------------------------------------------------

@@ -338,10 +338,10 @@ class CpuDecodeRunner:
 QUANTIZATIONS = ("none", "gguf", "int4", "int8")
 
 
-def load_quant_weights(model: Any, method: str, model_path: str | None, dtype: torch.dtype) -> Dict[str, QuantWeight]:
+def load_quant_weights(model: Any, method: str, model_path: str | None) -> Dict[str, QuantWeight]:
     """Quantized copies of the decode GEMM weights, keyed by module path ('lm_head' included).
 
-    "gguf": the codes of the GGUF the model came from (Q4_1 -> int4, Q8_0 -> int8);
+    "gguf": the codes of the GGUF the model came from (Q4_1 -> int4, Q8_0 -> int8, code for code);
     "int4" / "int8": round-to-nearest of the loaded dense weights (any checkpoint). The LM head
     is int8 in every mode (int4 costs the vocabulary distribution too much)."""
     from minisgl.layers.quant import Int8Weight, quantize_weight
@@ -352,7 +352,7 @@ def load_quant_weights(model: Any, method: str, model_path: str | None, dtype: t
         src = gguf_source(model_path)
         if src is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model (or the embedded default), got {model_path!r}")
-        codes = load_gguf_quant(src, cfg.num_qo_heads, cfg.num_kv_heads, dtype)
+        codes = load_gguf_quant(src, cfg.num_qo_heads, cfg.num_kv_heads)
         if not codes:
             raise ValueError(f"{src} has no Q4_1/Q8_0 matrices to run quantized")
         return codes
@@ -409,7 +409,7 @@ def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, co
     _hugepage_pool(kv_cache)
     quant = None
     if method != "none":
-        quant = load_quant_weights(model, method, config.model_path, config.dtype)
+        quant = load_quant_weights(model, method, config.model_path)
         logger.info_rank0(f"CPU decode: {len(quant)} {method} weight matrices for batches <= {DEFAULT_DENSE_ABOVE}")
     return CpuDecodeRunner(model, kv_cache, quant=quant)
 

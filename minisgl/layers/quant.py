@@ -1,29 +1,30 @@
 """Weight-only quantized matmuls for the CPU decode path.
 
-Two formats, both run by torch's own CPU kernels (measured on the dev CPU, AVX-512/AMX, 2
-threads: at one to four rows they read 3-4x fewer bytes than bf16 and are 2-3x faster; past about
-eight rows they are slower than oneDNN's bf16 GEMM, so callers keep the dense weight for prefill
-and large decode batches, see `QuantLinear`):
+Both formats are GGUF's own 32-column blocks, stored as one record per weight row (the layout
+kernel/cpu/qgemv.c streams; see its header):
 
-- int4, group-wise asymmetric: w = (q - 8) * scale + zero per `group` input columns, q in [0, 15]
-  (`_weight_int4pack_mm_for_cpu`). GGUF's Q4_1 block (d, m, 32 nibbles: w = d * q + m) is this
-  with scale = d, zero = m + 8 d: the codes carry over without loss.
-- int8, per output channel symmetric: w = q * scale (`_weight_int8pack_mm`). GGUF's Q8_0 has a
-  scale per 32-block; it is re-quantized per row (a half-step of the row scale at most).
+- int4 (Q4_1): w = d * q + m, q in [0, 15], fp16 d and m per block: [codes][d x G][m x G], K padded
+  to a multiple of 64 and the 64 codes of each block pair in the kernel's order (`_Q4_LO`);
+- int8 (Q8_0): w = d * q, q in [-127, 127], fp16 d per block: [K code bytes][d x G].
 
-Scales are stored in the activation dtype (bf16 for speed; fp32 gives an exact reference path,
-20x slower).
+GGUF files carry over code for code (nothing re-rounded); `quantize` rounds any dense weight to
+the same grids (round to nearest). bf16 activations run the C kernel (fp32 sums, one bf16
+rounding); elsewhere (fp32 activations: the exact test path; CPUs without AVX512-BF16) int4 runs
+torch's `_weight_int4pack_mm_for_cpu` on a layout built on first use, and int8 a dequantized copy
+(the same values, no bandwidth saved). Past about eight rows a GEMM is compute-bound and the dense
+weight wins, so callers keep it for prefill and large decode batches, see `QuantLinear`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Literal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Literal
 
 import torch
 
 QuantMethod = Literal["int4", "int8"]
-INT4_GROUP = 32
+BLOCK = 32  # GGUF's block of input columns sharing a scale
+INT4_GROUP = BLOCK
 # Rows (tokens) above which the dense weight beats the quantized kernel on this CPU.
 DEFAULT_DENSE_ABOVE = 8
 # Rows up to which the C bf16 skinny GEMM (kernel/cpu/gemv.c) beats oneDNN's bf16 linear here.
@@ -35,83 +36,159 @@ def _check_cpu(t: torch.Tensor) -> None:
         raise ValueError(f"weight-only quantization runs on CPU only, got a tensor on {t.device}")
 
 
+def _check_k(k: int) -> None:
+    if k % BLOCK:
+        raise ValueError(f"quantized weights need in_features divisible by {BLOCK}, got {k}")
+
+
+# Byte w of a 64-code block pair holds code _Q4_LO[w] (low nibble) and _Q4_LO[w] + 16 (high):
+# qgemv.c's q4_pos, the order in which its VDPBF16PS lanes take them.
+_Q4_LO = torch.tensor([((w >> 1) & 1) * 32 + 2 * (w >> 2) + (w & 1) for w in range(32)])
+
+
+def _fp16_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _qgemv(name: str) -> Any:
+    from minisgl.kernel.cpu import cpu_kernels
+
+    k = cpu_kernels()
+    return getattr(k.lib, name) if k is not None and k.has_qgemv else None
+
+
+def _run_qgemv(fn: Any, records: torch.Tensor, n: int, k: int, x: torch.Tensor, nthreads: int) -> torch.Tensor | None:
+    if x.dim() != 2 or x.stride(-1) != 1:
+        x = x.reshape(-1, x.shape[-1]).contiguous()
+    y = x.new_empty(x.shape[0], n)
+    ok = fn(x.data_ptr(), x.stride(0), x.shape[0], records.data_ptr(), n, k, None, y.data_ptr(), nthreads)
+    return y if ok else None
+
+
 @dataclass
 class Int4Weight:
-    packed: torch.Tensor  # opaque layout from _convert_weight_to_int4pack_for_cpu
-    scales_zeros: torch.Tensor  # [K / group, N, 2] (scale, zero), activation dtype
-    group: int
-    out_features: int
+    records: torch.Tensor  # uint8 [N, Kp/2 + 4 Kp/32], Kp = K padded to 64: codes, fp16 d, m
+    in_features: int
+    _torch: Dict[torch.dtype, Any] = field(default_factory=dict, repr=False)  # fallback layouts
 
     @staticmethod
-    def from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, dtype: torch.dtype) -> "Int4Weight":
-        """codes [N, K] ints in [0, 15]; scale, zero [N, K / group]: w = (codes - 8) * scale + zero."""
+    def from_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> "Int4Weight":
+        """GGUF Q4_1: codes [N, K] in [0, 15], d and m [N, K / 32] (fp16 values): w = d * codes + m."""
         _check_cpu(codes)
         n, k = codes.shape
-        if k % group or k % 16:
-            raise ValueError(f"int4 needs in_features divisible by the group ({group}) and 16, got {k}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-        sz = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
-        return Int4Weight(packed, sz, group, n)
-
-    @staticmethod
-    def from_q4_1(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype: torch.dtype) -> "Int4Weight":
-        """GGUF Q4_1: codes [N, K], d and m [N, K / 32]: w = d * codes + m."""
-        d, m = d.float(), m.float()
-        return Int4Weight.from_codes(codes, d, m + 8 * d, 32, dtype)
+        _check_k(k)
+        pad = -k % 64  # a zero block (d = m = 0) completes the last pair
+        codes = torch.nn.functional.pad(codes.to(torch.uint8), (0, pad)).reshape(n, -1, 64)
+        packed = (codes[..., _Q4_LO] | (codes[..., _Q4_LO + 16] << 4)).reshape(n, -1)
+        d, m = (torch.nn.functional.pad(t.float(), (0, pad // BLOCK)) for t in (d, m))
+        return Int4Weight(torch.cat([packed, _fp16_bytes(d), _fp16_bytes(m)], dim=1).contiguous(), k)
 
     @staticmethod
     def quantize(w: torch.Tensor, group: int = INT4_GROUP) -> "Int4Weight":
-        """Round-to-nearest over [min, max] of each group (the Q4_1 recipe: on weights that were
+        """Round-to-nearest over [min, max] of each block (the Q4_1 recipe: on weights that were
         Q4_1 to begin with this recovers the same codes)."""
+        if group != BLOCK:
+            raise ValueError(f"int4 blocks are {BLOCK} columns, got group={group}")
         n, k = w.shape
-        g = w.float().reshape(n, k // group, group)
-        lo, hi = g.amin(-1), g.amax(-1)
-        d = (hi - lo) / 15
+        _check_k(k)
+        g = w.float().reshape(n, k // BLOCK, BLOCK)
+        lo = g.amin(-1).half().float()
+        d = ((g.amax(-1) - lo) / 15).half().float()
         safe = torch.where(d > 0, d, torch.ones_like(d))
         codes = torch.clamp(torch.round((g - lo[..., None]) / safe[..., None]), 0, 15).reshape(n, k)
-        return Int4Weight.from_q4_1(codes, d, lo, w.dtype)
+        return Int4Weight.from_q4_1(codes, d, lo)
+
+    @property
+    def out_features(self) -> int:
+        return self.records.shape[0]
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes [N, K] uint8, d, m [N, K / 32] fp32) as stored."""
+        k = self.in_features
+        kp = -(-k // 64) * 64
+        g, n = kp // BLOCK, self.out_features
+        packed = self.records[:, : kp // 2].reshape(n, -1, 32)
+        codes = torch.empty(n, kp // 64, 64, dtype=torch.uint8)
+        codes[..., _Q4_LO], codes[..., _Q4_LO + 16] = packed & 0x0F, packed >> 4
+        d = self.records[:, kp // 2 : kp // 2 + 2 * g].contiguous().view(torch.float16).float()
+        m = self.records[:, kp // 2 + 2 * g :].contiguous().view(torch.float16).float()
+        return codes.reshape(n, kp)[:, :k], d[:, : k // BLOCK], m[:, : k // BLOCK]
 
     def dequantize(self) -> torch.Tensor:
-        """The dense [N, K] weight this represents, in float32 (for tests)."""
-        k = self.scales_zeros.shape[0] * self.group
-        eye = torch.eye(k, dtype=self.scales_zeros.dtype)
-        return self.mm(eye).float().t().contiguous()
+        """The dense [N, K] weight this represents, in float32 (d * q + m, as gguf-py computes)."""
+        codes, d, m = self.blocks()
+        return codes.float() * d.repeat_interleave(BLOCK, 1) + m.repeat_interleave(BLOCK, 1)
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+    def _torch_layout(self, dtype: torch.dtype) -> Any:
+        if dtype not in self._torch:
+            codes, d, m = self.blocks()
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+            # torch's form: w = (q - 8) * scale + zero, so zero = m + 8 d
+            sz = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).to(dtype).contiguous()
+            self._torch[dtype] = (packed, sz)
+        return self._torch[dtype]
+
+    def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and (fn := _qgemv("qgemv_q4_bf16")) is not None:
+            y = _run_qgemv(fn, self.records, self.out_features, self.in_features, x, nthreads)
+            if y is not None:
+                return y
+        packed, sz = self._torch_layout(x.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, sz)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * self.scales_zeros.element_size()
+        return self.records.numel()
 
 
 @dataclass
 class Int8Weight:
-    codes: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N], activation dtype
+    records: torch.Tensor  # uint8 [N, K + 2 K/32]: int8 codes, fp16 d per row
+    in_features: int
+    _dense: Dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # fallback
+
+    @staticmethod
+    def from_q8_0(codes: torch.Tensor, d: torch.Tensor) -> "Int8Weight":
+        """GGUF Q8_0: codes [N, K] int8, d [N, K / 32] (fp16 values): w = d * codes."""
+        _check_cpu(codes)
+        n, k = codes.shape
+        _check_k(k)
+        raw = codes.to(torch.int8).contiguous().view(torch.uint8)
+        return Int8Weight(torch.cat([raw, _fp16_bytes(d)], dim=1).contiguous(), k)
 
     @staticmethod
     def quantize(w: torch.Tensor) -> "Int8Weight":
         _check_cpu(w)
-        wf = w.float()
-        scale = wf.abs().amax(-1) / 127
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.clamp(torch.round(wf / safe[:, None]), -127, 127).to(torch.int8)
-        return Int8Weight(codes.contiguous(), scale.to(w.dtype))
-
-    def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales.float()[:, None]
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        n, k = w.shape
+        _check_k(k)
+        g = w.float().reshape(n, k // BLOCK, BLOCK)
+        d = (g.abs().amax(-1) / 127).half().float()
+        safe = torch.where(d > 0, d, torch.ones_like(d))
+        codes = torch.clamp(torch.round(g / safe[..., None]), -127, 127).reshape(n, k)
+        return Int8Weight.from_q8_0(codes, d)
 
     @property
     def out_features(self) -> int:
-        return self.codes.shape[0]
+        return self.records.shape[0]
+
+    def dequantize(self) -> torch.Tensor:
+        k = self.in_features
+        codes = self.records[:, :k].contiguous().view(torch.int8).float()
+        d = self.records[:, k:].contiguous().view(torch.float16).float()
+        return codes * d.repeat_interleave(BLOCK, 1)
+
+    def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and (fn := _qgemv("qgemv_q8_bf16")) is not None:
+            y = _run_qgemv(fn, self.records, self.out_features, self.in_features, x, nthreads)
+            if y is not None:
+                return y
+        if x.dtype not in self._dense:
+            self._dense[x.dtype] = self.dequantize().to(x.dtype)
+        return torch.nn.functional.linear(x, self._dense[x.dtype])
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel() * self.scales.element_size()
+        return self.records.numel()
 
 
 QuantWeight = Int4Weight | Int8Weight
@@ -181,5 +258,5 @@ class QuantLinear:
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.nn.functional.linear(x, self.dense, self.bias)
-        y = self.quant.mm(x)
+        y = self.quant.mm(x, self.nthreads)
         return y + self.bias if self.bias is not None else y

@@ -5,7 +5,7 @@ re-reads the GGUF's own blocks so the quantized copy carries the file's exact co
 re-quantization of their dequantized values:
 
 - Q4_1 (the embedded SmolLM2's projections) -> `Int4Weight` (lossless code for code);
-- Q8_0 (its token embedding / tied LM head) -> `Int8Weight`, per row.
+- Q8_0 (its token embedding / tied LM head) -> `Int8Weight` (likewise).
 
 llama.cpp stores Llama's q/k projections with the rows of each head interleaved for its rotary
 layout; transformers undoes that when it dequantizes, and so do we (a row permutation, which
@@ -47,11 +47,12 @@ def _q4_1_blocks(raw: np.ndarray, rows: int, cols: int) -> Tuple[torch.Tensor, t
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def _q8_0_dense(raw: np.ndarray, rows: int, cols: int) -> torch.Tensor:
+def _q8_0_blocks(raw: np.ndarray, rows: int, cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """raw uint8 [rows, cols/32 * 34] -> codes [rows, cols] (int8), d [rows, cols/32] (fp32)."""
     blocks = np.ascontiguousarray(raw).reshape(rows, cols // 32, 34)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [rows, nb, 1]
-    qs = blocks[..., 2:].copy().view(np.int8).astype(np.float32)
-    return torch.from_numpy((qs * d).reshape(rows, cols))
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return torch.from_numpy(qs), torch.from_numpy(d)
 
 
 def _unpermute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ def _unpermute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
     return x.reshape(n_head, rows // n_head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
 
 
-def load_gguf_quant(path: str | Path, num_q_heads: int, num_kv_heads: int, dtype: torch.dtype) -> Dict[str, QuantWeight]:
+def load_gguf_quant(path: str | Path, num_q_heads: int, num_kv_heads: int) -> Dict[str, QuantWeight]:
     """{our module path (e.g. 'model.layers.0.self_attn.qkv_proj', 'lm_head'): quantized weight}
     for every Q4_1 / Q8_0 matrix; other tensors (norms, F32/F16 matrices) are left to the dense path."""
     import gguf
@@ -77,9 +78,8 @@ def load_gguf_quant(path: str | Path, num_q_heads: int, num_kv_heads: int, dtype
         name = t.name.removesuffix(".weight")
         if name == "token_embd" or name == "output":
             if kind == "Q8_0":
-                dense = _q8_0_dense(t.data, rows, cols)
                 target = "lm_head" if name == "output" else "model.embed_tokens"
-                out[target] = Int8Weight.quantize(dense.to(dtype) if dtype != torch.float32 else dense)
+                out[target] = Int8Weight.from_q8_0(*_q8_0_blocks(t.data, rows, cols))
             continue
         if not name.startswith("blk.") or kind != "Q4_1":
             continue
@@ -93,14 +93,14 @@ def load_gguf_quant(path: str | Path, num_q_heads: int, num_kv_heads: int, dtype
             codes, d, m = (_unpermute_rows(x, heads) for x in (codes, d, m))
         full = f"model.layers.{layer}.{module}"
         if part is None:
-            out[full] = Int4Weight.from_q4_1(codes, d, m, dtype)
+            out[full] = Int4Weight.from_q4_1(codes, d, m)
             continue
         bucket = pieces.setdefault(full, {})
         bucket[part] = (codes, d, m)
         order = _MERGE_ORDER[module]
         if len(bucket) == len(order):
             merged = [torch.cat([bucket[p][i] for p in order]) for i in range(3)]
-            out[full] = Int4Weight.from_q4_1(merged[0], merged[1], merged[2], dtype)
+            out[full] = Int4Weight.from_q4_1(merged[0], merged[1], merged[2])
             del pieces[full]
     # A tied LM head reads the embedding's quantized copy.
     if "lm_head" not in out and "model.embed_tokens" in out:

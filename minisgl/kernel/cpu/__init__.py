@@ -1,7 +1,8 @@
 """Fused C kernels for the CPU decode step, built on first use and called through ctypes.
 
 `kernels.c` (norms, rotary, SiLU, paged attention), `gemv.c` (the bf16 skinny GEMM of small
-decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
+decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones) and `qgemv.c` (the skinny GEMM on GGUF's
+Q4_1 / Q8_0 blocks) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
 a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
 headers, so no minute-long extension build. Without a compiler, or with MINISGL_CPU_KERNELS=0,
 `cpu_kernels()` returns None and callers use their torch-op path.
@@ -25,7 +26,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "qgemv.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -87,6 +88,12 @@ class CpuKernels:
         lib.gemm_amx_bf16.argtypes, lib.gemm_amx_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AMX (compiler or CPU) or where Linux refuses the tile state
         self.has_amx = bool(lib.amx_available())
+        lib.qgemv_available.restype = ctypes.c_int
+        for name in ("qgemv_q4_bf16", "qgemv_q8_bf16"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = lib.gemv_bf16.argtypes, ctypes.c_int
+        # 0 without AVX512-BF16: quantized GEMMs stay on torch's kernels
+        self.has_qgemv = bool(lib.qgemv_available())
 
     def get(self, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")

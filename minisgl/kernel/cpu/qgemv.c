@@ -1,0 +1,231 @@
+/* Weight-only quantized skinny GEMM for small bf16 decode batches:
+ * y[m, n] = bf16(x[m, :] . dequant(w)[n, :] (+ bias[n])), weights in GGUF's own block formats.
+ *
+ * Why: at one to a few rows a decode GEMM streams its weight once, so its time is the weight's
+ * bytes. GGUF's Q4_1 (20 bytes per 32 weights) is 3.2x fewer bytes than bf16 and its Q8_0 (34)
+ * 1.9x; torch's int4 kernel wants its own packed layout with bf16 scale/zero pairs (which round
+ * GGUF's fp16 scales) and its int8 kernel one scale per row (which re-quantizes Q8_0). Here the
+ * blocks are read as the file has them, without rounding anything:
+ *
+ * - q4: w = d * q + m, q in [0, 15], per 32-block fp16 d and m (Q4_1's values);
+ * - q8: w = d * q, q int8, per 32-block fp16 d (Q8_0's).
+ *
+ * A weight row is one contiguous record, so a tile of rows is one stream for the prefetcher:
+ * q4 [codes, kp / 2 bytes][d, fp16 x G][m, fp16 x G] with k padded to kp = 64 * ceil(k / 64)
+ * (G = kp / 32, pad blocks all zero); q8 [codes, k bytes][d, fp16 x k / 32].
+ *
+ * q4 is the hot path (the embedded model's projections), and its limit on this CPU is the
+ * shuffle port, not memory: each 64 codes of a block pair sit in 32 bytes ordered so that one
+ * zero-extension to 16-bit lanes, a mask and a shift leave them where VDPBF16PS wants them, with
+ * the two blocks in alternating fp32 lanes (so the pair's two d values are one broadcast). The
+ * bf16 value of a code is built by OR: 0x4300 | q is exactly 128 + q, and the 128 * d * (sum of
+ * the block's activations) this adds is taken off with the m term, sum_g (m_g - 128 d_g) S_g,
+ * once per row (products are exact in fp32; the offset costs ~4 of fp32's 24 bits, far below the
+ * output's bf16 rounding). Activations are permuted once per call to the same order.
+ * q8 converts int8 -> fp32 -> bf16 per block. fp32 sums throughout, one rounding to bf16.
+ *
+ * Without AVX512-BF16 at compile time, or for k % 32 != 0, the entry points return 0 and the
+ * caller falls back to torch. The Python side (layers/quant.py) builds the records.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+
+static inline uint16_t q_f2bf(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float q_bf2f(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Position in a 64-code block pair of the code in byte w's low nibble (its high nibble holds the
+ * code 16 further): 16-bit lane w after zero-extension, fp32 lane w / 2 of VDPBF16PS; even fp32
+ * lanes take block A (codes 0..31), odd ones block B (32..63). layers/quant.py uses the same map. */
+static inline int q4_pos(int w) { return ((w >> 1) & 1) * 32 + 2 * (w >> 2) + (w & 1); }
+
+/* x [M, k] -> xp [M, kp] in the q4 record order (zero past k), and per 32-block sums S. */
+static void q4_prepare(const uint16_t *x, long ldx, long M, long k, long kp, uint16_t *xp, float *xs) {
+    uint16_t lo_idx[32], hi_idx[32];
+    for (int w = 0; w < 32; w++) lo_idx[w] = (uint16_t)q4_pos(w), hi_idx[w] = (uint16_t)(q4_pos(w) + 16);
+    const __m512i il = _mm512_loadu_si512(lo_idx), ih = _mm512_loadu_si512(hi_idx);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16((short)0x3F80);
+    const long G = kp / 32;
+    for (long m = 0; m < M; m++) {
+        const uint16_t *row = x + m * ldx;
+        for (long c = 0; c < kp; c += 64) {
+            long left = k - c;
+            __mmask32 m0 = left >= 32 ? 0xFFFFFFFFu : left > 0 ? (__mmask32)((1ull << left) - 1) : 0;
+            __mmask32 m1 = left >= 64 ? 0xFFFFFFFFu : left > 32 ? (__mmask32)((1ull << (left - 32)) - 1) : 0;
+            __m512i x0 = _mm512_maskz_loadu_epi16(m0, row + c), x1 = _mm512_maskz_loadu_epi16(m1, row + c + 32);
+            _mm512_storeu_si512(xp + m * kp + c, _mm512_permutex2var_epi16(x0, il, x1));
+            _mm512_storeu_si512(xp + m * kp + c + 32, _mm512_permutex2var_epi16(x0, ih, x1));
+            xs[m * G + c / 32] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)x0, ones));
+            xs[m * G + c / 32 + 1] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)x1, ones));
+        }
+    }
+}
+
+/* R weight rows (n0 ..) against M activation rows, R * M <= 16 accumulators; always_inline with
+ * constant R and M so both loops unroll and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void q4_tile(
+    const uint16_t *x, long ldx, const float *xs, const uint8_t *w, long rec, long kp, long n0,
+    const uint16_t *bias, uint16_t *y, long ldy, const int R, const int M) {
+    const long G = kp / 32, P = G / 2, kb = kp / 2;
+    const __m512i low4 = _mm512_set1_epi16(0x000F), bf128 = _mm512_set1_epi16(0x4300);
+    __m512 acc[8][8]; /* fixed sizes: a VLA would keep them in memory */
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    const uint8_t *wr = w + n0 * rec; /* one contiguous stream: no software prefetch (it cost 5-20%) */
+    for (long p = 0; p < P; p++) {
+        __m512bh xl[8], xh[8];
+        for (int m = 0; m < M; m++) {
+            xl[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + p * 64);
+            xh[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + p * 64 + 32);
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *row = wr + r * rec;
+            __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + p * 32)));
+            /* (q & 15) | 0x4300 and (q >> 4) | 0x4300: bf16 128 + code */
+            __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(q, low4, bf128, 0xEA);
+            __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(q, 4), bf128);
+            int32_t dd;
+            memcpy(&dd, row + kb + 4 * p, 4);
+            __m512 d = _mm512_cvtph_ps(_mm256_set1_epi32(dd)); /* d_A, d_B, d_A, ... */
+            for (int m = 0; m < M; m++) {
+                __m512 t = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, xl[m]), hi, xh[m]);
+                acc[r][m] = _mm512_fmadd_ps(t, d, acc[r][m]);
+            }
+        }
+    }
+    const __m512 c128 = _mm512_set1_ps(128.f);
+    for (int r = 0; r < R; r++) { /* + sum_g (m_g - 128 d_g) S_g, 16 blocks at a time */
+        const uint16_t *ds = (const uint16_t *)(wr + r * rec + kb), *mins = ds + G;
+        for (long g = 0; g < G; g += 16) {
+            __mmask16 live = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
+            __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, ds + g));
+            __m512 mv = _mm512_fnmadd_ps(c128, dv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g)));
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
+        }
+        float b = bias ? q_bf2f(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = q_f2bf(_mm512_reduce_add_ps(acc[r][m]) + b);
+    }
+}
+
+static inline __attribute__((always_inline)) void q8_tile(
+    const uint16_t *x, long ldx, const float *xs, const uint8_t *w, long rec, long k, long n0,
+    const uint16_t *bias, uint16_t *y, long ldy, const int R, const int M) {
+    (void)xs;
+    const long G = k / 32;
+    __m512 acc[8][8]; /* fixed sizes: a VLA would keep them in memory */
+    for (int r = 0; r < R; r++)
+        for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
+    const uint8_t *wr = w + n0 * rec;
+    for (long g = 0; g < G; g++) {
+        __m512bh xv[8];
+        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + g * 32);
+        for (int r = 0; r < R; r++) {
+            const uint8_t *row = wr + r * rec;
+            __m256i b = _mm256_loadu_si256((const __m256i *)(row + g * 32));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+            __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
+            uint16_t dh;
+            memcpy(&dh, row + k + 2 * g, 2);
+            __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wv, xv[m]), d, acc[r][m]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float b = bias ? q_bf2f(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = q_f2bf(_mm512_reduce_add_ps(acc[r][m]) + b);
+    }
+}
+
+#define Q_ROWS(NAME, TILE)                                                                         \
+    static void NAME(const uint16_t *x, long ldx, const float *xs, long M, const uint8_t *w,       \
+                     long rec, long k, long lo, long hi, const uint16_t *bias, uint16_t *y,        \
+                     long ldy) {                                                                   \
+        long n = lo;                                                                               \
+        switch (M) {                                                                               \
+            QCASE(TILE, 1, 8) QCASE(TILE, 2, 4) QCASE(TILE, 3, 4) QCASE(TILE, 4, 4)                \
+            QCASE(TILE, 5, 2) QCASE(TILE, 6, 2) QCASE(TILE, 7, 2) QCASE(TILE, 8, 2)                \
+        }                                                                                          \
+    }
+#define QCASE(TILE, MM, RR)                                                                        \
+    case MM:                                                                                       \
+        for (; n + RR <= hi; n += RR) TILE(x, ldx, xs, w, rec, k, n, bias, y, ldy, RR, MM);        \
+        for (; n < hi; n++) TILE(x, ldx, xs, w, rec, k, n, bias, y, ldy, 1, MM);                   \
+        break;
+Q_ROWS(q4_rows, q4_tile)
+Q_ROWS(q8_rows, q8_tile)
+#undef QCASE
+#undef Q_ROWS
+
+/* 16-row thread chunks over the weight rows (static: each thread streams one range); every
+ * thread runs each block of <= 8 activation rows over its chunk. */
+static int qgemv(int bits, const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
+                 const uint16_t *bias, uint16_t *y, int nthreads) {
+    if (k % 32 || m < 1) return 0;
+    const long kp = bits == 4 ? (k + 63) / 64 * 64 : k, G = kp / 32;
+    const long rec = bits == 4 ? kp / 2 + 4 * G : k + 2 * G;
+    float *xs = NULL;
+    uint16_t *xp = NULL;
+    if (bits == 4) { /* activations in the records' order; the kernel reads xp, stride kp */
+        xs = malloc(m * G * sizeof(float));
+        xp = aligned_alloc(64, (m * kp * sizeof(uint16_t) + 63) / 64 * 64);
+        if (!xs || !xp) {
+            free(xs), free(xp);
+            return 0;
+        }
+        q4_prepare(x, ldx, m, k, kp, xp, xs);
+    }
+    long chunk = 16, nchunks = (n + chunk - 1) / chunk;
+    int nt = n * k < (1l << 16) ? 1 : nthreads;
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (long c = 0; c < nchunks; c++) {
+        long lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n;
+        for (long m0 = 0; m0 < m; m0 += 8) {
+            long mm = m - m0 < 8 ? m - m0 : 8;
+            if (bits == 4)
+                q4_rows(xp + m0 * kp, kp, xs + m0 * G, mm, w, rec, kp, lo, hi, bias, y + m0 * n, n);
+            else
+                q8_rows(x + m0 * ldx, ldx, NULL, mm, w, rec, k, lo, hi, bias, y + m0 * n, n);
+        }
+    }
+    free(xs);
+    free(xp);
+    return 1;
+}
+
+int qgemv_q4_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
+                  const uint16_t *bias, uint16_t *y, int nthreads) {
+    return qgemv(4, x, ldx, m, w, n, k, bias, y, nthreads);
+}
+int qgemv_q8_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
+                  const uint16_t *bias, uint16_t *y, int nthreads) {
+    return qgemv(8, x, ldx, m, w, n, k, bias, y, nthreads);
+}
+int qgemv_available(void) { return 1; }
+#else
+int qgemv_q4_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
+                  void *y, int nthreads) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
+    return 0;
+}
+int qgemv_q8_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
+                  void *y, int nthreads) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
+    return 0;
+}
+int qgemv_available(void) { return 0; }
+#endif
