@@ -252,7 +252,7 @@ def check_graph_mixed(device: torch.device, dtype: torch.dtype) -> None:
     bound, replay it with other mixes of decode rows and chunks: == the eager call, bit for bit."""
     Hq, Hk, D, ps = 16, 8, 128, 1
     gen = torch.Generator().manual_seed(8)
-    max_len, nreq, T, n_dec_cap, n_ext_cap = 3000, 12, 512, 12, 4
+    max_len, nreq, T, n_dec_cap, n_ext_cap = 3000, 20, 512, 12, 4
     slots, slots_total = _alloc_rows([max_len] * nreq, ps, gen)
     table = torch.zeros((nreq + 1, max_len + 32), dtype=torch.int32)
     for i, s_ in enumerate(slots):

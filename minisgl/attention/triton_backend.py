@@ -203,11 +203,13 @@ class TritonAttnBackend(BaseAttnBackend):
         packed = torch.zeros((5, max_bs), dtype=torch.int64, device=self.device)
         packed[3] = torch.arange(max_bs, device=self.device)  # order (replay overwrites it)
         packed[4] = torch.arange(max_bs, device=self.device)  # last_indices: static
-        self._graph_buffers = {
-            "packed": packed,
-            "mid_o": torch.empty((max_bs, Hq, max_grid, D), dtype=torch.float32, device=self.device),
-            "mid_lse": torch.empty((max_bs, Hq, max_grid), dtype=torch.float32, device=self.device),
-        }
+        self._graph_buffers.update(
+            {  # (the mixed-step buffers, if captured, stay)
+                "packed": packed,
+                "mid_o": torch.empty((max_bs, Hq, max_grid, D), dtype=torch.float32, device=self.device),
+                "mid_lse": torch.empty((max_bs, Hq, max_grid), dtype=torch.float32, device=self.device),
+            }
+        )
 
     def prepare_for_capture(self, batch: Batch) -> None:
         bs = batch.padded_size
