@@ -21,4 +21,6 @@ for part in ${*:-check serve}; do
              timeout 300 bash benchmark/h200_serving.sh 2>&1 | grep -E "^=== |tok/s|ITL|TTFT|rate" | cut -c1-200 ;;
   esac
 done
+# the device tool returns at most 8 files: everything but the logs above goes into one archive
+(cd "$OUT" && tar czf data.tgz --exclude data.tgz ./* && find . -mindepth 1 ! -name data.tgz ! -name gpu_check.log ! -name tests_cuda.log -delete)
 echo "=== done $(date +%T) ($SECONDS s)"

@@ -32,14 +32,21 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-DEFAULT_MAX_TOKENS = 2048
 MAX_EXTEND_REQS = 16  # chunks (new or continued prompts) in one graph step
 
 
+def default_max_tokens(free_memory: int) -> int:
+    """The largest captured step for a device with `free_memory` bytes free before loading: each
+    bucket keeps its own logits output (up to ~270 rows x vocab), ~1 GiB over the 2048 list for
+    a 150k vocabulary, so smaller devices capture fewer buckets (as default_graph_max_bs does)."""
+    gib = free_memory / (1 << 30)
+    return 2048 if gib > 40 else 1024 if gib > 16 else 512
+
+
 def token_buckets(max_tokens: int) -> List[int]:
-    """Captured token counts: fine steps where a chunk's GEMMs are cheap next to the step, then
-    steps of at most a quarter of the bucket (a padded step computes <= 25% more rows)."""
-    sizes = [32, 64, 128] + list(range(256, 1025, 128)) + list(range(1280, 1 << 20, 256))
+    """Captured token counts: from 256 on, each at most 25% above the one before (a padded step
+    computes at most 25% more rows than it needs)."""
+    sizes = [32, 64, 128, 192] + list(range(256, 513, 64)) + list(range(640, 1025, 128)) + list(range(1280, 1 << 20, 256))
     out = [t for t in sizes if t <= max_tokens]
     if max_tokens > 0 and (not out or out[-1] != max_tokens):
         out.append(max_tokens)

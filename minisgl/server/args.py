@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sched.add_argument(
         "--cuda-graph-max-tokens", type=_nonnegative_int, default=None,
-        help="largest prefill/mixed step (tokens) replayed from a CUDA graph; 0: those run eagerly (default 2048, CUDA only)",
+        help="largest prefill/mixed step (tokens) replayed from a CUDA graph; 0: those run eagerly (default: 2048 on a >40 GiB GPU, CUDA only)",
     )  # fmt: skip
     sched.add_argument("--disable-overlap", action="store_true", help="do not prepare step N+1 while step N runs")
 
