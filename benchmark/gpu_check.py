@@ -665,8 +665,52 @@ def part_timing(device: torch.device, backend: str, bs_list: List[int], ctx_len:
             RESULTS["timing"].append(row)
             log(f"  bs {bs:>3}: graph replay {replay_ms:.3f} ms | full step {step_ms:.3f} ms | eager {eager_ms:.1f} ms"
                 f" | attention/layer {attn_us:.1f} us | roofline {floor_ms:.2f} ms ({replay_ms / floor_ms:.2f}x)")  # fmt: skip
+        if max_bs > MIXED_TIMING_DECODE:
+            time_mixed_step(engine, ctx_len, gen)
     finally:
         engine.shutdown()
+
+
+MIXED_TIMING_DECODE, MIXED_TIMING_CHUNK = 64, 512
+
+
+def time_mixed_step(engine: Any, ctx_len: int, gen: torch.Generator) -> None:
+    """A mixed step as the scheduler drives it (64 decode rows at context ctx_len + one new
+    512-token prompt): median wall time of the full step, graph replay vs eager."""
+    dec = [
+        Req(input_ids=torch.randint(0, 10000, (ctx_len,), generator=gen, dtype=torch.int32), table_idx=i,
+            cached_len=ctx_len - 1, output_len=64, uid=i, sampling_params=SamplingParams(ignore_eos=True), cache_handle=None)
+        for i in range(MIXED_TIMING_DECODE)
+    ]  # fmt: skip
+    new = Req(input_ids=torch.randint(0, 10000, (MIXED_TIMING_CHUNK,), generator=gen, dtype=torch.int32),
+              table_idx=MIXED_TIMING_DECODE, cached_len=0, output_len=64, uid=MIXED_TIMING_DECODE,
+              sampling_params=SamplingParams(ignore_eos=True), cache_handle=None)  # fmt: skip
+    runner, row = engine.graph_runner, {}
+    mixed = runner.mixed
+    for mode in ("graph", "eager"):
+        runner.mixed = mixed if mode == "graph" else None
+        times = []
+        for _ in range(15):
+            for r in dec:
+                r.cached_len, r.device_len = ctx_len - 1, ctx_len
+            new.cached_len, new.device_len = 0, MIXED_TIMING_CHUNK
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            batch = Batch(reqs=dec + [new], phase="prefill")
+            batch.num_decode_rows = len(dec)
+            runner.pad_batch(batch)
+            fill_batch(engine, batch)
+            engine.attn_backend.prepare_metadata(batch)
+            assert runner.can_use_cuda_graph(batch) == (mode == "graph")
+            out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+            out.copy_done_event.synchronize()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        row[f"{mode}_step_ms"] = times[len(times) // 2] * 1e3
+    runner.mixed = mixed
+    RESULTS["timing"].append(dict(case="mixed step", decode_rows=len(dec), chunk=MIXED_TIMING_CHUNK, ctx=ctx_len, **row))
+    log(f"  mixed step ({len(dec)} decode rows at ctx {ctx_len} + a {MIXED_TIMING_CHUNK}-token prompt): full step "
+        f"graph {row['graph_step_ms']:.3f} ms | eager {row['eager_step_ms']:.3f} ms")  # fmt: skip
 
 
 def time_attention_kernel(engine: Any, batch: Batch) -> float:
@@ -735,6 +779,9 @@ def main() -> int:
             json.dump(RESULTS, f, indent=1, default=str)
     log("== summary")
     for r in RESULTS["timing"]:
+        if r.get("case") == "mixed step":
+            log(f"  mixed step: graph {r['graph_step_ms']:.3f} ms, eager {r['eager_step_ms']:.3f} ms")
+            continue
         log(f"  {r['backend']:<10} bs {r['bs']:>3} ctx {r['ctx']}: replay {r['replay_ms']:.3f} ms, step {r['step_ms']:.3f} ms, "
             f"roofline {r['roofline_ms']:.2f} ms, attention {r['attn_layer_us']:.1f} us/layer")  # fmt: skip
     n_ok = sum(1 for r in RESULTS["kernels"] if r.get("ok"))
