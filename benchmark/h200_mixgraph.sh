@@ -13,8 +13,8 @@ for part in ${*:-check serve}; do
   case $part in
     check) PYTHONPATH=. timeout 240 python3 benchmark/gpu_check.py --parts kernels,engine --out "$OUT" 2>&1 \
              | grep -v Warn > "$OUT/gpu_check.log"; grep -E "FAIL|DIFF|ERROR|\[ok\] graph|== triton|mixed|summary|kernels:" "$OUT/gpu_check.log" | cut -c1-220 ;;
-    tests) PYTHONPATH=. MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/test_scheduler.py tests/test_engine.py \
-             tests/test_retraction.py tests/test_llm.py -k "not embedded and not stream_gap" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
+    tests) PYTHONPATH=. MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x \
+             ${TESTS:-tests/test_scheduler.py tests/test_engine.py tests/test_retraction.py tests/test_llm.py} -k "not embedded and not stream_gap" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
     timing) PYTHONPATH=. timeout 200 python3 benchmark/gpu_check.py --parts timing --bs "${BS:-1,64,256}" --out "$OUT/timing" 2>&1 \
              | grep -v Warn | tee "$OUT/timing.log" | grep -E "bs |mixed step|FAIL|ERROR" ;;
     serve) mkdir -p "$OUT/serve"; OUT=$OUT/serve RATES=${RATES:-30} PARTS="offline serve" timeout 330 bash benchmark/h200_serving.sh \

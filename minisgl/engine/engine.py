@@ -248,8 +248,10 @@ class Engine:
     def _warmup_prefill(self, num_tokens: int = WARMUP_PREFILL_TOKENS) -> None:
         """Run one small prefill on the dummy request's row, so the prefill path's kernels (Triton
         extend attention and friends) are compiled, or loaded from Triton's cache, now: otherwise
-        a server's first request pays about a second of JIT on a fresh machine. Every K/V it writes
-        lands on the dummy page; nothing else in the pool or the page table changes."""
+        a server's first request pays about a second of JIT on a fresh machine. (With prefill-step
+        graphs it replays the smallest one; their capture ran the same kernels eagerly already.)
+        Every K/V it writes lands on the dummy page; nothing else in the pool or the page table
+        changes."""
         n = min(num_tokens, self.max_seq_len)
         row = self.dummy_req.table_idx
         req = Req(
