@@ -121,9 +121,10 @@ def flashinfer_case(dtype: torch.dtype, D: int, group: int, decode: bool) -> boo
 
 def check_attention_case(
     name: str, backends: List[str], Hq: int, Hk: int, D: int, page_size: int,
-    reqs_spec: List[Tuple[int, int]], dtype: torch.dtype, device: torch.device, seed: int,
+    reqs_spec: List[Tuple[int, int]], dtype: torch.dtype, device: torch.device, seed: int, num_decode: int = 0,
 ) -> None:  # fmt: skip
-    """reqs_spec: (cached_len, extend_len) per request; all extend_len == 1 and cached >= 0 -> decode."""
+    """reqs_spec: (cached_len, extend_len) per request; all extend_len == 1 and cached >= 0 -> decode.
+    num_decode > 0: a mixed prefill batch whose first num_decode requests are decode rows."""
     gen = torch.Generator().manual_seed(seed)
     decode = all(e == 1 for _, e in reqs_spec)
     lens = [c + e for c, e in reqs_spec]
@@ -149,6 +150,7 @@ def check_attention_case(
         reqs.append(Req(input_ids=ids, table_idx=i, cached_len=c, output_len=1, uid=i,
                         sampling_params=SamplingParams(), cache_handle=None))  # fmt: skip
     batch = Batch(reqs=reqs, phase="decode" if decode else "prefill")
+    batch.num_decode_rows = num_decode
     batch.out_loc = torch.cat([table[i, c : c + e] for i, (c, e) in enumerate(reqs_spec)])
     backends = [b for b in backends if b != "flashinfer" or flashinfer_case(dtype, D, Hq // Hk, decode)]
     bks = _make_backends(backends, slots_total, Hq, Hk, D, page_size, dtype, device, table, kv)
@@ -245,10 +247,75 @@ def check_graph_decode(backend: str, device: torch.device, dtype: torch.dtype) -
     log(f"  [ok] graph replay == eager (decode attention, bs 4/8 padded, ctx <= 6000)  {backend}: max abs diff {worst}")
 
 
+def check_graph_mixed(device: torch.device, dtype: torch.dtype) -> None:
+    """Capture the triton backend's prefill attention (decode rows + chunks) once for a token
+    bound, replay it with other mixes of decode rows and chunks: == the eager call, bit for bit."""
+    Hq, Hk, D, ps = 16, 8, 128, 1
+    gen = torch.Generator().manual_seed(8)
+    max_len, nreq, T, n_dec_cap, n_ext_cap = 3000, 20, 512, 12, 4
+    slots, slots_total = _alloc_rows([max_len] * nreq, ps, gen)
+    table = torch.zeros((nreq + 1, max_len + 32), dtype=torch.int32)
+    for i, s_ in enumerate(slots):
+        table[i, : len(s_)] = s_.int()
+    table[-1] = slots_total
+    table = table.to(device)
+    kv = tuple(torch.randn(slots_total + ps, Hk, D, generator=gen).to(dtype).to(device) for _ in range(2))
+    bk = _make_backends(["triton"], slots_total, Hq, Hk, D, ps, dtype, device, table, kv)["triton"]  # type: ignore[arg-type]
+    dummy = Req(input_ids=torch.zeros(1, dtype=torch.int32), table_idx=nreq, cached_len=0, output_len=1, uid=-1,
+                sampling_params=SamplingParams(), cache_handle=None)  # fmt: skip
+    bk.init_mixed_graph(n_dec_cap + n_ext_cap)
+    qbuf = torch.zeros(T, Hq, D, dtype=dtype, device=device)
+    kbuf = torch.zeros(T, Hk, D, dtype=dtype, device=device)
+    locbuf = torch.full((T,), slots_total, dtype=torch.int32, device=device)
+    batch = Batch(reqs=[dummy], phase="prefill")
+    batch.out_loc = locbuf
+    bk.prepare_for_mixed_capture(batch, n_dec_cap, n_ext_cap, T)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        bk.forward(qbuf, kbuf, kbuf, 0, batch)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            gout = bk.forward(qbuf, kbuf, kbuf, 0, batch)
+    torch.cuda.synchronize()
+    worst = 0.0
+    for trial, (n_dec, chunks) in enumerate([(3, [200]), (12, [1, 300, 7]), (0, [500]), (5, [64, 64, 64, 64])]):
+        rows = torch.randperm(nreq, generator=gen)[: n_dec + len(chunks)].tolist()
+        reqs = []
+        for j, r in enumerate(rows):
+            if j < n_dec:
+                L = int(torch.randint(1, max_len, (1,), generator=gen))
+                reqs.append(Req(input_ids=torch.zeros(L, dtype=torch.int32), table_idx=r, cached_len=L - 1, output_len=1,
+                                uid=j, sampling_params=SamplingParams(), cache_handle=None))  # fmt: skip
+            else:
+                c, e = int(torch.randint(0, 2000, (1,), generator=gen)), chunks[j - n_dec]
+                reqs.append(Req(input_ids=torch.zeros(c + e, dtype=torch.int32), table_idx=r, cached_len=c, output_len=1,
+                                uid=j, sampling_params=SamplingParams(), cache_handle=None))  # fmt: skip
+        n = n_dec + sum(chunks)
+        mb = Batch(reqs=reqs, phase="prefill")
+        mb.num_decode_rows = n_dec
+        mb.out_loc = locbuf[:n]  # this step's k/v go to the dummy slot: the pool stays as drawn
+        qn = torch.randn(n, Hq, D, generator=gen).to(dtype).to(device)
+        bk.prepare_metadata(mb)
+        eager = bk.forward(qn, kbuf[:n], kbuf[:n], 0, mb).clone()
+        qbuf[:n].copy_(qn)
+        bk.prepare_for_mixed_replay(mb)
+        g.replay()
+        torch.cuda.synchronize()
+        diff = (gout[:n].float() - eager.float()).abs().max().item()
+        nan = bool(torch.isnan(eager).any().item())
+        worst = max(worst, diff)
+        assert not nan and diff == 0.0, f"mixed graph replay differs from eager by {diff} (nan={nan}, trial {trial})"
+    RESULTS["kernels"].append(
+        dict(case="graph replay == eager (mixed: decode rows + chunks)", backend="triton", max_abs_diff=worst, ok=True)
+    )
+    log(f"  [ok] graph replay == eager (mixed attention, T<=512, <=12 decode rows + <=4 chunks)  triton: max abs diff {worst}")
+
+
 def part_kernels(device: torch.device, backends: List[str], quick: bool) -> None:
     log("== kernels: backends vs the torch backend (random paged inputs)")
     bf16 = torch.bfloat16
     long = [1, 17, 600, 4097, 9000, 33, 2048, 64] if not quick else [1, 17, 130, 65]
+    mixed_spec = [(599, 1), (4000, 1), (0, 1), (70, 1), (0, 300), (37, 64), (5, 1)]
     cases: List[Tuple[str, int, int, int, int, List[Tuple[int, int]], torch.dtype]] = [
         ("decode GQA16/8 D128 ctx<=9000", 16, 8, 128, 1, [(n - 1, 1) for n in long], bf16),
         ("decode GQA16/8 D128 ctx<=9000", 16, 8, 128, 16, [(n - 1, 1) for n in long], bf16),
@@ -261,6 +328,8 @@ def part_kernels(device: torch.device, backends: List[str], quick: bool) -> None
         ("extend GQA32/4 D128 prefix", 32, 4, 128, 16, [(4096, 129), (0, 2000), (16, 16)], bf16),
         ("extend MHA4/4 D64 prefix", 4, 4, 64, 1, [(0, 33), (100, 90)], bf16),
         ("extend GQA16/8 D128 fp32", 16, 8, 128, 1, [(0, 100), (37, 64), (500, 3), (0, 1), (100, 65)], torch.float32),
+        ("mixed 4 decode rows + chunks", 16, 8, 128, 16, mixed_spec, bf16),
+        ("mixed 4 decode rows + chunks fp32", 16, 8, 128, 1, mixed_spec, torch.float32),
     ]
     if quick:
         cases = [c for c in cases if "extend GQA32/4" not in c[0]]
@@ -270,12 +339,19 @@ def part_kernels(device: torch.device, backends: List[str], quick: bool) -> None
                  for n, a, b, c, d, spec, dt in cases]  # fmt: skip
     for i, (name, Hq, Hk, D, ps, spec, dt) in enumerate(cases):
         try:
-            check_attention_case(name, backends, Hq, Hk, D, ps, spec, dt, device, seed=1000 + i)
+            nd = 4 if name.startswith("mixed") else 0
+            check_attention_case(name, backends, Hq, Hk, D, ps, spec, dt, device, seed=1000 + i, num_decode=nd)
         except Exception as e:  # keep going: report every case
             RESULTS["errors"].append(f"kernels {name} ps={ps}: {e!r}")
             log(f"  [FAIL] {name} ps={ps}: {e!r}")
             traceback.print_exc()
     if device.type == "cuda":
+        try:
+            check_graph_mixed(device, bf16)
+        except Exception as e:
+            RESULTS["errors"].append(f"graph mixed triton: {e!r}")
+            log(f"  [FAIL] graph mixed triton: {e!r}")
+            traceback.print_exc()
         for b in backends:
             try:
                 check_graph_decode(b, device, bf16)
@@ -302,7 +378,10 @@ def build_tiny_qwen3(path: str) -> None:
 
 
 def run_engine(path: str, device: torch.device, backend: str, page_size: int, graphs: bool, dtype: torch.dtype,
-               prompts: List[List[int]], n_new: List[int]) -> Tuple[List[List[int]], Dict[str, Any]]:  # fmt: skip
+               prompts: List[List[int]], n_new: List[int], mixed: bool = False) -> Tuple[List[List[int]], Dict[str, Any]]:  # fmt: skip
+    """mixed: requests arrive one at a time, each prompt in chunks of MIXED_CHUNK tokens that ride
+    along with the running requests' decode rows (mixed batches, as the scheduler builds them);
+    else all prompts prefill in one batch, then decode."""
     from minisgl.distributed import DistributedInfo
     from minisgl.engine import Engine, EngineConfig
 
@@ -328,26 +407,51 @@ def run_engine(path: str, device: torch.device, backend: str, page_size: int, gr
             for i, (p, n) in enumerate(zip(prompts, n_new))
         ]  # fmt: skip
         outs: List[List[int]] = [[] for _ in reqs]
-        running, phase, replays, padded_seen = list(reqs), "prefill", 0, set()
-        while running:
-            batch = Batch(reqs=running, phase=phase)
+        waiting = list(reqs) if mixed else []
+        running, chunking = ([] if mixed else list(reqs)), []
+        replays, mixed_replays, mixed_steps, padded_seen, first = 0, 0, 0, set(), True
+        while running or chunking or waiting:
+            if mixed and not chunking and waiting:
+                chunking.append(waiting.pop(0))
+            for r in chunking:
+                r.device_len = min(r.prompt_len, r.cached_len + MIXED_CHUNK)
+            if chunking or first:
+                batch = Batch(reqs=running + chunking, phase="prefill")
+                batch.num_decode_rows = len(running) if mixed else 0
+            else:
+                batch = Batch(reqs=running, phase="decode")
+            first = False
             engine.graph_runner.pad_batch(batch)
             fill_batch(engine, batch)
             engine.attn_backend.prepare_metadata(batch)
-            replays += int(engine.graph_runner.can_use_cuda_graph(batch))
+            use_graph = engine.graph_runner.can_use_cuda_graph(batch)
+            replays += int(use_graph)
+            if batch.is_prefill and batch.num_decode_rows > 0:
+                mixed_steps += 1
+                mixed_replays += int(use_graph)
             if batch.padded_size != batch.size:
                 padded_seen.add((batch.size, batch.padded_size))
             out = engine.forward_batch(batch, engine.sampler.prepare(batch))
             out.copy_done_event.synchronize()
-            for i, r in enumerate(running):
+            for i, r in enumerate(batch.reqs):
+                if r in chunking and r.cached_len < r.prompt_len:
+                    r.device_len = r.cached_len  # mid-prompt chunk: its sample is not a token
+                    continue
                 r.append_host(out.next_tokens_cpu[i : i + 1])
                 outs[r.uid].append(int(out.next_tokens_cpu[i]))
+                if r in chunking:
+                    chunking.remove(r)
+                    running.append(r)
             running = [r for r in running if len(outs[r.uid]) < n_new[r.uid]]
-            phase = "decode"
         info.update(replays=replays, padded=sorted(padded_seen))
+        if mixed:
+            info.update(mixed_steps=mixed_steps, mixed_replays=mixed_replays)
         return outs, info
     finally:
         engine.shutdown()
+
+
+MIXED_CHUNK = 96  # prompt tokens per mixed step in run_engine(mixed=True)
 
 
 def fill_batch(engine: Any, batch: Batch) -> None:
@@ -393,21 +497,26 @@ def part_engine(device: torch.device, backends: List[str], quick: bool) -> None:
         hf = hf_generate(d, device, prompts, n_new)
         log(f"  HF generate done ({time.perf_counter() - t0:.1f}s)")
         f32, bf16 = torch.float32, torch.bfloat16
-        variants = [("torch", 1, False, f32)]
+        variants = [("torch", 1, False, f32, False)]
         for b in backends:
             if device.type != "cuda":
-                variants += [(b, 1, False, f32), (b, 16, False, f32)]
+                variants += [(b, 1, False, f32, False), (b, 16, False, f32, False)]
+                variants += [(b, 1, False, f32, True)] if b == "triton" else []
             elif b == "flashinfer":  # no float32 kernels: bf16, compared with triton in bf16
-                variants += [(b, 1, True, bf16), (b, 1, False, bf16), (b, 16, True, bf16)]
+                variants += [(b, 1, True, bf16, False), (b, 1, False, bf16, False), (b, 16, True, bf16, False)]
             else:
-                variants += [(b, 1, False, f32), (b, 1, True, f32), (b, 16, True, f32), (b, 1, True, bf16), (b, 1, False, bf16)]
+                variants += [(b, 1, False, f32, False), (b, 1, True, f32, False), (b, 16, True, f32, False),
+                             (b, 1, True, bf16, False), (b, 1, False, bf16, False)]  # fmt: skip
+                # mixed batches (decode rows + prompt chunks): CUDA graphs of prefill steps vs eager
+                variants += [(b, 1, True, f32, True), (b, 1, False, f32, True), (b, 16, True, f32, True),
+                             (b, 1, True, bf16, True), (b, 1, False, bf16, True)]  # fmt: skip
         results: Dict[str, List[List[int]]] = {}
         total = sum(n_new)
-        for b, ps, graphs, dt in variants:
-            key = f"{b} ps={ps} {'graphs' if graphs else 'eager'} {str(dt).replace('torch.', '')}"
+        for b, ps, graphs, dt, mixed in variants:
+            key = f"{b} ps={ps} {'graphs' if graphs else 'eager'} {str(dt).replace('torch.', '')}{' mixed' if mixed else ''}"
             try:
                 t0 = time.perf_counter()
-                outs, info = run_engine(d, device, b, ps, graphs, dt, prompts, n_new)
+                outs, info = run_engine(d, device, b, ps, graphs, dt, prompts, n_new, mixed=mixed)
                 results[key] = outs
                 n_match = sum(x == y for o, h in zip(outs, hf) for x, y in zip(o, h))
                 row = dict(variant=key, equals_hf=outs == hf, tokens_matching_hf=f"{n_match}/{total}", **info,
@@ -436,6 +545,8 @@ def part_engine(device: torch.device, backends: List[str], quick: bool) -> None:
 
         compare("triton ps=1 graphs float32", "triton ps=1 eager float32", True)
         compare("triton ps=1 graphs bfloat16", "triton ps=1 eager bfloat16", True)
+        compare("triton ps=1 graphs float32 mixed", "triton ps=1 eager float32 mixed", True)
+        compare("triton ps=1 graphs bfloat16 mixed", "triton ps=1 eager bfloat16 mixed", True)
         compare("flashinfer ps=1 graphs bfloat16", "flashinfer ps=1 eager bfloat16", False)
         compare("flashinfer ps=1 graphs bfloat16", "triton ps=1 graphs bfloat16", False)
 
@@ -554,8 +665,52 @@ def part_timing(device: torch.device, backend: str, bs_list: List[int], ctx_len:
             RESULTS["timing"].append(row)
             log(f"  bs {bs:>3}: graph replay {replay_ms:.3f} ms | full step {step_ms:.3f} ms | eager {eager_ms:.1f} ms"
                 f" | attention/layer {attn_us:.1f} us | roofline {floor_ms:.2f} ms ({replay_ms / floor_ms:.2f}x)")  # fmt: skip
+        if max_bs > MIXED_TIMING_DECODE:
+            time_mixed_step(engine, ctx_len, gen)
     finally:
         engine.shutdown()
+
+
+MIXED_TIMING_DECODE, MIXED_TIMING_CHUNK = 64, 512
+
+
+def time_mixed_step(engine: Any, ctx_len: int, gen: torch.Generator) -> None:
+    """A mixed step as the scheduler drives it (64 decode rows at context ctx_len + one new
+    512-token prompt): median wall time of the full step, graph replay vs eager."""
+    dec = [
+        Req(input_ids=torch.randint(0, 10000, (ctx_len,), generator=gen, dtype=torch.int32), table_idx=i,
+            cached_len=ctx_len - 1, output_len=64, uid=i, sampling_params=SamplingParams(ignore_eos=True), cache_handle=None)
+        for i in range(MIXED_TIMING_DECODE)
+    ]  # fmt: skip
+    new = Req(input_ids=torch.randint(0, 10000, (MIXED_TIMING_CHUNK,), generator=gen, dtype=torch.int32),
+              table_idx=MIXED_TIMING_DECODE, cached_len=0, output_len=64, uid=MIXED_TIMING_DECODE,
+              sampling_params=SamplingParams(ignore_eos=True), cache_handle=None)  # fmt: skip
+    runner, row = engine.graph_runner, {}
+    mixed = runner.mixed
+    for mode in ("graph", "eager"):
+        runner.mixed = mixed if mode == "graph" else None
+        times = []
+        for _ in range(15):
+            for r in dec:
+                r.cached_len, r.device_len = ctx_len - 1, ctx_len
+            new.cached_len, new.device_len = 0, MIXED_TIMING_CHUNK
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            batch = Batch(reqs=dec + [new], phase="prefill")
+            batch.num_decode_rows = len(dec)
+            runner.pad_batch(batch)
+            fill_batch(engine, batch)
+            engine.attn_backend.prepare_metadata(batch)
+            assert runner.can_use_cuda_graph(batch) == (mode == "graph")
+            out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+            out.copy_done_event.synchronize()
+            times.append(time.perf_counter() - t)
+        times.sort()
+        row[f"{mode}_step_ms"] = times[len(times) // 2] * 1e3
+    runner.mixed = mixed
+    RESULTS["timing"].append(dict(case="mixed step", decode_rows=len(dec), chunk=MIXED_TIMING_CHUNK, ctx=ctx_len, **row))
+    log(f"  mixed step ({len(dec)} decode rows at ctx {ctx_len} + a {MIXED_TIMING_CHUNK}-token prompt): full step "
+        f"graph {row['graph_step_ms']:.3f} ms | eager {row['eager_step_ms']:.3f} ms")  # fmt: skip
 
 
 def time_attention_kernel(engine: Any, batch: Batch) -> float:
@@ -624,6 +779,9 @@ def main() -> int:
             json.dump(RESULTS, f, indent=1, default=str)
     log("== summary")
     for r in RESULTS["timing"]:
+        if r.get("case") == "mixed step":
+            log(f"  mixed step: graph {r['graph_step_ms']:.3f} ms, eager {r['eager_step_ms']:.3f} ms")
+            continue
         log(f"  {r['backend']:<10} bs {r['bs']:>3} ctx {r['ctx']}: replay {r['replay_ms']:.3f} ms, step {r['step_ms']:.3f} ms, "
             f"roofline {r['roofline_ms']:.2f} ms, attention {r['attn_layer_us']:.1f} us/layer")  # fmt: skip
     n_ok = sum(1 for r in RESULTS["kernels"] if r.get("ok"))

@@ -475,3 +475,15 @@ def test_prompt_longer_than_max_seq_len(tiny_model_dir):
         with pytest.raises(ValueError, match=r"40 tokens.*max_seq_len=32"):
             engine.forward_batch(batch, engine.sampler.prepare(batch))
         assert (req.cached_len, req.device_len) == (0, 40)  # the request was not advanced
+
+
+def test_mixed_graph_token_buckets():
+    """The captured token counts of prefill/mixed-step graphs: sorted, ending at the bound, and a
+    padded step computes at most 25% more rows past 256 tokens; small devices capture less."""
+    from minisgl.engine.mixed_graph import default_max_tokens, token_buckets
+
+    b = token_buckets(2048)
+    assert b[0] == 32 and b[-1] == 2048 and b == sorted(set(b))
+    assert all(hi <= 1.25 * lo for lo, hi in zip(b, b[1:]) if lo >= 256)
+    assert token_buckets(100) == [32, 64, 100] and token_buckets(0) == []
+    assert default_max_tokens(80 << 30) == 2048 and default_max_tokens(8 << 30) == 512

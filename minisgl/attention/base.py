@@ -53,7 +53,7 @@ class BaseAttnBackend(ABC):
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D]."""
 
-    # ---- CUDA graph hooks (decode only) ------------------------------------------------------
+    # ---- CUDA graph hooks (decode) ------------------------------------------------------
     supports_cuda_graph: bool = False
 
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
@@ -63,6 +63,18 @@ class BaseAttnBackend(ABC):
         raise NotImplementedError
 
     def prepare_for_replay(self, batch: Batch) -> None:
+        raise NotImplementedError
+
+    # ---- CUDA graph hooks for steps that carry prompt tokens (engine/mixed_graph.py) -----------
+    supports_mixed_graph: bool = False
+
+    def init_mixed_graph(self, max_requests: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs of prefill steps")
+
+    def prepare_for_mixed_capture(self, batch: Batch, num_decode: int, num_extend: int, num_tokens: int) -> None:
+        raise NotImplementedError
+
+    def prepare_for_mixed_replay(self, batch: Batch) -> None:
         raise NotImplementedError
 
 

@@ -5,6 +5,12 @@ Per-step metadata is one small int64 tensor copied to the device once (rows, len
 counts, the decode kernel's start order, last indices as its rows), so a decode step costs one
 host-to-device copy. For CUDA graphs the backend keeps static copies of that tensor and of the
 split-K scratch, sized for the largest captured batch; replay copies the step's metadata into them.
+
+A prefill step may start with decode rows (a mixed batch, `Batch.num_decode_rows`): those rows
+attend through the decode kernel (one chunk per request, no split-K scratch) and the prompt
+chunks through the extend kernel, eager or replayed alike. Both launches take their grid from a
+bound, not from the step (programs past the step's rows exit at once), so one CUDA graph per
+padded token count replays any mix of decode rows and chunks (engine/mixed_graph.py).
 """
 
 from __future__ import annotations
@@ -16,15 +22,19 @@ from typing import Dict, List
 import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.distributed import get_tp_info
-from minisgl.kernel.triton_attention import decode_attention, extend_attention, store_kv
+from minisgl.kernel.triton_attention import decode_attention, decode_tile, extend_attention, store_kv
 from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
 from minisgl.utils.misc import div_ceil, div_even
 
 MAX_SPLITS = 16  # upper bound of KV chunks per request in decode
 MIN_SPLIT_LEN = 64  # a chunk shorter than this costs more in the reduction than it saves
+# The rows of a prefill step's packed metadata: the decode rows' (mixed batch) then the chunks'.
+# A mixed batch's decode rows use the decode kernel's large-batch tile whatever their number.
+MIXED_DECODE_TILE_BS = 256
+DEC_ROWS, DEC_LENS, DEC_SPLITS, DEC_ORDER, EXT_ROWS, EXT_LENS, EXT_START, EXT_CACHED, EXT_LEN, LAST = range(10)
 
 
 @dataclass
@@ -42,6 +52,12 @@ class TritonAttnMetadata(BaseAttnMetadata):
     cached_lens: torch.Tensor | None = None  # [B]
     extend_lens: torch.Tensor | None = None  # [B]
     max_extend_len: int = 0
+    # a mixed batch's decode rows (the first num_decode token rows): decode kernel, one chunk each
+    num_decode: int = 0
+    dec_rows: torch.Tensor | None = None
+    dec_seq_lens: torch.Tensor | None = None
+    dec_num_splits: torch.Tensor | None = None  # 1 per row; 0 for a graph's padding rows (skipped)
+    dec_order: torch.Tensor | None = None
     # the packed device tensor all of the above are views of (rows of one [K, B] int64 tensor)
     packed: torch.Tensor | None = None
 
@@ -60,6 +76,7 @@ class TritonAttnBackend(BaseAttnBackend):
         cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
         self._graph_buffers: Dict[str, torch.Tensor] = {}
+        self._scratch: Dict[str, torch.Tensor] = {}
 
     # ---- split-K sizing ------------------------------------------------------------------------
     def grid_splits(self, bs: int) -> int:
@@ -95,17 +112,38 @@ class TritonAttnBackend(BaseAttnBackend):
                 order=packed[3], grid_splits=grid, packed=packed,
             )  # fmt: skip
             return
-        ext = [r.extend_len for r in reqs]
-        q_start, last, total = [], [], 0
+        self._prepare_prefill(batch, reqs, rows, seq_lens)
+
+    def _prepare_prefill(self, batch: Batch, reqs: List[Req], rows: List[int], seq_lens: List[int]) -> None:
+        """Prefill metadata: row DEC_* for the decode rows of a mixed batch, EXT_* for the chunks,
+        LAST for every request; each row padded to the batch size with values that make a graph's
+        padding programs exit (0 splits, 0 extend tokens)."""
+        nd = batch.num_decode_rows
+        bs = len(reqs)
+        ext = [r.extend_len for r in reqs[nd:]]
+        q_start, last, total = [], list(range(nd)), nd
         for n in ext:
             q_start.append(total)
             total += n
             last.append(total - 1)
-        cached = [r.cached_len for r in reqs]
-        packed = self._packed([rows, seq_lens, q_start, cached, ext, last], bs)
-        batch.attn_metadata = TritonAttnMetadata(
-            last_indices=packed[5], rows=packed[0], seq_lens=packed[1], q_start=packed[2],
-            cached_lens=packed[3], extend_lens=packed[4], max_extend_len=max(ext), packed=packed,
+        dummy_row = self.page_table.shape[0] - 1
+        pad_d, pad_e = [0] * (bs - nd), [0] * nd
+        order = sorted(range(nd), key=seq_lens.__getitem__, reverse=True) + list(range(nd, bs))
+        packed = self._packed([
+            rows[:nd] + [dummy_row] * (bs - nd), seq_lens[:nd] + [1] * (bs - nd), [1] * nd + pad_d, order,
+            rows[nd:] + [dummy_row] * nd, seq_lens[nd:] + [1] * nd, q_start + pad_e, [r.cached_len for r in reqs[nd:]] + pad_e,
+            ext + pad_e, last,
+        ], bs)  # fmt: skip
+        ne = bs - nd
+        batch.attn_metadata = self._prefill_metadata(packed, nd, ne, max(ext, default=0), packed.shape[1])
+
+    @staticmethod
+    def _prefill_metadata(packed: torch.Tensor, nd: int, ne: int, max_ext: int, nlast: int) -> TritonAttnMetadata:
+        return TritonAttnMetadata(
+            last_indices=packed[LAST, :nlast], rows=packed[EXT_ROWS, :ne], seq_lens=packed[EXT_LENS, :ne],
+            q_start=packed[EXT_START, :ne], cached_lens=packed[EXT_CACHED, :ne], extend_lens=packed[EXT_LEN, :ne],
+            max_extend_len=max_ext, num_decode=nd, dec_rows=packed[DEC_ROWS, :nd], dec_seq_lens=packed[DEC_LENS, :nd],
+            dec_num_splits=packed[DEC_SPLITS, :nd], dec_order=packed[DEC_ORDER, :nd], packed=packed,
         )  # fmt: skip
 
     # ---- compute -------------------------------------------------------------------------------
@@ -128,12 +166,34 @@ class TritonAttnBackend(BaseAttnBackend):
                 meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order,
             )  # fmt: skip
             return out
-        assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
-        extend_attention(
-            q, k_cache, v_cache, self.page_table, meta.rows, meta.q_start, meta.cached_lens,
-            meta.extend_lens, meta.max_extend_len, out, self.sm_scale,
-        )  # fmt: skip
+        if meta.num_decode > 0:
+            # A mixed batch's decode rows: one chunk per row (DIRECT: `out` is written in place),
+            # a fixed tile, so eager and graph steps run the same kernel.
+            nd = meta.num_decode
+            assert meta.dec_num_splits is not None and meta.dec_rows is not None and meta.dec_seq_lens is not None
+            decode_attention(
+                q[:nd], k_cache, v_cache, self.page_table, meta.dec_rows, meta.dec_seq_lens, meta.dec_num_splits,
+                self._no_split_o(q.device), self._no_split_lse(q.device), out[:nd], self.sm_scale,
+                block_n=decode_tile(MIXED_DECODE_TILE_BS, q.dtype), order=meta.dec_order,
+            )  # fmt: skip
+        if meta.max_extend_len > 0:
+            assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
+            extend_attention(
+                q, k_cache, v_cache, self.page_table, meta.rows, meta.q_start, meta.cached_lens,
+                meta.extend_lens, meta.max_extend_len, out, self.sm_scale,
+            )  # fmt: skip
         return out
+
+    def _no_split_o(self, device: torch.device) -> torch.Tensor:
+        # A split bound of 1 makes decode_attention write `out` directly; the scratch is unused.
+        if "no_split_o" not in self._scratch:
+            self._scratch["no_split_o"] = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
+            self._scratch["no_split_lse"] = torch.empty((1, 1, 1), dtype=torch.float32, device=device)
+        return self._scratch["no_split_o"]
+
+    def _no_split_lse(self, device: torch.device) -> torch.Tensor:
+        self._no_split_o(device)
+        return self._scratch["no_split_lse"]
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
@@ -143,11 +203,13 @@ class TritonAttnBackend(BaseAttnBackend):
         packed = torch.zeros((5, max_bs), dtype=torch.int64, device=self.device)
         packed[3] = torch.arange(max_bs, device=self.device)  # order (replay overwrites it)
         packed[4] = torch.arange(max_bs, device=self.device)  # last_indices: static
-        self._graph_buffers = {
-            "packed": packed,
-            "mid_o": torch.empty((max_bs, Hq, max_grid, D), dtype=torch.float32, device=self.device),
-            "mid_lse": torch.empty((max_bs, Hq, max_grid), dtype=torch.float32, device=self.device),
-        }
+        self._graph_buffers.update(
+            {  # (the mixed-step buffers, if captured, stay)
+                "packed": packed,
+                "mid_o": torch.empty((max_bs, Hq, max_grid, D), dtype=torch.float32, device=self.device),
+                "mid_lse": torch.empty((max_bs, Hq, max_grid), dtype=torch.float32, device=self.device),
+            }
+        )
 
     def prepare_for_capture(self, batch: Batch) -> None:
         bs = batch.padded_size
@@ -170,3 +232,33 @@ class TritonAttnBackend(BaseAttnBackend):
         assert meta.packed is not None and meta.num_splits is not None, "prepare_metadata(batch) first"
         assert meta.grid_splits == self.grid_splits(bs), "metadata was prepared for another batch size"
         self._graph_buffers["packed"][:4, :bs].copy_(meta.packed[:4])
+
+    # ---- CUDA graphs (steps that carry prompt tokens) -------------------------------------------
+    supports_mixed_graph = True
+
+    def init_mixed_graph(self, max_requests: int) -> None:
+        """Static prefill metadata for graphs of up to `max_requests` requests (decode rows plus
+        chunks). The template holds what a graph's padding columns must read: the dummy row, no
+        splits, no extend tokens, identity start order, last index 0."""
+        cols = max_requests + max_requests % 2  # even: every row 16-byte aligned, as in _packed
+        t = torch.zeros((LAST + 1, cols), dtype=torch.int64, device=self.device)
+        dummy_row = self.page_table.shape[0] - 1
+        t[DEC_ROWS] = t[EXT_ROWS] = dummy_row
+        t[DEC_LENS] = t[EXT_LENS] = 1
+        t[DEC_ORDER] = torch.arange(cols, device=self.device)
+        self._graph_buffers["mixed_template"] = t
+        self._graph_buffers["mixed"] = t.clone()
+
+    def prepare_for_mixed_capture(self, batch: Batch, num_decode: int, num_extend: int, num_tokens: int) -> None:
+        """Metadata views over the static buffer: the decode launch covers `num_decode` rows, the
+        extend launch `num_extend` requests of up to `num_tokens` tokens."""
+        packed = self._graph_buffers["mixed"]
+        assert num_decode + num_extend <= packed.shape[1]
+        batch.attn_metadata = self._prefill_metadata(packed, num_decode, num_extend, num_tokens, num_decode + num_extend)
+
+    def prepare_for_mixed_replay(self, batch: Batch) -> None:
+        meta: TritonAttnMetadata = batch.attn_metadata
+        assert meta.packed is not None and meta.q_start is not None, "prepare_metadata(batch) first"
+        static, width = self._graph_buffers["mixed"], meta.packed.shape[1]
+        static[:, width:].copy_(self._graph_buffers["mixed_template"][:, width:])  # a larger step's columns
+        static[:, :width].copy_(meta.packed)

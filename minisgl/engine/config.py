@@ -24,6 +24,9 @@ class EngineConfig:
     moe_backend: str = "auto"
     cuda_graph_bs: List[int] | None = None
     cuda_graph_max_bs: int | None = None
+    # Prefill and mixed steps of up to this many tokens replay CUDA graphs (engine/mixed_graph.py);
+    # None: by free memory (2048 above 40 GiB, mixed_graph.default_max_tokens), 0: they run eagerly.
+    cuda_graph_max_tokens: int | None = None
     page_size: int = 1
     memory_ratio: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30  # on CPU the KV pool is capped at 2 GiB by default

@@ -20,6 +20,7 @@ from minisgl.distributed import all_reduce_min_int, broadcast, destroy_process_g
 from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
+from minisgl.engine.mixed_graph import default_max_tokens
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kernel.fused import use_fused_on
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
@@ -238,6 +239,7 @@ class Engine:
             max_seq_len=aligned_max_seq_len,
             vocab_size=model_config.vocab_size,
             dummy_req=self.dummy_req,
+            max_graph_tokens=self._max_graph_tokens(config, init_free_memory),
         )
         self.cpu_runner = self._build_cpu_runner(config)
         self._warmup_prefill()
@@ -246,8 +248,10 @@ class Engine:
     def _warmup_prefill(self, num_tokens: int = WARMUP_PREFILL_TOKENS) -> None:
         """Run one small prefill on the dummy request's row, so the prefill path's kernels (Triton
         extend attention and friends) are compiled, or loaded from Triton's cache, now: otherwise
-        a server's first request pays about a second of JIT on a fresh machine. Every K/V it writes
-        lands on the dummy page; nothing else in the pool or the page table changes."""
+        a server's first request pays about a second of JIT on a fresh machine. (With prefill-step
+        graphs it replays the smallest one; their capture ran the same kernels eagerly already.)
+        Every K/V it writes lands on the dummy page; nothing else in the pool or the page table
+        changes."""
         n = min(num_tokens, self.max_seq_len)
         row = self.dummy_req.table_idx
         req = Req(
@@ -268,6 +272,16 @@ class Engine:
             self.attn_backend.prepare_metadata(batch)
             self.forward_batch(batch, self.sampler.prepare(batch))
         synchronize(self.device)
+
+    def _max_graph_tokens(self, config: EngineConfig, free_memory: int) -> int:
+        """Tokens of the largest prefill/mixed step that replays a graph (0: none). Dense models
+        on one rank only: a MoE layer's routing and the collectives of tp > 1 are not checked
+        under these graphs yet."""
+        if config.model_config.is_moe or config.tp_info.size > 1 or config.deterministic:
+            return 0
+        if config.cuda_graph_max_tokens is not None:
+            return config.cuda_graph_max_tokens
+        return default_max_tokens(free_memory)
 
     def _build_skinny_plan(self, config: EngineConfig) -> Any:
         """CUDA, one rank, fused ops on: time the skinny-M GEMV kernels against cuBLAS for this

@@ -1,9 +1,11 @@
-"""CUDA graphs for decode.
+"""CUDA graphs for decode (and, through engine/mixed_graph.py, for steps with prompt tokens).
 
 A decode step of a small model is dominated by kernel launches (~60 ms of host time for an
 eager 28-layer forward on the H200 host), so decode steps replay graphs captured once per
 batch size. Batches are padded with the dummy request (whose KV writes land on the dummy page)
-up to the next captured size; larger batches, prefills and non-CUDA devices run eagerly.
+up to the next captured size; larger batches and non-CUDA devices run eagerly. Prefill and
+mixed steps of up to `max_graph_tokens` tokens replay the graphs of `MixedGraphs`, captured
+first into the same memory pool.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, get_global_ctx
+from minisgl.engine.mixed_graph import MixedGraphs
 from minisgl.utils.device import is_cuda
 from minisgl.utils.logger import init_logger
 
@@ -45,12 +48,14 @@ class GraphRunner:
         max_seq_len: int,
         vocab_size: int,
         dummy_req: Req,
+        max_graph_tokens: int = 0,
     ) -> None:
         self.device, self.stream, self.model, self.attn_backend = device, stream, model, attn_backend
         self.dummy_req = dummy_req
         self.graphs: Dict[int, Any] = {}
         self.outputs: Dict[int, torch.Tensor] = {}
         self.batch_sizes: List[int] = []
+        self.mixed: MixedGraphs | None = None
         if not is_cuda(device) or not attn_backend.supports_cuda_graph:
             return
         # A batch never holds more requests than the page table has rows (the last is the dummy's).
@@ -63,13 +68,17 @@ class GraphRunner:
         if not sizes or sizes[0] <= 0:
             return
         self.batch_sizes = sizes
-        self._capture(max_seq_len)
+        pool = None
+        if max_graph_tokens > 0 and attn_backend.supports_mixed_graph:
+            self.mixed = MixedGraphs(stream, device, model, attn_backend, dummy_req, max_graph_tokens, max_reqs)
+            pool = self.mixed.capture(None)
+        self._capture(max_seq_len, pool)
 
     @property
     def max_graph_bs(self) -> int:
         return self.batch_sizes[-1] if self.batch_sizes else 0
 
-    def _capture(self, max_seq_len: int) -> None:
+    def _capture(self, max_seq_len: int, pool: Any) -> None:
         max_bs = self.max_graph_bs
         ctx = get_global_ctx()
         assert ctx.page_table is not None
@@ -80,7 +89,6 @@ class GraphRunner:
         self.positions = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int32, device=self.device)
         self.attn_backend.init_capture_graph(max_seq_len, self.batch_sizes)
-        pool = None
         torch.cuda.synchronize(self.device)
         # inference_mode as in Engine.forward_batch: the captured kernels are the eager ones
         with torch.inference_mode():
@@ -108,7 +116,9 @@ class GraphRunner:
         return next(bs for bs in self.batch_sizes if bs >= size)
 
     def can_use_cuda_graph(self, batch: Batch) -> bool:
-        return bool(self.graphs) and batch.is_decode and batch.padded_size in self.graphs
+        if batch.is_prefill:
+            return self.mixed is not None and self.mixed.can_run(batch)
+        return bool(self.graphs) and batch.padded_size in self.graphs
 
     def pad_batch(self, batch: Batch) -> None:
         """Pad a decode batch with the dummy request up to the next captured batch size."""
@@ -119,6 +129,9 @@ class GraphRunner:
             batch.padded_reqs = list(batch.reqs)
 
     def replay(self, batch: Batch) -> torch.Tensor:
+        if batch.is_prefill:
+            assert self.mixed is not None
+            return self.mixed.replay(batch)
         bs = batch.padded_size
         n = batch.input_ids.shape[0]  # == bs when the caller filled the fields over padded_reqs
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
@@ -133,5 +146,7 @@ class GraphRunner:
         return self.outputs[bs]
 
     def destroy(self) -> None:
+        if self.mixed is not None:
+            self.mixed.destroy()
         self.graphs.clear()
         self.outputs.clear()

@@ -44,6 +44,7 @@ class ServerArgs:
     num_pages: int | None = None
     max_seq_len: int | None = None
     cuda_graph_max_bs: int | None = None
+    cuda_graph_max_tokens: int | None = None
     disable_overlap: bool = False
     api_key: str | None = None
     shell: bool = False
@@ -121,6 +122,8 @@ class ServerArgs:
             kwargs["max_running_req"] = self.max_running_requests
         if self.cuda_graph_max_bs is not None:
             kwargs["cuda_graph_max_bs"] = self.cuda_graph_max_bs
+        if self.cuda_graph_max_tokens is not None:
+            kwargs["cuda_graph_max_tokens"] = self.cuda_graph_max_tokens
         return SchedulerConfig(
             model_path=self.model_path,
             tp_info=DistributedInfo(rank, self.tp),
@@ -312,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     sched.add_argument(
         "--cuda-graph-max-bs", type=_positive_int, default=None, help="largest decode batch captured in a CUDA graph (CUDA only)"
     )
+    sched.add_argument(
+        "--cuda-graph-max-tokens", type=_nonnegative_int, default=None,
+        help="largest prefill/mixed step (tokens) replayed from a CUDA graph; 0: those run eagerly (default: 2048 on a >40 GiB GPU, CUDA only)",
+    )  # fmt: skip
     sched.add_argument("--disable-overlap", action="store_true", help="do not prepare step N+1 while step N runs")
 
     server = parser.add_argument_group("server")
