@@ -31,6 +31,10 @@ DEFAULT_DENSE_ABOVE = 8
 DEFAULT_GEMV_MAX_ROWS = 8
 
 
+# (x, ldx, rows, weight, n, k, bias | None, y, threads) -> 1 ran / 0 declined: the C GEMMs' signature
+GemvFn = Callable[[int, int, int, int, int, int, int | None, int, int], int]
+
+
 def _check_cpu(t: torch.Tensor) -> None:
     if t.device.type != "cpu":
         raise ValueError(f"weight-only quantization runs on CPU only, got a tensor on {t.device}")
@@ -128,8 +132,12 @@ class Int4Weight:
             self._torch[dtype] = (packed, sz)
         return self._torch[dtype]
 
+    def c_kernel(self) -> GemvFn | None:
+        """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""
+        return _qgemv("qgemv_q4_bf16")
+
     def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and (fn := _qgemv("qgemv_q4_bf16")) is not None:
+        if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
             y = _run_qgemv(fn, self.records, self.out_features, self.in_features, x, nthreads)
             if y is not None:
                 return y
@@ -177,8 +185,12 @@ class Int8Weight:
         d = self.records[:, k:].contiguous().view(torch.float16).float()
         return codes * d.repeat_interleave(BLOCK, 1)
 
+    def c_kernel(self) -> GemvFn | None:
+        """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""
+        return _qgemv("qgemv_q8_bf16")
+
     def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and (fn := _qgemv("qgemv_q8_bf16")) is not None:
+        if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
             y = _run_qgemv(fn, self.records, self.out_features, self.in_features, x, nthreads)
             if y is not None:
                 return y
@@ -214,9 +226,6 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-GemvFn = Callable[[int, int, int, int, int, int, int | None, int, int], int]
-
-
 class QuantLinear:
     """y = x W^T (+ b) that reads the quantized weight for small row counts (memory-bound decode)
     and the dense one above `dense_above` rows (compute-bound: prefill, large batches); the dense
@@ -237,26 +246,34 @@ class QuantLinear:
         self.amx = amx if ok and packed is None else None
         self.gemv_max_rows = gemv_max_rows
         self.nthreads = nthreads
+        # the quantized weight's C kernel (bf16 activations), bound once: it is the decode hot path
+        self.qgemv = quant.c_kernel() if quant is not None and ok else None
+        self._bias_ptr = bias.data_ptr() if bias is not None else None
+        self._n, self._k = dense.shape
 
-    def _c_gemm(self, fn: GemvFn, x: torch.Tensor) -> torch.Tensor | None:
+    def _c_gemm(self, fn: GemvFn, x: torch.Tensor, weight: int) -> torch.Tensor | None:
         """y from one of the C kernels (same signature), None where it declined the shape."""
         if x.dim() != 2 or x.stride(-1) != 1:
             x = x.reshape(-1, x.shape[-1]).contiguous()
-        m, (n, k) = x.shape[0], self.dense.shape
-        y = x.new_empty(m, n)
-        bias = self.bias.data_ptr() if self.bias is not None else None
-        ok = fn(x.data_ptr(), x.stride(0), m, self.dense.data_ptr(), n, k, bias, y.data_ptr(), self.nthreads)
+        m = x.shape[0]
+        y = torch.empty((m, self._n), dtype=x.dtype)
+        ok = fn(x.data_ptr(), x.stride(0), m, weight, self._n, self._k, self._bias_ptr, y.data_ptr(), self.nthreads)
         return y if ok else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None or x.shape[0] > self.dense_above:
             if x.dtype == torch.bfloat16:
                 fn = self.gemv if x.shape[0] <= self.gemv_max_rows else None
-                y = self._c_gemm(fn or self.amx, x) if (fn or self.amx) is not None else None  # type: ignore[arg-type]
+                c = fn or self.amx
+                y = self._c_gemm(c, x, self.dense.data_ptr()) if c is not None else None
                 if y is not None:
                     return y
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.nn.functional.linear(x, self.dense, self.bias)
+        if self.qgemv is not None and x.dtype == torch.bfloat16:
+            y = self._c_gemm(self.qgemv, x, self.quant.records.data_ptr())
+            if y is not None:
+                return y
         y = self.quant.mm(x, self.nthreads)
         return y + self.bias if self.bias is not None else y
