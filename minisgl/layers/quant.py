@@ -5,7 +5,8 @@ kernel/cpu/qgemv.c streams; see its header):
 
 - int4 (Q4_1): w = d * q + m, q in [0, 15], fp16 d and m per block: [codes][d x G][m x G], K padded
   to a multiple of 64 and the 64 codes of each block pair in the kernel's order (`_Q4_LO`);
-- int8 (Q8_0): w = d * q, q in [-127, 127], fp16 d per block: [K code bytes][d x G].
+- int8 (Q8_0): w = d * q, q in [-127, 127], fp16 d per block: [q + 128 bytes][d x G], K padded to
+  64 and each pair's 64 codes in the same kernel order as int4's nibbles (`_Q4_LO`, then + 16).
 
 GGUF files carry over code for code (nothing re-rounded); `quantize` rounds any dense weight to
 the same grids (round to nearest). bf16 activations run the C kernel (fp32 sums, one bf16
@@ -151,7 +152,7 @@ class Int4Weight:
 
 @dataclass
 class Int8Weight:
-    records: torch.Tensor  # uint8 [N, K + 2 K/32]: int8 codes, fp16 d per row
+    records: torch.Tensor  # uint8 [N, Kp + 2 Kp/32], Kp = K padded to 64: codes + 128, fp16 d
     in_features: int
     _dense: Dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # fallback
 
@@ -161,7 +162,11 @@ class Int8Weight:
         _check_cpu(codes)
         n, k = codes.shape
         _check_k(k)
-        raw = codes.to(torch.int8).contiguous().view(torch.uint8)
+        pad = -k % 64  # a zero block (d = 0) completes the last pair
+        u = torch.nn.functional.pad(codes.to(torch.int16) + 128, (0, pad), value=128).reshape(n, -1, 64)
+        order = torch.cat([_Q4_LO, _Q4_LO + 16])
+        raw = u[..., order].to(torch.uint8).reshape(n, -1)
+        d = torch.nn.functional.pad(d.float(), (0, pad // BLOCK))
         return Int8Weight(torch.cat([raw, _fp16_bytes(d)], dim=1).contiguous(), k)
 
     @staticmethod
@@ -179,11 +184,19 @@ class Int8Weight:
     def out_features(self) -> int:
         return self.records.shape[0]
 
-    def dequantize(self) -> torch.Tensor:
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [N, K] int8, d [N, K / 32] fp32) as stored."""
         k = self.in_features
-        codes = self.records[:, :k].contiguous().view(torch.int8).float()
-        d = self.records[:, k:].contiguous().view(torch.float16).float()
-        return codes * d.repeat_interleave(BLOCK, 1)
+        kp, n = -(-k // 64) * 64, self.out_features
+        raw = self.records[:, :kp].reshape(n, -1, 64).to(torch.int16) - 128
+        codes = torch.empty_like(raw)
+        codes[..., torch.cat([_Q4_LO, _Q4_LO + 16])] = raw
+        d = self.records[:, kp:].contiguous().view(torch.float16).float()
+        return codes.reshape(n, kp)[:, :k].to(torch.int8), d[:, : k // BLOCK]
+
+    def dequantize(self) -> torch.Tensor:
+        codes, d = self.blocks()
+        return codes.float() * d.repeat_interleave(BLOCK, 1)
 
     def c_kernel(self) -> GemvFn | None:
         """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""

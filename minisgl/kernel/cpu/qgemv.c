@@ -11,8 +11,8 @@
  * - q8: w = d * q, q int8, per 32-block fp16 d (Q8_0's).
  *
  * A weight row is one contiguous record, so a tile of rows is one stream (prefetched, see below):
- * q4 [codes, kp / 2 bytes][d, fp16 x G][m, fp16 x G] with k padded to kp = 64 * ceil(k / 64)
- * (G = kp / 32, pad blocks all zero); q8 [codes, k bytes][d, fp16 x k / 32].
+ * q4 [codes, kp / 2 bytes][d, fp16 x G][m, fp16 x G], q8 [codes + 128, kp bytes][d, fp16 x G],
+ * with k padded to kp = 64 * ceil(k / 64) (G = kp / 32; pad blocks all zero).
  *
  * q4 is the hot path (the embedded model's projections), and its limit on this CPU is the
  * shuffle port, not memory: each 64 codes of a block pair sit in 32 bytes ordered so that one
@@ -22,7 +22,8 @@
  * the block's activations) this adds is taken off with the m term, sum_g (m_g - 128 d_g) S_g,
  * once per row (products are exact in fp32; the offset costs ~4 of fp32's 24 bits, far below the
  * output's bf16 rounding). Activations are permuted once per call to the same order.
- * q8 converts int8 -> fp32 -> bf16 per block. fp32 sums throughout, one rounding to bf16.
+ * q8 stores q + 128 and splits each byte into its two nibbles the same way (see q8_tile).
+ * fp32 sums throughout, one rounding to bf16.
  *
  * Without AVX512-BF16 at compile time, or for k % 32 != 0, the entry points return 0 and the
  * caller falls back to torch. The Python side (layers/quant.py) builds the records.
@@ -133,33 +134,51 @@ static inline __attribute__((always_inline)) void q4_tile(
     }
 }
 
+/* q8 runs the same arithmetic on byte codes u = q + 128 split into nibbles l, h: the pair's 64
+ * codes are laid out as q4's two 32-byte halves (byte w of half c holds code q4_pos(w) + 16 c),
+ * so x takes q4's permutation; per half, (128 + l) and (128 + h) dot x, and
+ * sum q x = D_l + 16 D_h - 2304 S (the offsets: 128 S + 16 * 128 S for the nibbles, 128 S for u). */
 static inline __attribute__((always_inline)) void q8_tile(
-    const uint16_t *x, long ldx, const float *xs, const uint8_t *w, long rec, long k, long n0,
+    const uint16_t *x, long ldx, const float *xs, const uint8_t *w, long rec, long kp, long n0,
     const uint16_t *bias, uint16_t *y, long ldy, const int R, const int M) {
-    (void)xs;
-    const long G = k / 32;
+    const long G = kp / 32, P = G / 2;
+    const __m512i low4 = _mm512_set1_epi16(0x000F), bf128 = _mm512_set1_epi16(0x4300);
     __m512 acc[8][8]; /* fixed sizes: a VLA would keep them in memory */
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm512_setzero_ps();
     const uint8_t *wr = w + n0 * rec;
-    const long lines = (R * rec + 63) / 64, per = (lines + G - 1) / G;
-    for (long g = 0; g < G; g++) {
-        TILE_PREFETCH(wr, lines, per, g);
-        __m512bh xv[8];
-        for (int m = 0; m < M; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + g * 32);
+    const long lines = (R * rec + 63) / 64, per = (lines + P - 1) / P;
+    for (long p = 0; p < P; p++) {
+        TILE_PREFETCH(wr, lines, per, p);
         for (int r = 0; r < R; r++) {
             const uint8_t *row = wr + r * rec;
-            __m256i b = _mm256_loadu_si256((const __m256i *)(row + g * 32));
-            __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-            __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-            __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
-            uint16_t dh;
-            memcpy(&dh, row + k + 2 * g, 2);
-            __m512 d = _mm512_set1_ps(_cvtsh_ss(dh));
-            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wv, xv[m]), d, acc[r][m]);
+            __m512i c0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + p * 64)));
+            __m512i c1 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + p * 64 + 32)));
+            __m512bh l0 = (__m512bh)_mm512_ternarylogic_epi32(c0, low4, bf128, 0xEA);
+            __m512bh h0 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(c0, 4), bf128);
+            __m512bh l1 = (__m512bh)_mm512_ternarylogic_epi32(c1, low4, bf128, 0xEA);
+            __m512bh h1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(c1, 4), bf128);
+            int32_t dd;
+            memcpy(&dd, row + kp + 4 * p, 4);
+            __m512 d = _mm512_cvtph_ps(_mm256_set1_epi32(dd)); /* d_A, d_B, d_A, ... */
+            __m512 d16 = _mm512_mul_ps(d, _mm512_set1_ps(16.f));
+            for (int m = 0; m < M; m++) {
+                __m512bh xl = (__m512bh)_mm512_loadu_si512(x + m * ldx + p * 64);
+                __m512bh xh = (__m512bh)_mm512_loadu_si512(x + m * ldx + p * 64 + 32);
+                __m512 tl = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), l0, xl), l1, xh);
+                __m512 th = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), h0, xl), h1, xh);
+                acc[r][m] = _mm512_fmadd_ps(th, d16, _mm512_fmadd_ps(tl, d, acc[r][m]));
+            }
         }
     }
-    for (int r = 0; r < R; r++) {
+    const __m512 c2304 = _mm512_set1_ps(-2304.f);
+    for (int r = 0; r < R; r++) { /* + sum_g -2304 d_g S_g */
+        const uint16_t *ds = (const uint16_t *)(wr + r * rec + kp);
+        for (long g = 0; g < G; g += 16) {
+            __mmask16 live = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
+            __m512 cv = _mm512_mul_ps(c2304, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, ds + g)));
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
+        }
         float b = bias ? q_bf2f(bias[n0 + r]) : 0.f;
         for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = q_f2bf(_mm512_reduce_add_ps(acc[r][m]) + b);
     }
@@ -190,19 +209,16 @@ Q_ROWS(q8_rows, q8_tile)
 static int qgemv(int bits, const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
                  const uint16_t *bias, uint16_t *y, int nthreads) {
     if (k % 32 || m < 1) return 0;
-    const long kp = bits == 4 ? (k + 63) / 64 * 64 : k, G = kp / 32;
-    const long rec = bits == 4 ? kp / 2 + 4 * G : k + 2 * G;
-    float *xs = NULL;
-    uint16_t *xp = NULL;
-    if (bits == 4) { /* activations in the records' order; the kernel reads xp, stride kp */
-        xs = malloc(m * G * sizeof(float));
-        xp = aligned_alloc(64, (m * kp * sizeof(uint16_t) + 63) / 64 * 64);
-        if (!xs || !xp) {
-            free(xs), free(xp);
-            return 0;
-        }
-        q4_prepare(x, ldx, m, k, kp, xp, xs);
+    const long kp = (k + 63) / 64 * 64, G = kp / 32;
+    const long rec = bits == 4 ? kp / 2 + 4 * G : kp + 2 * G;
+    /* activations in the records' order (the kernels read xp, stride kp) and their block sums */
+    float *xs = malloc(m * G * sizeof(float));
+    uint16_t *xp = aligned_alloc(64, (m * kp * sizeof(uint16_t) + 63) / 64 * 64);
+    if (!xs || !xp) {
+        free(xs), free(xp);
+        return 0;
     }
+    q4_prepare(x, ldx, m, k, kp, xp, xs);
     long chunk = 16, nchunks = (n + chunk - 1) / chunk;
     int nt = n * k < (1l << 16) ? 1 : nthreads;
 #pragma omp parallel for num_threads(nt) schedule(static)
@@ -213,7 +229,7 @@ static int qgemv(int bits, const uint16_t *x, long ldx, long m, const uint8_t *w
             if (bits == 4)
                 q4_rows(xp + m0 * kp, kp, xs + m0 * G, mm, w, rec, kp, lo, hi, bias, y + m0 * n, n);
             else
-                q8_rows(x + m0 * ldx, ldx, NULL, mm, w, rec, k, lo, hi, bias, y + m0 * n, n);
+                q8_rows(xp + m0 * kp, kp, xs + m0 * G, mm, w, rec, kp, lo, hi, bias, y + m0 * n, n);
         }
     }
     free(xs);
