@@ -200,10 +200,16 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
+    # A query block's work grows with its position (causal): with HEAVY_FIRST the last blocks,
+    # which see the most keys, start first and the light ones fill the tail of the launch.
+    if HEAVY_FIRST:
+        mb = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:
+        mb = tl.program_id(2)
     ext = tl.load(ExtendLens + b).to(tl.int32)
     if mb * BLOCK_M < ext:
         cached = tl.load(CachedLens + b).to(tl.int32)
@@ -337,9 +343,11 @@ def extend_attention(
     out: torch.Tensor,
     sm_scale: float,
     config: tuple[int, int, int, int] | None = None,
+    heavy_first: bool = True,
 ) -> None:
     """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata.
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles."""
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles;
+    heavy_first: start the query blocks nearest the end of each chunk first (see the kernel)."""
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
@@ -359,7 +367,7 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 
