@@ -2,7 +2,8 @@
 # Issue 14's long-context call (device tool): kernel checks (triton + flashinfer), the long-context
 # benchmark for both backends, the offline recipe for both with a device timeline, and an A/B of
 # MINISGL_PDL at decode batch 8-16. Parts run in order while the call's time lasts (BUDGET_S).
-#   bash benchmark/h200_long.sh [parts...]   parts: check long longfi offline pdl
+#   bash benchmark/h200_long.sh [parts...]   parts: check long longfi offline pdl latency
+#   (BACKENDS=triton: check and offline without flashinfer)
 # FlashInfer comes from carried wheels in $WHL (flashinfer-python 0.7.0.post1 + apache-tvm-ffi).
 set -uo pipefail
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -24,19 +25,21 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,power.draw --form
 for part in ${*:-check long longfi offline pdl}; do
   echo "=== $part $(date +%T), $(left) s left"
   case $part in
-    check) run 60 230 python3 benchmark/gpu_check.py --parts kernels --backends triton,flashinfer --out /tmp/check 2>&1 \
+    check) run 60 230 python3 benchmark/gpu_check.py --parts ${CHECK_PARTS:-kernels} --backends ${BACKENDS:-triton,flashinfer} --out /tmp/check 2>&1 \
              | grep -v Warn | tee "$OUT/check.log"; cp /tmp/check/gpu_check.json "$OUT/" 2>/dev/null ;;
     long) run 90 220 python3 benchmark/long_context.py $M --attention-backend triton --kernels \
              --out "$OUT/long_context_triton.json" 2>&1 | grep -v Warn | tee "$OUT/long.log" ;;
     longfi) run 60 150 python3 benchmark/long_context.py $M --attention-backend flashinfer \
              --out "$OUT/long_context_flashinfer.json" 2>&1 | grep -v Warn | tee -a "$OUT/long.log" ;;
-    offline) for be in triton flashinfer; do
+    offline) for be in $(echo ${BACKENDS:-triton,flashinfer} | tr , ' '); do
                run 50 110 python3 benchmark/offline.py $RECIPE --attention-backend $be --trace 2>&1 | grep -v Warn \
                  | tee -a "$OUT/offline.log"; done ;;
     pdl) for pdl in 1 0 1 0; do
            run 35 60 env MINISGL_PDL=$pdl python3 benchmark/latency.py $M --dtype bfloat16 --attention-backend triton \
              --batch-sizes 8,16,32 --gen-len 16 2>&1 | grep -v Warn | grep -A5 "^ *batch" | sed "s/^/PDL=$pdl /" \
              | tee -a "$OUT/pdl.log"; done ;;
+    latency) run 40 90 python3 benchmark/latency.py $M --dtype bfloat16 --attention-backend triton \
+             --batch-sizes 1,8,16,32,64,256 --out "$OUT/latency.json" 2>&1 | grep -v Warn | tee "$OUT/latency.log" ;;
   esac
 done
 echo "=== done $(date +%T)"
