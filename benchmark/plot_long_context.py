@@ -24,7 +24,7 @@ def main(dst: str, srcs: List[str]) -> None:
     for i, run in enumerate(runs):
         by = {(d["context"], d["batch"]): d for d in run["decode"] if d.get("fits")}
         ys = [by[c]["step_ms"] if c in by else 0.0 for c in cases]
-        ax.bar([x + i * width for x in xs], ys, width, label=f"{run['attention_backend']} step (graph replay)")
+        ax.bar([x + i * width for x in xs], ys, width, label=f"{run.get('label', run['attention_backend'])} step (graph replay)")
     roof = {(d["context"], d["batch"]): d["roofline_ms"] for d in runs[0]["decode"] if d.get("fits")}
     ax.bar(
         [x + len(runs) * width for x in xs],
@@ -41,7 +41,7 @@ def main(dst: str, srcs: List[str]) -> None:
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
     ax.set_title(f"decode, {runs[0]['model']} bf16, {runs[0]['device']}", fontsize=10)
-    names = [r["attention_backend"] for r in runs] + ["roofline"]
+    names = [r.get("label", r["attention_backend"]).replace(" (", "\n(") for r in runs] + ["roofline"]
     vals = [r["prefill"]["ms"] for r in runs] + [runs[0]["prefill"]["roofline_ms"]]
     bx.bar(names, vals, color=[f"C{i}" for i in range(len(runs))] + ["lightgray"])
     for i, v in enumerate(vals):
@@ -49,6 +49,7 @@ def main(dst: str, srcs: List[str]) -> None:
     p = runs[0]["prefill"]
     bx.set_title(f"prefill {p['tokens'] // 1024}k prompt, {p['chunks']} chunks", fontsize=10)
     bx.set_ylabel("ms to first token")
+    bx.tick_params(axis="x", labelsize=8)
     bx.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(dst, dpi=120)
