@@ -326,13 +326,14 @@ def part_kernels(device: torch.device, backends: List[str], quick: bool) -> None
         ("extend GQA16/8 D128 prefix", 16, 8, 128, 1, [(0, 100), (37, 64), (500, 3), (0, 1), (1000, 257), (5, 700)], bf16),
         ("extend GQA16/8 D128 prefix", 16, 8, 128, 16, [(0, 100), (37, 64), (500, 3), (0, 1), (1000, 257), (5, 700)], bf16),
         ("extend GQA32/4 D128 prefix", 32, 4, 128, 16, [(4096, 129), (0, 2000), (16, 16)], bf16),
+        ("extend long chunks GQA16/8 D128", 16, 8, 128, 1, [(1000, 3000), (0, 2100), (5, 7)], bf16),  # 128-row tiles
         ("extend MHA4/4 D64 prefix", 4, 4, 64, 1, [(0, 33), (100, 90)], bf16),
         ("extend GQA16/8 D128 fp32", 16, 8, 128, 1, [(0, 100), (37, 64), (500, 3), (0, 1), (100, 65)], torch.float32),
         ("mixed 4 decode rows + chunks", 16, 8, 128, 16, mixed_spec, bf16),
         ("mixed 4 decode rows + chunks fp32", 16, 8, 128, 1, mixed_spec, torch.float32),
     ]
     if quick:
-        cases = [c for c in cases if "extend GQA32/4" not in c[0]]
+        cases = [c for c in cases if "extend GQA32/4" not in c[0] and "long chunks" not in c[0]]
         cases = [(n, a, b, c, d, [(min(x, 70), min(y, 40)) for x, y in spec], dt) for n, a, b, c, d, spec, dt in cases]
     if device.type != "cuda":  # Triton's interpreter: its bf16 tl.dot is broken, so every case in float32
         cases = [(n if dt == torch.float32 else f"{n} (fp32)", a, b, c, d, spec, torch.float32)

@@ -16,7 +16,7 @@ import argparse
 import json
 import random
 import time
-from typing import Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -62,6 +62,21 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 def decode_step_time(engine: Engine, batch_size: int, context: int, iters: int) -> float:
     """Seconds per decode step for `batch_size` requests each holding `context` tokens of KV."""
+    batch, args = decode_batch(engine, batch_size, context, iters)
+    dev = engine.device
+    for _ in range(3):
+        engine.forward_batch(batch, args)
+    synchronize(dev)
+    start = time.perf_counter()
+    for _ in range(iters):
+        engine.forward_batch(batch, args)  # complete_one advances host counters only
+    synchronize(dev)
+    return (time.perf_counter() - start) / iters
+
+
+def decode_batch(engine: Engine, batch_size: int, context: int, iters: int) -> Tuple[Batch, Any]:
+    """A prepared decode batch (metadata and sampling args) of `batch_size` requests holding
+    `context` tokens each, on their own pool slots while the pool has room."""
     page_table = engine.page_table
     reqs: List[Req] = []
     for row in range(batch_size):
@@ -84,15 +99,7 @@ def decode_step_time(engine: Engine, batch_size: int, context: int, iters: int) 
     batch.input_ids = torch.zeros(batch.padded_size, dtype=torch.int32, device=dev)
     batch.out_loc = page_table[[r.table_idx for r in batch.padded_reqs], batch.positions.long()]
     engine.attn_backend.prepare_metadata(batch)
-    args = engine.sampler.prepare(batch)
-    for _ in range(3):
-        engine.forward_batch(batch, args)
-    synchronize(dev)
-    start = time.perf_counter()
-    for _ in range(iters):
-        engine.forward_batch(batch, args)  # complete_one advances host counters only
-    synchronize(dev)
-    return (time.perf_counter() - start) / iters
+    return batch, engine.sampler.prepare(batch)
 
 
 def single_request_latency(sched: Scheduler, prompt_len: int, gen_len: int, vocab: int) -> Dict[str, float]:

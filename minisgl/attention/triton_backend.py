@@ -29,7 +29,11 @@ from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
 from minisgl.utils.misc import div_ceil, div_even
 
-MAX_SPLITS = 16  # upper bound of KV chunks per request in decode
+# Upper bound of KV chunks per request in decode. grid_splits keeps about two programs per SM,
+# so this binds only at batch 1 (33 chunks with 8 KV heads on 132 SMs) and 2 (17): at 32k tokens
+# of context 16 chunks left one program per SM streaming 2k tokens each (docs/PERFORMANCE.md,
+# "Long context").
+MAX_SPLITS = 64
 MIN_SPLIT_LEN = 64  # a chunk shorter than this costs more in the reduction than it saves
 # The rows of a prefill step's packed metadata: the decode rows' (mixed batch) then the chunks'.
 # A mixed batch's decode rows use the decode kernel's large-batch tile whatever their number.

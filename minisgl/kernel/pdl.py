@@ -10,7 +10,11 @@ activation, so stream order is kept for everything that matters; it also signals
 the launches as programmatic edges.
 
 On by default on sm_90+; MINISGL_PDL=0 turns it off (A/B, or a driver that rejects it). Never on
-in Triton's interpreter (the instructions are inline PTX).
+in Triton's interpreter (the instructions are inline PTX). The attention kernels use it only for
+launches of at most PDL_MAX_ROWS rows (`pdl_for`): on the H200 it cut the batch-1 step (0.856 ->
+0.800 ms) but made decode steps of batch 8 / 16 / 32 slower (1.288 -> 1.321, 1.473 -> 1.582,
+1.733 -> 1.791 ms; docs/PERFORMANCE.md): there the kernels are long enough that nothing is won by
+starting early, and a dependent launched early holds SM slots while it waits.
 """
 
 from __future__ import annotations
@@ -32,6 +36,14 @@ def pdl_enabled() -> bool:
     return bool(_state["enabled"])
 
 
-def launch_kwargs() -> Dict[str, Any]:
-    """Extra launch options for a kernel whose USE_PDL constexpr is pdl_enabled()."""
-    return {"launch_pdl": True} if pdl_enabled() else {}
+PDL_MAX_ROWS = 4  # the skinny GEMV's buckets (kernel/skinny.py): where the step is launch-bound
+
+
+def pdl_for(rows: int) -> bool:
+    """PDL for a launch over `rows` tokens / requests (see the module docstring)."""
+    return pdl_enabled() and rows <= PDL_MAX_ROWS
+
+
+def launch_kwargs(on: bool | None = None) -> Dict[str, Any]:
+    """Extra launch options for a kernel whose USE_PDL constexpr is `on` (default pdl_enabled())."""
+    return {"launch_pdl": True} if (pdl_enabled() if on is None else on) else {}

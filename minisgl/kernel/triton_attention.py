@@ -28,9 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.pdl import launch_kwargs, pdl_enabled
+from minisgl.kernel.pdl import launch_kwargs, pdl_for
 
 LOG2E = 1.4426950408889634
+# Extends longer than this take 128-row query tiles (a 32k prompt in 8k chunks: 357 against 306
+# TFLOP/s). At most the mixed-step graphs' default token cap, so a captured step and the same
+# step run eagerly always pick the same tile.
+LONG_EXTEND = 2048
 
 
 @triton.jit
@@ -200,10 +204,16 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
+    # A query block's work grows with its position (causal): with HEAVY_FIRST the last blocks,
+    # which see the most keys, start first and the light ones fill the tail of the launch.
+    if HEAVY_FIRST:
+        mb = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:
+        mb = tl.program_id(2)
     ext = tl.load(ExtendLens + b).to(tl.int32)
     if mb * BLOCK_M < ext:
         cached = tl.load(CachedLens + b).to(tl.int32)
@@ -298,6 +308,7 @@ def decode_attention(
     if num_stages is None:
         num_stages = 2 if fp32 else 3
     direct = S == 1
+    pdl = pdl_for(B)
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     _decode_partial_kernel[(Hk, B, S)](
@@ -310,7 +321,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-        USE_PDL=pdl_enabled(), num_warps=num_warps, num_stages=num_stages, **launch_kwargs(),
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if direct:
         return
@@ -319,8 +330,8 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d, USE_PDL=pdl_enabled(),
-        num_warps=4 if fp32 or block_d >= 128 else 2, **launch_kwargs(),
+        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d, USE_PDL=pdl,
+        num_warps=4 if fp32 or block_d >= 128 else 2, **launch_kwargs(pdl),
     )  # fmt: skip
 
 
@@ -337,9 +348,11 @@ def extend_attention(
     out: torch.Tensor,
     sm_scale: float,
     config: tuple[int, int, int, int] | None = None,
+    heavy_first: bool = True,
 ) -> None:
     """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata.
-    config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles."""
+    config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles;
+    heavy_first: start the query blocks nearest the end of each chunk first (see the kernel)."""
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
@@ -349,6 +362,8 @@ def extend_attention(
         block_m, block_n, warps, stages = config
     elif fp32 or block_d > 128:
         block_m, block_n, warps, stages = 32, 32, 4, 2
+    elif max_extend_len > LONG_EXTEND:  # long chunks: benchmark/long_context.py's sweep (H200)
+        block_m, block_n, warps, stages = 128, 64, 4, 3
     else:  # measured best of the sweep in benchmark/tune_triton_attention.py (H200)
         block_m, block_n, warps, stages = 64, 64, 4, 3
     grid = (B, Hq, triton.cdiv(max_extend_len, block_m))
@@ -359,7 +374,7 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype),
+        PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernel.pdl import launch_kwargs, pdl_enabled
+from minisgl.kernel.pdl import launch_kwargs, pdl_for
 from minisgl.utils.env import read_env
 
 INTERPRET = read_env().triton_interpret
@@ -370,6 +370,6 @@ def attention_prologue(
         num_q_heads, num_kv_heads, qkv.stride(0), q_out.stride(0), k_cache.stride(0), v_cache.stride(0),
         cos.stride(0), eps,
         HALF=half, HEAD_DIM=head_dim, HAS_NORM=has_norm, BLOCK_H=block_h, BLOCK_HALF=block_half,
-        USE_PDL=pdl_enabled(), num_warps=_num_warps(block_h * block_half * 2), **launch_kwargs(),
+        USE_PDL=pdl_for(T), num_warps=_num_warps(block_h * block_half * 2), **launch_kwargs(pdl_for(T)),
     )  # fmt: skip
     return q_out
