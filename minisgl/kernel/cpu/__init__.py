@@ -27,6 +27,7 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 _SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "qgemv.c")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h",)]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -57,7 +58,7 @@ def _build() -> Path:
     cc = read_env().cc or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    src = b"".join(p.read_bytes() for p in _SRCS)
+    src = b"".join(p.read_bytes() for p in _SRCS + _HEADERS)
     key = hashlib.sha1(src + " ".join(_FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
     out = _cache_dir() / f"minisgl_cpu_{key}.so"
     if out.exists():

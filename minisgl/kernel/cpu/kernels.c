@@ -13,19 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float bf16_to_f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t f_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
+
 /* exp(x), branch-free so loops over it vectorize (libm's expf
  * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
  * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */

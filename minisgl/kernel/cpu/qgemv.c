@@ -32,22 +32,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
-
-static inline uint16_t q_f2bf(float f) { /* round to nearest even, as torch does */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float q_bf2f(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* DRAM latency, not the stream, bounds a lone core here: without help one core reads the records
  * at ~6 GB/s (a plain read stream does 13.8). So each tile step prefetches, into L2, its share of
@@ -129,8 +117,8 @@ static inline __attribute__((always_inline)) void q4_tile(
             __m512 mv = _mm512_fnmadd_ps(c128, dv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g)));
             for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
         }
-        float b = bias ? q_bf2f(bias[n0 + r]) : 0.f;
-        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = q_f2bf(_mm512_reduce_add_ps(acc[r][m]) + b);
+        float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]) + b);
     }
 }
 
@@ -179,8 +167,8 @@ static inline __attribute__((always_inline)) void q8_tile(
             __m512 cv = _mm512_mul_ps(c2304, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, ds + g)));
             for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
         }
-        float b = bias ? q_bf2f(bias[n0 + r]) : 0.f;
-        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = q_f2bf(_mm512_reduce_add_ps(acc[r][m]) + b);
+        float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]) + b);
     }
 }
 
