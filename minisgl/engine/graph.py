@@ -17,6 +17,7 @@ from torch import nn
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, get_global_ctx
+from minisgl.engine.graph_base import GraphInputs, capture_forward
 from minisgl.engine.mixed_graph import MixedGraphs
 from minisgl.utils.device import is_cuda
 from minisgl.utils.logger import init_logger
@@ -80,37 +81,17 @@ class GraphRunner:
 
     def _capture(self, max_seq_len: int, pool: Any) -> None:
         max_bs = self.max_graph_bs
-        ctx = get_global_ctx()
-        assert ctx.page_table is not None
-        # The static inputs start as the dummy request's (token 0 at position 0, its KV written to
-        # the dummy page), so capture and padded rows never touch a real request's pages.
-        self.dummy_slot = int(ctx.page_table[self.dummy_req.table_idx, 0].item())
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-        self.out_loc = torch.full((max_bs,), self.dummy_slot, dtype=torch.int32, device=self.device)
+        self.inputs = GraphInputs(max_bs, self.dummy_req, self.device)
         self.attn_backend.init_capture_graph(max_seq_len, self.batch_sizes)
         torch.cuda.synchronize(self.device)
         # inference_mode as in Engine.forward_batch: the captured kernels are the eager ones
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
-                batch = self._static_batch(bs)
+                batch = self.inputs.bind(Batch(reqs=[self.dummy_req] * bs, phase="decode"), bs)
                 self.attn_backend.prepare_for_capture(batch)
-                with ctx.forward_batch(batch):
-                    self.model.forward()  # warm-up: lazy inits and autotuning happen outside capture
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                        self.outputs[bs] = self.model.forward()
-                pool = graph.pool() if pool is None else pool
-                self.graphs[bs] = graph
+                self.graphs[bs], self.outputs[bs], pool = capture_forward(self.model, batch, self.stream, pool)
         torch.cuda.synchronize(self.device)
         logger.info_rank0(f"captured CUDA graphs for decode batch sizes {self.batch_sizes}")
-
-    def _static_batch(self, bs: int) -> Batch:
-        batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
-        batch.input_ids = self.input_ids[:bs]
-        batch.positions = self.positions[:bs]
-        batch.out_loc = self.out_loc[:bs]
-        return batch
 
     def _graph_size(self, size: int) -> int:
         return next(bs for bs in self.batch_sizes if bs >= size)
@@ -133,14 +114,8 @@ class GraphRunner:
             assert self.mixed is not None
             return self.mixed.replay(batch)
         bs = batch.padded_size
-        n = batch.input_ids.shape[0]  # == bs when the caller filled the fields over padded_reqs
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.out_loc[:n].copy_(batch.out_loc, non_blocking=True)
-        if n < bs:  # fields filled over batch.reqs only: the padding rows are the dummy's
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_loc[n:bs].fill_(self.dummy_slot)
+        # fields filled over batch.reqs only (not padded_reqs): the padding rows are the dummy's
+        self.inputs.load(batch, bs)
         self.attn_backend.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.outputs[bs]

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.core import Batch, Req, get_global_ctx
+from minisgl.core import Batch, Req
+from minisgl.engine.graph_base import GraphInputs, capture_forward
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -89,26 +90,14 @@ class MixedGraphs:
         if not self.buckets:
             return pool
         n = self.max_tokens
-        ctx = get_global_ctx()
-        assert ctx.page_table is not None
-        self.dummy_slot = int(ctx.page_table[self.dummy_req.table_idx, 0].item())
-        self.input_ids = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self.positions = torch.zeros(n, dtype=torch.int32, device=self.device)
-        self.out_loc = torch.full((n,), self.dummy_slot, dtype=torch.int32, device=self.device)
+        self.inputs = GraphInputs(n, self.dummy_req, self.device)
         self.attn_backend.init_mixed_graph(self._num_decode(n) + self._num_extend(n))
         torch.cuda.synchronize(self.device)
         with torch.inference_mode():
             for t in reversed(self.buckets):
-                batch = Batch(reqs=[self.dummy_req], phase="prefill")
-                batch.input_ids, batch.positions, batch.out_loc = self.input_ids[:t], self.positions[:t], self.out_loc[:t]
+                batch = self.inputs.bind(Batch(reqs=[self.dummy_req], phase="prefill"), t)
                 self.attn_backend.prepare_for_mixed_capture(batch, self._num_decode(t), self._num_extend(t), t)
-                with ctx.forward_batch(batch):
-                    self.model.forward()  # warm-up: lazy inits and autotuning happen outside capture
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                        self.outputs[t] = self.model.forward()
-                pool = graph.pool() if pool is None else pool
-                self.graphs[t] = graph
+                self.graphs[t], self.outputs[t], pool = capture_forward(self.model, batch, self.stream, pool)
         torch.cuda.synchronize(self.device)
         logger.info_rank0(f"captured CUDA graphs for prefill/mixed steps of {self.buckets} tokens")
         return pool
@@ -124,13 +113,7 @@ class MixedGraphs:
     def replay(self, batch: Batch) -> torch.Tensor:
         n = batch.input_ids.shape[0]
         t = self._bucket(n)
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.out_loc[:n].copy_(batch.out_loc, non_blocking=True)
-        if n < t:  # padding tokens: the dummy's (a larger earlier step left its tokens there)
-            self.input_ids[n:t].zero_()
-            self.positions[n:t].zero_()
-            self.out_loc[n:t].fill_(self.dummy_slot)
+        self.inputs.load(batch, t)
         self.attn_backend.prepare_for_mixed_replay(batch)
         self.graphs[t].replay()
         return self.outputs[t]
