@@ -245,6 +245,46 @@ def test_bf16_norm_and_silu_kernels_match_torch(h):
     assert (act != want).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("d,qk_norm", [(64, False), (64, True), (128, True), (48, True)])  # 48: scalar loop
+def test_bf16_rope_store_matches_torch(d, qk_norm):
+    """rope_store in bf16 (16 lanes wide where d % 32 == 0) against HF's ops on the same rows:
+    optional per-head RMSNorm, then T(x cos) + T(rotate_half(x) sin), every op rounded to bf16;
+    K and V land in their pool slots."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    rows, hq, hk, eps = 70, 4, 2, 1e-6
+    qkv = (torch.randn(rows, (hq + 2 * hk) * d) * 2).bfloat16()
+    pos = torch.randint(0, 256, (rows,), dtype=torch.int32)
+    cos, sin = torch.randn(256, d).bfloat16(), torch.randn(256, d).bfloat16()
+    qn, kn = (torch.rand(d) + 0.5).bfloat16(), (torch.rand(d) + 0.5).bfloat16()
+    loc = torch.randperm(128)[:rows].long()
+    kc, vc = torch.zeros(128, hk, d, dtype=torch.bfloat16), torch.zeros(128, hk, d, dtype=torch.bfloat16)
+
+    def ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [rows, heads, d]
+        if qk_norm:
+            xf = x.float()
+            x = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).bfloat16()
+        c, s_ = cos[pos.long()][:, None], sin[pos.long()][:, None]
+        rot = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+        return x * c + rot * s_
+
+    q = qkv[:, : hq * d].view(rows, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].view(rows, hk, d)
+    want_q, want_k, want_v = ref(q, qn), ref(k, kn), qkv[:, (hq + hk) * d :].view(rows, hk, d).clone()
+    got = qkv.clone()
+    nul = lambda t: t.data_ptr() if qk_norm else None  # noqa: E731
+    kern.get("rope_store", torch.bfloat16)(got.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), nul(qn), nul(kn),
+                                           eps, kc.data_ptr(), vc.data_ptr(), loc.data_ptr(), rows, hq, hk, d)  # fmt: skip
+    for ours, want in ((got[:, : hq * d].view(rows, hq, d), want_q), (kc[loc], want_k)):
+        step = want.float().abs() * 2**-7 + 1e-30
+        assert ((ours.float() - want.float()).abs() <= step).all() and (ours != want).float().mean() < 0.01
+    assert torch.equal(vc[loc], want_v)
+
+
 def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
     from safetensors.torch import load_file
 
