@@ -346,3 +346,25 @@ def test_embedded_bf16_gguf_int4_top5(embedded_model_dir, embedded_tokenizer):
     print(f"\n4-bit (GGUF Q4_1 codes) vs HF bf16: {differ}/{total} tokens differ from HF's argmax ({rate:.1%})")
     assert rate <= 0.25
     assert "Paris" in embedded_tokenizer.decode(outs[0])
+
+
+@pytest.mark.parametrize("m,n,k", [(100, 3072, 576), (300, 576, 1536), (33, 1008, 576), (600, 576, 576)])
+def test_amx_gemm_both_layouts(m, n, k):
+    """amx.c multiplies few rows as y^T = w x^T (x packed, w read in place) and many rows as
+    y = x w^T (w packed per 32 columns): both within one bf16 rounding of the fp32 reference,
+    with bias, tails of rows and an odd number of 16-column tiles."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(1)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    for b in (None, bias):
+        for threads in (1, 2):
+            lin = QuantLinear(w, None, b, amx=kern.lib.gemm_amx_bf16, nthreads=threads)
+            ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+            ours = lin(x)
+            assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
