@@ -104,8 +104,13 @@ def main() -> None:
 
                 best[g] = min(best[g], timed(forward))
         flop = 2.0 * m * LAYERS * sum(n * k for _, n, k in SHAPES)
-        print(f"{'model':>8} {m:>5} " + " ".join(f"{flop / best[g] / 1e9:>12.0f}" for g in gemms)
-              + "   (" + ", ".join(f"{g} {best[g] * 1e3:.1f} ms" for g in gemms) + ")")
+        print(
+            f"{'model':>8} {m:>5} "
+            + " ".join(f"{flop / best[g] / 1e9:>12.0f}" for g in gemms)
+            + "   ("
+            + ", ".join(f"{g} {best[g] * 1e3:.1f} ms" for g in gemms)
+            + ")"
+        )
     print(f"load average at end {os.getloadavg()[0]:.2f}")
 
 

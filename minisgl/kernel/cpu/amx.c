@@ -20,6 +20,12 @@
 #include <omp.h>
 #include <unistd.h>
 
+#ifndef AMX_PF
+#define AMX_PF _MM_HINT_T0
+#endif
+#ifndef AMX_PFB
+#define AMX_PFB _MM_HINT_T1
+#endif
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -176,8 +182,15 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
         int two = n0 + 16 < n;
         pack_rows16(w + n0 * k, k, k, wp);
         if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
+        /* the next 32 weight rows are prefetched while these are multiplied, a share per pass */
+        const long nlines = j + 1 < p1 ? (n - n0 - 32 < 32 ? n - n0 - 32 : 32) * kb : 0, passes = (mb + 1) / 2;
+        const long per = (nlines + passes - 1) / passes;
+        const char *pf = (const char *)(w + (n0 + 32) * k);
         for (long i = 0; i < mb; i += 2) { /* 32 rows: two A tiles */
             int two_m = i + 1 < mb;
+#if AMX_PFB
+            for (long l = i / 2 * per; l < (i / 2 + 1) * per && l < nlines; l++) _mm_prefetch(pf + l * 64, AMX_PFB);
+#endif
             const uint16_t *a0 = (xpad && i == mb - 1) ? xpad : x + i * 16 * ldx;
             const uint16_t *a1 = (xpad && i + 1 == mb - 1) ? xpad : x + (i + 1) * 16 * ldx;
             long s0 = (a0 == xpad ? k : ldx) * 2, s1 = (a1 == xpad ? k : ldx) * 2;
@@ -212,9 +225,6 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     return 1;
 }
 
-#ifndef AMX_PF
-#define AMX_PF _MM_HINT_T0
-#endif
 #ifndef AMX_WA_ROWS
 #define AMX_WA_ROWS 0
 #endif
