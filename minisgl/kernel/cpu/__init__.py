@@ -25,7 +25,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -87,6 +87,8 @@ class CpuKernels:
         lib.gemm_amx_bf16.argtypes, lib.gemm_amx_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AMX (compiler or CPU) or where Linux refuses the tile state
         self.has_amx = bool(lib.amx_available())
+        lib.prefill_attention_amx_bf16.argtypes = [_P, _L, _L, _L, _L, _L, _F, _P, _L, _I]
+        lib.prefill_attention_amx_bf16.restype = ctypes.c_int
 
     def get(self, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")
