@@ -23,9 +23,6 @@
 #ifndef AMX_PF
 #define AMX_PF _MM_HINT_T0
 #endif
-#ifndef AMX_PFB
-#define AMX_PFB _MM_HINT_T1
-#endif
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -168,58 +165,64 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     return 1;
 }
 
-/* y = x w^T for many rows: w is packed per 32 output columns into B tiles right before use and
- * kept in L1/L2 while every pair of 16-row blocks of x passes (the packing is amortized over
- * the rows). */
+#ifndef AMX_WB_CHUNK
+#define AMX_WB_CHUNK (1l << 20)
+#endif
+/* y = x w^T for many rows, blocked for the caches: the weight is packed into B tiles a chunk of
+ * column pairs at a time (<= 1 MiB, L2; each pair packed on first use, next to its first
+ * products), and each 32-row block of x (<= 96 KiB, L1/L2) passes every pair of the chunk while
+ * its output rows are written whole. x is read once per chunk, the weight once in all. (Packing
+ * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.) */
 static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
-                    long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
-    const long mb = (m + 15) / 16, kb = k / 32;
-    uint32_t *wp = scratch(2 * kb * 1024 + 4096);
-    if (!wp) return 0;
-    float *cb = (float *)(wp + 2 * kb * 256);
-    for (long j = p0; j < p1; j++) { /* 32 output columns: two B tiles */
-        long n0 = j * 32;
-        int two = n0 + 16 < n;
-        pack_rows16(w + n0 * k, k, k, wp);
-        if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
-        /* the next 32 weight rows are prefetched while these are multiplied, a share per pass */
-        const long nlines = j + 1 < p1 ? (n - n0 - 32 < 32 ? n - n0 - 32 : 32) * kb : 0, passes = (mb + 1) / 2;
-        const long per = (nlines + passes - 1) / passes;
-        const char *pf = (const char *)(w + (n0 + 32) * k);
+                   long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
+    const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256;
+    long cp = AMX_WB_CHUNK / (pair_sz * 4);
+    cp = cp < 1 ? 1 : (cp > p1 - p0 ? p1 - p0 : cp);
+    uint32_t *wpk = scratch(cp * pair_sz * 4 + 4096);
+    if (!wpk) return 0;
+    float *cb = (float *)(wpk + cp * pair_sz);
+    for (long c0 = p0; c0 < p1; c0 += cp) {
+        const long c1 = c0 + cp < p1 ? c0 + cp : p1;
         for (long i = 0; i < mb; i += 2) { /* 32 rows: two A tiles */
             int two_m = i + 1 < mb;
-#if AMX_PFB
-            for (long l = i / 2 * per; l < (i / 2 + 1) * per && l < nlines; l++) _mm_prefetch(pf + l * 64, AMX_PFB);
-#endif
             const uint16_t *a0 = (xpad && i == mb - 1) ? xpad : x + i * 16 * ldx;
             const uint16_t *a1 = (xpad && i + 1 == mb - 1) ? xpad : x + (i + 1) * 16 * ldx;
             long s0 = (a0 == xpad ? k : ldx) * 2, s1 = (a1 == xpad ? k : ldx) * 2;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (long q = 0; q < kb; q++) {
-                _tile_loadd(4, a0 + q * 32, s0);
-                _tile_loadd(6, wp + q * 256, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two) {
-                    _tile_loadd(7, wp + (kb + q) * 256, 64);
-                    _tile_dpbf16ps(1, 4, 7);
+            for (long j = c0; j < c1; j++) { /* 32 output columns: two B tiles */
+                long n0 = j * 32;
+                int two = n0 + 16 < n;
+                uint32_t *wp = wpk + (j - c0) * pair_sz;
+                if (i == 0) {
+                    pack_rows16(w + n0 * k, k, k, wp);
+                    if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
                 }
-                if (two_m) {
-                    _tile_loadd(5, a1 + q * 32, s1);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) _tile_dpbf16ps(3, 5, 7);
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (long q = 0; q < kb; q++) {
+                    _tile_loadd(4, a0 + q * 32, s0);
+                    _tile_loadd(6, wp + q * 256, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, wp + (kb + q) * 256, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                    if (two_m) {
+                        _tile_loadd(5, a1 + q * 32, s1);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
                 }
+                _tile_stored(0, cb, 64);
+                _tile_stored(1, cb + 256, 64);
+                _tile_stored(2, cb + 512, 64);
+                _tile_stored(3, cb + 768, 64);
+                store_tile(cb, i * 16, m, n0, n, bias, y);
+                if (two) store_tile(cb + 256, i * 16, m, n0 + 16, n, bias, y);
+                if (two_m) store_tile(cb + 512, (i + 1) * 16, m, n0, n, bias, y);
+                if (two_m && two) store_tile(cb + 768, (i + 1) * 16, m, n0 + 16, n, bias, y);
             }
-            _tile_stored(0, cb, 64);
-            _tile_stored(1, cb + 256, 64);
-            _tile_stored(2, cb + 512, 64);
-            _tile_stored(3, cb + 768, 64);
-            store_tile(cb, i * 16, m, n0, n, bias, y);
-            if (two) store_tile(cb + 256, i * 16, m, n0 + 16, n, bias, y);
-            if (two_m) store_tile(cb + 512, (i + 1) * 16, m, n0, n, bias, y);
-            if (two_m && two) store_tile(cb + 768, (i + 1) * 16, m, n0 + 16, n, bias, y);
         }
     }
     return 1;
