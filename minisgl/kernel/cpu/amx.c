@@ -178,9 +178,13 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256;
     long cp = AMX_WB_CHUNK / (pair_sz * 4);
     cp = cp < 1 ? 1 : (cp > p1 - p0 ? p1 - p0 : cp);
-    uint32_t *wpk = scratch(cp * pair_sz * 4 + 4096);
+    uint32_t *wpk = scratch(cp * pair_sz * 4 + 2 * 4096);
     if (!wpk) return 0;
-    float *cb = (float *)(wpk + cp * pair_sz);
+    float *cbs = (float *)(wpk + cp * pair_sz);
+    /* the previous block's C tiles wait in one of two buffers and are rounded to bf16 a tile per
+     * step of the next block's K loop: vector work next to the tile unit's, not after it */
+    long pend_row = -1, pend_col = 0;
+    int pend_two = 0, pend_two_m = 0, flip = 0;
     for (long c0 = p0; c0 < p1; c0 += cp) {
         const long c1 = c0 + cp < p1 ? c0 + cp : p1;
         for (long i = 0; i < mb; i += 2) { /* 32 rows: two A tiles */
@@ -192,15 +196,25 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
                 long n0 = j * 32;
                 int two = n0 + 16 < n;
                 uint32_t *wp = wpk + (j - c0) * pair_sz;
-                if (i == 0) {
+                float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
+                /* packed on first use: the chunk's first pair here, each next one tile pair per K
+                 * step of this one's products (transposes next to the tile unit's work) */
+                if (i == 0 && j == c0) {
                     pack_rows16(w + n0 * k, k, k, wp);
                     if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
                 }
+                const int pack_next = i == 0 && j + 1 < c1;
+                const uint16_t *nw = w + (n0 + 32) * k;
+                const int next_two = n0 + 48 < n;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
                 for (long q = 0; q < kb; q++) {
+                    if (pack_next) {
+                        transpose16(nw + q * 32, k * 2, wp + pair_sz + q * 256);
+                        if (next_two) transpose16(nw + 16 * k + q * 32, k * 2, wp + pair_sz + (kb + q) * 256);
+                    }
                     _tile_loadd(4, a0 + q * 32, s0);
                     _tile_loadd(6, wp + q * 256, 64);
                     _tile_dpbf16ps(0, 4, 6);
@@ -213,16 +227,31 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
                         _tile_dpbf16ps(2, 5, 6);
                         if (two) _tile_dpbf16ps(3, 5, 7);
                     }
+                    if (pend_row >= 0 && q < 4) {
+                        int a = (int)q >> 1, b = (int)q & 1; /* tile 2 a + b: rows + 16 a, columns + 16 b */
+                        if ((!b || pend_two) && (!a || pend_two_m))
+                            store_tile(pb + q * 256, pend_row + 16 * a, m, pend_col + 16 * b, n, bias, y);
+                    }
+                }
+                for (long q = kb; pend_row >= 0 && q < 4; q++) { /* K loops shorter than 4 steps */
+                    int a = (int)q >> 1, b = (int)q & 1;
+                    if ((!b || pend_two) && (!a || pend_two_m))
+                        store_tile(pb + q * 256, pend_row + 16 * a, m, pend_col + 16 * b, n, bias, y);
                 }
                 _tile_stored(0, cb, 64);
                 _tile_stored(1, cb + 256, 64);
                 _tile_stored(2, cb + 512, 64);
                 _tile_stored(3, cb + 768, 64);
-                store_tile(cb, i * 16, m, n0, n, bias, y);
-                if (two) store_tile(cb + 256, i * 16, m, n0 + 16, n, bias, y);
-                if (two_m) store_tile(cb + 512, (i + 1) * 16, m, n0, n, bias, y);
-                if (two_m && two) store_tile(cb + 768, (i + 1) * 16, m, n0 + 16, n, bias, y);
+                pend_row = i * 16, pend_col = n0, pend_two = two, pend_two_m = two_m, flip ^= 1;
             }
+        }
+    }
+    if (pend_row >= 0) {
+        float *pb = cbs + (flip ^ 1) * 1024;
+        for (int q = 0; q < 4; q++) {
+            int a = q >> 1, b = q & 1;
+            if ((!b || pend_two) && (!a || pend_two_m))
+                store_tile(pb + q * 256, pend_row + 16 * a, m, pend_col + 16 * b, n, bias, y);
         }
     }
     return 1;
