@@ -105,12 +105,26 @@ static void *scratch(long bytes) {
  * the weight (n x k) once per call; the C tiles come out transposed and are turned back per
  * 16 x 16 block on store. Per thread: 32 weight rows (two A tiles) at a time against every pair
  * of 16-row blocks of x. */
+/* C tile t = 2 a + b of the transposed product holds y[row0 + 16 b + c][col0 + 16 a + r] at
+ * row r, column c: turned back into rows of y */
+static inline void wa_store(const float *cb, int t, long row0, long col0, int two, int two_m, long m, long n,
+                            const uint16_t *bias, uint16_t *y, float *tb) {
+    int a = t >> 1, b = t & 1;
+    if ((a && !two) || (b && !two_m)) return;
+    transpose16(cb + t * 256, 64, (uint32_t *)tb);
+    store_tile(tb, row0 + 16 * b, m, col0 + 16 * a, n, bias, y);
+}
+
 static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
                     long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
     const long mb = (m + 15) / 16, kb = k / 32;
-    uint32_t *xt = scratch(mb * kb * 1024 + 5 * 1024);
+    uint32_t *xt = scratch(mb * kb * 1024 + 9 * 1024);
     if (!xt) return 0;
-    float *cb = (float *)(xt + mb * kb * 256), *tb = cb + 1024; /* the C tiles, one transposed */
+    /* two buffers of C tiles (the previous block's is turned into rows a tile per step of the
+     * next block's K loop, beside the tile unit's work) and one transposed tile */
+    float *cbs = (float *)(xt + mb * kb * 256), *tb = cbs + 2048;
+    long pend_row = -1, pend_col = 0;
+    int pend_two = 0, pend_two_m = 0, flip = 0;
     for (long i = 0; i < mb; i++) {
         const uint16_t *rows = (xpad && i == mb - 1) ? xpad : x + i * 16 * ldx;
         pack_rows16(rows, rows == xpad ? k : ldx, k, xt + i * kb * 256);
@@ -128,6 +142,7 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
             const char *pf = (const char *)(w0 + (32 + i / 2 * per) * k);
             long pf_rows = nrows - i / 2 * per < per ? nrows - i / 2 * per : per;
             const uint32_t *b0 = xt + i * kb * 256, *b1 = b0 + kb * 256;
+            float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -148,20 +163,19 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
                     _tile_dpbf16ps(2, 5, 6);
                     if (two_m) _tile_dpbf16ps(3, 5, 7);
                 }
+                if (pend_row >= 0 && q < 4) wa_store(pb, (int)q, pend_row, pend_col, pend_two, pend_two_m, m, n, bias, y, tb);
             }
-            /* tile 2 a + b holds y[16 (i + b) + c][n0 + 16 a + r] at row r, column c */
+            for (long q = kb; pend_row >= 0 && q < 4; q++) /* K loops shorter than 4 steps */
+                wa_store(pb, (int)q, pend_row, pend_col, pend_two, pend_two_m, m, n, bias, y, tb);
             _tile_stored(0, cb, 64);
             _tile_stored(1, cb + 256, 64);
             _tile_stored(2, cb + 512, 64);
             _tile_stored(3, cb + 768, 64);
-            for (int t = 0; t < 4; t++) {
-                int a = t >> 1, b = t & 1;
-                if ((a && !two) || (b && !two_m)) continue;
-                transpose16(cb + t * 256, 64, (uint32_t *)tb);
-                store_tile(tb, (i + b) * 16, m, n0 + 16 * a, n, bias, y);
-            }
+            pend_row = i * 16, pend_col = n0, pend_two = two, pend_two_m = two_m, flip ^= 1;
         }
     }
+    for (int q = 0; pend_row >= 0 && q < 4; q++)
+        wa_store(cbs + (flip ^ 1) * 1024, q, pend_row, pend_col, pend_two, pend_two_m, m, n, bias, y, tb);
     return 1;
 }
 
