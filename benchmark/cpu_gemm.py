@@ -8,7 +8,7 @@ y = x W^T with W [N, K] row-major bf16 (the module's own weight). Each figure is
 --reps interleaved rounds of one call (weights warm, as within a layer at prefill sizes), and a
 "model" row: all 30 layers' 4 GEMMs in order on distinct weights (cold, as in one forward).
 `--kernel name=path.c` adds another amx.c build (compiled with the runner's flags) for A/B in
-the same process. Where a kernel declines (amx.c above 1536 rows) its column is oneDNN's, as in
+the same process. Where a kernel declines (amx.c above 640 rows) its column is oneDNN's, as in
 QuantLinear. Prints GFLOP/s and the load average at start and end.
 """
 

@@ -285,15 +285,15 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
 }
 
 #ifndef AMX_MAX_ROWS
-#define AMX_MAX_ROWS 1536
+#define AMX_MAX_ROWS 640
 #endif
 #ifndef AMX_WA_ROWS
 #define AMX_WA_ROWS 0
 #endif
 int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k,
                   const uint16_t *bias, uint16_t *y, int nthreads) {
-    /* above ~1536 rows oneDNN's own re-pack is amortized and its kernel is 5-10% faster here
-     * (benchmark/cpu_gemm.py, 1 thread, 2048 and 8192 rows): declined, torch's GEMM runs */
+    /* above ~640 rows oneDNN's own re-pack is amortized and its kernel is 5-15% faster here
+     * (benchmark/cpu_gemm.py, 1 thread, 768-8192 rows): declined, torch's GEMM runs */
     if (k % 32 || n % 16 || m < 1 || m > AMX_MAX_ROWS || k * 2 > (1l << 30) || !amx_request()) return 0;
     const long mb = (m + 15) / 16, pairs = (n / 16 + 1) / 2;
     /* packing the side with fewer rows costs less: x (m rows, plus a transpose per output tile)
