@@ -75,13 +75,14 @@ static inline void tr16(const void *src, long stride, uint32_t *out) {
     }
 }
 
-/* 2^t for t <= 0, good to 1.2e-4 relative (a least-squares cubic; the weights are rounded to
- * bf16, 4e-3, next): 2^n by scalef (which underflows to 0 far below, so no clamp) times 2^f,
- * f in [-0.5, 0.5]. */
-static inline __m512 attn_exp2(__m512 t) {
+/* exp(x) for x <= 0, good to 1.2e-4 relative (a least-squares cubic) (the weights are rounded to bf16, 4e-3, next):
+ * 2^(x log2 e) as 2^n by the exponent (scalef) and 2^f, f in [-0.5, 0.5], by a cubic. */
+static inline __m512 attn_exp(__m512 x) {
+    __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05459283f), f, _mm512_set1_ps(0.24221838f));
+    __m512 p = _mm512_set1_ps(0.05459283f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24221838f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69336869f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
@@ -166,15 +167,13 @@ static void attend_block(const uint16_t *q, long ld, long n, long d, float scale
             __mmask16 mk = live - j >= 16 ? 0xffff : (__mmask16)((1u << (live - j)) - 1);
             mx = _mm512_mask_max_ps(mx, mk, mx, _mm512_loadu_ps(sr + j));
         }
-        /* exp(s scale - max scale) as 2^(s c - max c), c = scale log2 e: one FMA per element */
-        const float c = scale * 1.44269504088896341f;
-        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * c), sc = _mm512_set1_ps(c);
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx) * scale), sc = _mm512_set1_ps(scale);
         __m512 sum = _mm512_setzero_ps();
         for (long j = 0; j < lds; j += 32) {
             __mmask16 m0 = live - j >= 16 ? 0xffff : (live > j ? (__mmask16)((1u << (live - j)) - 1) : 0);
             __mmask16 m1 = live - j - 16 >= 16 ? 0xffff : (live > j + 16 ? (__mmask16)((1u << (live - j - 16)) - 1) : 0);
-            __m512 e0 = _mm512_maskz_mov_ps(m0, attn_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sc, m)));
-            __m512 e1 = _mm512_maskz_mov_ps(m1, attn_exp2(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), sc, m)));
+            __m512 e0 = _mm512_maskz_mov_ps(m0, attn_exp(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j), sc, m)));
+            __m512 e1 = _mm512_maskz_mov_ps(m1, attn_exp(_mm512_fmsub_ps(_mm512_loadu_ps(sr + j + 16), sc, m)));
             sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
             _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
