@@ -2,13 +2,21 @@
  * (+ bias[n])), x and w row-major bf16 (the module's own weight, no packed copy kept).
  *
  * Why: oneDNN's bf16 linear on a plain weight re-packs the whole weight into a buffer on every
- * call (the weight crosses memory three times). Here it is packed per 32 output rows into the
- * tile unit's pair-interleaved (VNNI) layout right before use, in L1/L2, for every block of
- * activation rows, and never stored: one pass over the weight. fp32 accumulation, one
- * rounding to bf16 (results differ from oneDNN's by summation order).
+ * call (the weight crosses memory three times), which dominates at decode-batch row counts.
+ * Here one of the two operands is packed into the tile unit's pair-interleaved (VNNI) B layout,
+ * whichever is cheaper, and only transiently (a per-thread scratch buffer):
+ * - few rows: y^T = w x^T, the weight's rows loaded as A tiles straight from the module's
+ *   weight (never packed), x packed once per call, each C tile transposed back on store;
+ * - many rows: the weight packed a 1 MiB chunk of column pairs at a time (one pass over the
+ *   weight), every 32-row block of x passing the chunk.
+ * Both use 2 x 2 tiles (4 C, 2 A, 2 B: all 8) and round the previous block's C tiles to bf16
+ * while the next block's products run. fp32 accumulation, one rounding to bf16 (results differ
+ * from oneDNN's by summation order). docs/PERFORMANCE.md ("Third pass") has the measurements,
+ * including why this lands at ~1.1x oneDNN at 500 rows (one operand streams from L2).
  *
  * Returns 0 (caller falls back to torch) without AMX at compile time, when Linux refuses the tile
- * state, or for shapes it does not tile (k % 32, n % 16).
+ * state, for shapes it does not tile (k % 32, n % 16), above 640 rows (oneDNN is faster there),
+ * or when a scratch buffer cannot be had.
  */
 #include <stdint.h>
 #include <stdlib.h>
