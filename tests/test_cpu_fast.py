@@ -431,3 +431,59 @@ def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, me
     print(f"\n{method} vs HF bf16: {differ}/{total} tokens differ from HF's argmax ({rate:.1%})")
     assert rate <= 0.25
     assert "Paris" in embedded_tokenizer.decode(outs[0])
+
+
+@pytest.mark.parametrize("m,n,k", [(100, 3072, 576), (300, 576, 1536), (33, 1008, 576), (600, 576, 576)])
+def test_amx_gemm_both_layouts(m, n, k):
+    """amx.c multiplies few rows as y^T = w x^T (x packed, w read in place) and many rows as
+    y = x w^T (w packed per 32 columns): both within one bf16 rounding of the fp32 reference,
+    with bias, tails of rows and an odd number of 16-column tiles."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(1)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    for b in (None, bias):
+        for threads in (1, 2):
+            lin = QuantLinear(w, None, b, amx=kern.lib.gemm_amx_bf16, nthreads=threads)
+            ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+            ours = lin(x)
+            assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("n", [1, 17, 100, 333])
+@pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 128), (2, 1, 32)])
+def test_amx_prefill_attention_matches_sdpa(n, hq, hk, d):
+    """kernel/cpu/attn_amx.c (causal prefill attention on AMX tiles, q/k/v read in place from the
+    fused qkv rows, GQA): no further from the fp32 reference than torch's bf16 SDPA, plus a
+    bf16 step; lengths off the 32-query and 32-key blocks."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(n)
+    qs, ks = hq * d, hk * d
+    qkv = (torch.randn(n, qs + 2 * ks) * 2).to(torch.bfloat16)
+
+    def sdpa(t: torch.Tensor) -> torch.Tensor:
+        q = t[:, :qs].view(n, hq, d).transpose(0, 1).unsqueeze(0)
+        k = t[:, qs : qs + ks].view(n, hk, d).transpose(0, 1).unsqueeze(0)
+        v = t[:, qs + ks :].view(n, hk, d).transpose(0, 1).unsqueeze(0)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(n, qs)
+
+    out = torch.full((n, qs + 8), 7.0, dtype=torch.bfloat16)  # a strided output: padding untouched
+    ok = kern.lib.prefill_attention_amx_bf16(qkv.data_ptr(), qkv.stride(0), n, hq, hk, d, d**-0.5,
+                                             out.data_ptr(), out.stride(0), 2)  # fmt: skip
+    assert ok
+    ref = sdpa(qkv.float())
+    ours_err = (out[:, :qs].float() - ref).abs()
+    torch_err = (sdpa(qkv).float() - ref).abs()
+    assert ours_err.mean() <= 1.5 * torch_err.mean() + 1e-4
+    assert ours_err.max() <= torch_err.max() + ref.abs().max() * 2**-7
+    assert (out[:, qs:] == 7.0).all()

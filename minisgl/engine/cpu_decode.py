@@ -133,6 +133,9 @@ class CpuDecodeRunner:
         head = model.lm_head.weight  # type: ignore[attr-defined]
         packed = pack_bf16(head) if pack else None
         self.lm_head = QuantLinear(head, quant.get("lm_head"), None, dense_above, packed, gemv, nthreads=nt, amx=amx)
+        # Causal prefill attention on AMX tiles (kernel/cpu/attn_amx.c) for prompts without a cached
+        # prefix: 2.4-3.1x SDPA's flash kernel at 100-1000 tokens, 1 thread; SDPA where it declines.
+        self._attn_amx = ck.lib.prefill_attention_amx_bf16 if ck is not None and amx is not None else None
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
@@ -222,6 +225,11 @@ class CpuDecodeRunner:
         qs, ks = hq * d, hk * d
         for start, n, cached, total, row in plan:
             rows = qkv[start : start + n]
+            if cached == 0 and self._attn_amx is not None:
+                o_rows = out[start : start + n]
+                if self._attn_amx(rows.data_ptr(), qkv.stride(0), n, hq, hk, d, self.scale, o_rows.data_ptr(),
+                                  out.stride(0), self.nthreads):  # fmt: skip
+                    continue
             q = rows[:, :qs].view(n, hq, d).transpose(0, 1).unsqueeze(0)
             if cached == 0:  # keys are this step's own rows: causal, no gather
                 k = rows[:, qs : qs + ks].view(n, hk, d)

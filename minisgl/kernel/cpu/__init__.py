@@ -26,7 +26,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "qgemv.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h",)]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -95,6 +95,8 @@ class CpuKernels:
             fn.argtypes, fn.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AVX512-BF16: quantized GEMMs stay on torch's kernels
         self.has_qgemv = bool(lib.qgemv_available())
+        lib.prefill_attention_amx_bf16.argtypes = [_P, _L, _L, _L, _L, _L, _F, _P, _L, _I]
+        lib.prefill_attention_amx_bf16.restype = ctypes.c_int
 
     def get(self, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")

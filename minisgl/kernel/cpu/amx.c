@@ -2,13 +2,21 @@
  * (+ bias[n])), x and w row-major bf16 (the module's own weight, no packed copy kept).
  *
  * Why: oneDNN's bf16 linear on a plain weight re-packs the whole weight into a buffer on every
- * call (the weight crosses memory three times). Here it is packed per 32 output rows into the
- * tile unit's pair-interleaved (VNNI) layout right before use, in L1/L2, for every block of
- * activation rows, and never stored: one pass over the weight. fp32 accumulation, one
- * rounding to bf16 (results differ from oneDNN's by summation order).
+ * call (the weight crosses memory three times), which dominates at decode-batch row counts.
+ * Here one of the two operands is packed into the tile unit's pair-interleaved (VNNI) B layout,
+ * whichever is cheaper, and only transiently (a per-thread scratch buffer):
+ * - few rows: y^T = w x^T, the weight's rows loaded as A tiles straight from the module's
+ *   weight (never packed), x packed once per call, each C tile transposed back on store;
+ * - many rows: the weight packed a 1 MiB chunk of column pairs at a time (one pass over the
+ *   weight), every 32-row block of x passing the chunk.
+ * Both use 2 x 2 tiles (4 C, 2 A, 2 B: all 8) and round the previous block's C tiles to bf16
+ * while the next block's products run. fp32 accumulation, one rounding to bf16 (results differ
+ * from oneDNN's by summation order). docs/PERFORMANCE.md ("Third pass") has the measurements,
+ * including why this lands at ~1.1x oneDNN at 500 rows (one operand streams from L2).
  *
  * Returns 0 (caller falls back to torch) without AMX at compile time, when Linux refuses the tile
- * state, or for shapes it does not tile (k % 32, n % 16).
+ * state, for shapes it does not tile (k % 32, n % 16), above 640 rows (oneDNN is faster there),
+ * or when a scratch buffer cannot be had.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,8 +25,12 @@
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
+#include <omp.h>
 #include <unistd.h>
 
+#ifndef AMX_PF
+#define AMX_PF _MM_HINT_T0
+#endif
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -40,34 +52,37 @@ static void amx_config(void) { /* 8 tiles of 16 rows x 64 bytes: C 0-3, A 4-5, B
     _tile_loadconfig(&c);
 }
 
-/* Rows [n0, n0 + 16) of w [., k] as k / 32 B tiles: out[q][p][i] = the bf16 pair
- * w[n0 + i][32 q + 2 p .. + 1], one 16 x 16 transpose of 32-bit pairs per tile (64 shuffles;
- * 16 gathers per tile were ~2x slower at 64 rows). */
-static void pack_w16(const uint16_t *w, long k, long n0, uint32_t *out) {
-    const uint16_t *base = w + n0 * k;
-    for (long q = 0; q < k / 32; q++) {
-        __m512i r[16], t[16], u[16];
-        for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(base + i * k + q * 32);
-        for (int i = 0; i < 8; i++) {
-            t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-            t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 4; i++) {
-            u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-            u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-            u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-        }
-        uint32_t *o = out + q * 256;
-        for (int j = 0; j < 4; j++) {
-            __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-            __m512i x = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-            _mm512_storeu_si512(o + (0 + j) * 16, _mm512_shuffle_i32x4(v, x, 0x88));
-            _mm512_storeu_si512(o + (8 + j) * 16, _mm512_shuffle_i32x4(v, x, 0xDD));
-            _mm512_storeu_si512(o + (4 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0x88));
-            _mm512_storeu_si512(o + (12 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0xDD));
-        }
+/* One 16 x 16 transpose of 32-bit elements: out[j * 16 + i] = row i's element j, row i read at
+ * src + i * stride (bytes). 64 shuffles in registers (16 gathers per tile were ~2x slower). It
+ * packs bf16 pairs into the tile unit's pair-interleaved (VNNI) B layout and turns fp32 C tiles
+ * of the transposed product back into rows. */
+static inline void transpose16(const void *src, long stride, uint32_t *out) {
+    __m512i r[16], t[16], u[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const char *)src + i * stride);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
+    for (int i = 0; i < 4; i++) {
+        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        __m512i x = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        _mm512_storeu_si512(out + (0 + j) * 16, _mm512_shuffle_i32x4(v, x, 0x88));
+        _mm512_storeu_si512(out + (8 + j) * 16, _mm512_shuffle_i32x4(v, x, 0xDD));
+        _mm512_storeu_si512(out + (4 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0x88));
+        _mm512_storeu_si512(out + (12 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0xDD));
+    }
+}
+
+/* 16 rows (stride ld elements) of a row-major bf16 matrix as k / 32 B tiles: out[q][p][i] = the
+ * bf16 pair row i [32 q + 2 p .. + 1]. */
+static void pack_rows16(const uint16_t *base, long ld, long k, uint32_t *out) {
+    for (long q = 0; q < k / 32; q++) transpose16(base + q * 32, ld * 2, out + q * 256);
 }
 
 static void store_tile(const float *c, long row0, long m, long col0, long n, const uint16_t *bias, uint16_t *y) {
@@ -79,39 +94,170 @@ static void store_tile(const float *c, long row0, long m, long col0, long n, con
     }
 }
 
-int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k,
-                  const uint16_t *bias, uint16_t *y, int nthreads) {
-    if (k % 32 || n % 16 || m < 1 || k * 2 > (1l << 30) || !amx_request()) return 0;
-    const long mb = (m + 15) / 16, kb = k / 32, pairs = (n / 16 + 1) / 2;
-    /* the last partial block of x rows, zero-padded, so every A tile load stays in bounds */
-    uint16_t *xpad = NULL;
-    if (m % 16) {
-        xpad = calloc(16 * k, sizeof(uint16_t));
-        if (!xpad) return 0;
-        for (long r = 0; r < m % 16; r++) memcpy(xpad + r * k, x + ((mb - 1) * 16 + r) * ldx, k * 2);
+/* C tiles c (columns col0..+15) and c + 256 (the next 16, when two) of rows row0..+15 as whole
+ * 64-byte rows of y: one rounding of both halves, one store per row */
+static void store_tiles2(const float *c, int two, long row0, long m, long col0, long n, const uint16_t *bias,
+                         uint16_t *y) {
+    if (!two) {
+        store_tile(c, row0, m, col0, n, bias, y);
+        return;
     }
-    int nt = pairs < nthreads ? (int)pairs : nthreads;
-#pragma omp parallel num_threads(nt)
-    {
-        amx_config();
-        uint32_t *wp = aligned_alloc(64, 2 * kb * 256 * sizeof(uint32_t));
-        float *cb = aligned_alloc(64, 4 * 256 * sizeof(float));
-#pragma omp for schedule(static)
-        for (long j = 0; j < pairs; j++) { /* 32 output columns: two B tiles */
-            long n0 = j * 32;
-            int two = n0 + 16 < n;
-            pack_w16(w, k, n0, wp);
-            if (two) pack_w16(w, k, n0 + 16, wp + kb * 256);
-            for (long i = 0; i < mb; i += 2) { /* 32 rows: two A tiles */
-                int two_m = i + 1 < mb;
-                const uint16_t *a0 = (xpad && i == mb - 1) ? xpad : x + i * 16 * ldx;
-                const uint16_t *a1 = (xpad && i + 1 == mb - 1) ? xpad : x + (i + 1) * 16 * ldx;
-                long s0 = (a0 == xpad ? k : ldx) * 2, s1 = (a1 == xpad ? k : ldx) * 2;
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+    if (bias) {
+        __m512i bb = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + col0)));
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(bb, 16));
+        bb = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + col0 + 16)));
+        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(bb, 16));
+    }
+    for (int r = 0; r < 16 && row0 + r < m; r++) {
+        __m512 lo = _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b0), hi = _mm512_add_ps(_mm512_loadu_ps(c + 256 + r * 16), b1);
+        _mm512_storeu_si512(y + (row0 + r) * n + col0, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* A per-thread scratch buffer that only grows: a malloc above glibc's mmap threshold would
+ * fault its pages in on every call. */
+static void *scratch(long bytes) {
+    static __thread void *buf;
+    static __thread long cap;
+    if (bytes > cap) {
+        free(buf);
+        cap = (bytes + 4095) & ~4095l;
+        buf = aligned_alloc(64, cap);
+        if (!buf) cap = 0;
+    }
+    return buf;
+}
+
+/* y^T = w x^T for few rows (m up to a few hundred): w's rows are the A operand, loaded straight
+ * from the module's weight, and x is packed into B tiles once per call (m x k, small) instead of
+ * the weight (n x k) once per call; the C tiles come out transposed and are turned back per
+ * 16 x 16 block on store. Per thread: 32 weight rows (two A tiles) at a time against every pair
+ * of 16-row blocks of x. */
+/* C tile t = 2 a + b of the transposed product holds y[row0 + 16 b + c][col0 + 16 a + r] at
+ * row r, column c: turned back into rows of y */
+static inline void wa_store(const float *cb, int t, long row0, long col0, int two, int two_m, long m, long n,
+                            const uint16_t *bias, uint16_t *y, float *tb) {
+    int a = t >> 1, b = t & 1;
+    if ((a && !two) || (b && !two_m)) return;
+    transpose16(cb + t * 256, 64, (uint32_t *)tb);
+    store_tile(tb, row0 + 16 * b, m, col0 + 16 * a, n, bias, y);
+}
+
+static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
+                    long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
+    const long mb = (m + 15) / 16, kb = k / 32;
+    uint32_t *xt = scratch(mb * kb * 1024 + 9 * 1024);
+    if (!xt) return 0;
+    /* two buffers of C tiles (the previous block's is turned into rows a tile per step of the
+     * next block's K loop, beside the tile unit's work) and one transposed tile */
+    float *cbs = (float *)(xt + mb * kb * 256), *tb = cbs + 2048;
+    long pend_row = -1, pend_col = 0;
+    int pend_two = 0, pend_two_m = 0, flip = 0;
+    for (long i = 0; i < mb; i++) {
+        const uint16_t *rows = (xpad && i == mb - 1) ? xpad : x + i * 16 * ldx;
+        pack_rows16(rows, rows == xpad ? k : ldx, k, xt + i * kb * 256);
+    }
+    for (long j = p0; j < p1; j++) { /* weight rows [32 j, 32 j + 32): two A tiles */
+        long n0 = j * 32;
+        int two = n0 + 16 < n;
+        const uint16_t *w0 = w + n0 * k, *w1 = w0 + 16 * k;
+        /* the next 32 weight rows (cold: DRAM) are prefetched while these are multiplied, a
+         * share of the rows per pass over x */
+        const long nrows = j + 1 < p1 ? (n - n0 - 32 < 32 ? n - n0 - 32 : 32) : 0, passes = (mb + 1) / 2;
+        const long per = (nrows + passes - 1) / passes;
+        for (long i = 0; i < mb; i += 2) { /* x rows [16 i, 16 i + 32): two B tiles */
+            int two_m = i + 1 < mb;
+            const char *pf = (const char *)(w0 + (32 + i / 2 * per) * k);
+            long pf_rows = nrows - i / 2 * per < per ? nrows - i / 2 * per : per;
+            const uint32_t *b0 = xt + i * kb * 256, *b1 = b0 + kb * 256;
+            float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (long q = 0; q < kb; q++) {
+#if AMX_PF
+                for (long r = 0; r < pf_rows; r++) _mm_prefetch(pf + r * k * 2 + q * 64, AMX_PF);
+#endif
+                _tile_loadd(4, w0 + q * 32, k * 2);
+                _tile_loadd(6, b0 + q * 256, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_m) {
+                    _tile_loadd(7, b1 + q * 256, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (two) {
+                    _tile_loadd(5, w1 + q * 32, k * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two_m) _tile_dpbf16ps(3, 5, 7);
+                }
+                if (pend_row >= 0 && q < 4) wa_store(pb, (int)q, pend_row, pend_col, pend_two, pend_two_m, m, n, bias, y, tb);
+            }
+            for (long q = kb; pend_row >= 0 && q < 4; q++) /* K loops shorter than 4 steps */
+                wa_store(pb, (int)q, pend_row, pend_col, pend_two, pend_two_m, m, n, bias, y, tb);
+            _tile_stored(0, cb, 64);
+            _tile_stored(1, cb + 256, 64);
+            _tile_stored(2, cb + 512, 64);
+            _tile_stored(3, cb + 768, 64);
+            pend_row = i * 16, pend_col = n0, pend_two = two, pend_two_m = two_m, flip ^= 1;
+        }
+    }
+    for (int q = 0; pend_row >= 0 && q < 4; q++)
+        wa_store(cbs + (flip ^ 1) * 1024, q, pend_row, pend_col, pend_two, pend_two_m, m, n, bias, y, tb);
+    return 1;
+}
+
+#ifndef AMX_WB_CHUNK
+#define AMX_WB_CHUNK (1l << 20)
+#endif
+/* y = x w^T for many rows, blocked for the caches: the weight is packed into B tiles a chunk of
+ * column pairs at a time (<= 1 MiB, L2; each pair packed on first use, next to its first
+ * products), and each 32-row block of x (<= 96 KiB, L1/L2) passes every pair of the chunk while
+ * its output rows are written whole. x is read once per chunk, the weight once in all. (Packing
+ * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.) */
+static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
+                   long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
+    const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256;
+    long cp = AMX_WB_CHUNK / (pair_sz * 4);
+    cp = cp < 1 ? 1 : (cp > p1 - p0 ? p1 - p0 : cp);
+    uint32_t *wpk = scratch(cp * pair_sz * 4 + 2 * 4096);
+    if (!wpk) return 0;
+    float *cbs = (float *)(wpk + cp * pair_sz);
+    /* the previous block's C tiles wait in one of two buffers and are rounded to bf16 a tile per
+     * step of the next block's K loop: vector work next to the tile unit's, not after it */
+    long pend_row = -1, pend_col = 0;
+    int pend_two = 0, pend_two_m = 0, flip = 0;
+    for (long c0 = p0; c0 < p1; c0 += cp) {
+        const long c1 = c0 + cp < p1 ? c0 + cp : p1;
+        for (long i = 0; i < mb; i += 2) { /* 32 rows: two A tiles */
+            int two_m = i + 1 < mb;
+            const uint16_t *a0 = (xpad && i == mb - 1) ? xpad : x + i * 16 * ldx;
+            const uint16_t *a1 = (xpad && i + 1 == mb - 1) ? xpad : x + (i + 1) * 16 * ldx;
+            long s0 = (a0 == xpad ? k : ldx) * 2, s1 = (a1 == xpad ? k : ldx) * 2;
+            for (long j = c0; j < c1; j++) { /* 32 output columns: two B tiles */
+                long n0 = j * 32;
+                int two = n0 + 16 < n;
+                uint32_t *wp = wpk + (j - c0) * pair_sz;
+                float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
+                /* packed on first use: the chunk's first pair here, each next one tile pair per K
+                 * step of this one's products (transposes next to the tile unit's work) */
+                if (i == 0 && j == c0) {
+                    pack_rows16(w + n0 * k, k, k, wp);
+                    if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
+                }
+                const int pack_next = i == 0 && j + 1 < c1;
+                const uint16_t *nw = w + (n0 + 32) * k;
+                const int next_two = n0 + 48 < n;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
                 for (long q = 0; q < kb; q++) {
+                    if (pack_next) {
+                        transpose16(nw + q * 32, k * 2, wp + pair_sz + q * 256);
+                        if (next_two) transpose16(nw + 16 * k + q * 32, k * 2, wp + pair_sz + (kb + q) * 256);
+                    }
                     _tile_loadd(4, a0 + q * 32, s0);
                     _tile_loadd(6, wp + q * 256, 64);
                     _tile_dpbf16ps(0, 4, 6);
@@ -124,23 +270,60 @@ int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n
                         _tile_dpbf16ps(2, 5, 6);
                         if (two) _tile_dpbf16ps(3, 5, 7);
                     }
+                    /* tiles 2 a, 2 a + 1: rows + 16 a, columns + 0 / + 16 */
+                    if (pend_row >= 0 && q < 2 && (q == 0 || pend_two_m))
+                        store_tiles2(pb + q * 512, pend_two, pend_row + 16 * q, m, pend_col, n, bias, y);
                 }
+                if (pend_row >= 0 && kb < 2 && pend_two_m) /* K loops of one step */
+                    store_tiles2(pb + 512, pend_two, pend_row + 16, m, pend_col, n, bias, y);
                 _tile_stored(0, cb, 64);
                 _tile_stored(1, cb + 256, 64);
                 _tile_stored(2, cb + 512, 64);
                 _tile_stored(3, cb + 768, 64);
-                store_tile(cb, i * 16, m, n0, n, bias, y);
-                if (two) store_tile(cb + 256, i * 16, m, n0 + 16, n, bias, y);
-                if (two_m) store_tile(cb + 512, (i + 1) * 16, m, n0, n, bias, y);
-                if (two_m && two) store_tile(cb + 768, (i + 1) * 16, m, n0 + 16, n, bias, y);
+                pend_row = i * 16, pend_col = n0, pend_two = two, pend_two_m = two_m, flip ^= 1;
             }
         }
-        free(wp);
-        free(cb);
+    }
+    if (pend_row >= 0) {
+        float *pb = cbs + (flip ^ 1) * 1024;
+        store_tiles2(pb, pend_two, pend_row, m, pend_col, n, bias, y);
+        if (pend_two_m) store_tiles2(pb + 512, pend_two, pend_row + 16, m, pend_col, n, bias, y);
+    }
+    return 1;
+}
+
+#ifndef AMX_MAX_ROWS
+#define AMX_MAX_ROWS 640
+#endif
+#ifndef AMX_WA_ROWS
+#define AMX_WA_ROWS 0
+#endif
+int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k,
+                  const uint16_t *bias, uint16_t *y, int nthreads) {
+    /* above ~640 rows oneDNN's own re-pack is amortized and its kernel is 5-15% faster here
+     * (benchmark/cpu_gemm.py, 1 thread, 768-8192 rows): declined, torch's GEMM runs */
+    if (k % 32 || n % 16 || m < 1 || m > AMX_MAX_ROWS || k * 2 > (1l << 30) || !amx_request()) return 0;
+    const long mb = (m + 15) / 16, pairs = (n / 16 + 1) / 2;
+    /* packing the side with fewer rows costs less: x (m rows, plus a transpose per output tile)
+     * or w (n rows) */
+    const int wa = AMX_WA_ROWS ? m <= AMX_WA_ROWS : m * (k + n) < n * k;
+    uint16_t *xpad = NULL;
+    if (m % 16) { /* the last partial block of x rows, zero-padded, so every tile load stays in bounds */
+        xpad = calloc(16 * k, sizeof(uint16_t));
+        if (!xpad) return 0;
+        for (long r = 0; r < m % 16; r++) memcpy(xpad + r * k, x + ((mb - 1) * 16 + r) * ldx, k * 2);
+    }
+    int nt = pairs < nthreads ? (int)pairs : nthreads, ok = 1;
+#pragma omp parallel num_threads(nt) reduction(& : ok)
+    {
+        amx_config();
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        long p0 = pairs * t / T, p1 = pairs * (t + 1) / T;
+        ok = wa ? gemm_wa(x, ldx, m, xpad, w, n, k, bias, y, p0, p1) : gemm_wb(x, ldx, m, xpad, w, n, k, bias, y, p0, p1);
         _tile_release();
     }
     free(xpad);
-    return 1;
+    return ok; /* 0 only where a scratch buffer could not be had: the caller recomputes */
 }
 int amx_available(void) { return amx_request(); }
 #else
