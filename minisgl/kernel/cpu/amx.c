@@ -28,56 +28,8 @@
 #include <omp.h>
 #include <unistd.h>
 
-#ifndef AMX_PF
-#define AMX_PF _MM_HINT_T0
-#endif
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
+#include "amx_tiles.h"
 
-static int amx_state = -1;
-/* Linux hands out the 8 KiB tile state only on request (ARCH_REQ_XCOMP_PERM, XTILEDATA),
- * once per process. */
-static int amx_request(void) {
-    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    return amx_state;
-}
-static void amx_config(void) { /* 8 tiles of 16 rows x 64 bytes: C 0-3, A 4-5, B 6-7 */
-    amx_tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-}
-
-/* One 16 x 16 transpose of 32-bit elements: out[j * 16 + i] = row i's element j, row i read at
- * src + i * stride (bytes). 64 shuffles in registers (16 gathers per tile were ~2x slower). It
- * packs bf16 pairs into the tile unit's pair-interleaved (VNNI) B layout and turns fp32 C tiles
- * of the transposed product back into rows. */
-static inline void transpose16(const void *src, long stride, uint32_t *out) {
-    __m512i r[16], t[16], u[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const char *)src + i * stride);
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-        __m512i x = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-        _mm512_storeu_si512(out + (0 + j) * 16, _mm512_shuffle_i32x4(v, x, 0x88));
-        _mm512_storeu_si512(out + (8 + j) * 16, _mm512_shuffle_i32x4(v, x, 0xDD));
-        _mm512_storeu_si512(out + (4 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0x88));
-        _mm512_storeu_si512(out + (12 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0xDD));
-    }
-}
 
 /* 16 rows (stride ld elements) of a row-major bf16 matrix as k / 32 B tiles: out[q][p][i] = the
  * bf16 pair row i [32 q + 2 p .. + 1]. */
@@ -117,17 +69,6 @@ static void store_tiles2(const float *c, int two, long row0, long m, long col0, 
 
 /* A per-thread scratch buffer that only grows: a malloc above glibc's mmap threshold would
  * fault its pages in on every call. */
-static void *scratch(long bytes) {
-    static __thread void *buf;
-    static __thread long cap;
-    if (bytes > cap) {
-        free(buf);
-        cap = (bytes + 4095) & ~4095l;
-        buf = aligned_alloc(64, cap);
-        if (!buf) cap = 0;
-    }
-    return buf;
-}
 
 /* y^T = w x^T for few rows (m up to a few hundred): w's rows are the A operand, loaded straight
  * from the module's weight, and x is packed into B tiles once per call (m x k, small) instead of
@@ -147,7 +88,7 @@ static inline void wa_store(const float *cb, int t, long row0, long col0, int tw
 static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
                     long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
     const long mb = (m + 15) / 16, kb = k / 32;
-    uint32_t *xt = scratch(mb * kb * 1024 + 9 * 1024);
+    uint32_t *xt = amx_scratch(mb * kb * 1024 + 9 * 1024);
     if (!xt) return 0;
     /* two buffers of C tiles (the previous block's is turned into rows a tile per step of the
      * next block's K loop, beside the tile unit's work) and one transposed tile */
@@ -162,14 +103,8 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
         long n0 = j * 32;
         int two = n0 + 16 < n;
         const uint16_t *w0 = w + n0 * k, *w1 = w0 + 16 * k;
-        /* the next 32 weight rows (cold: DRAM) are prefetched while these are multiplied, a
-         * share of the rows per pass over x */
-        const long nrows = j + 1 < p1 ? (n - n0 - 32 < 32 ? n - n0 - 32 : 32) : 0, passes = (mb + 1) / 2;
-        const long per = (nrows + passes - 1) / passes;
         for (long i = 0; i < mb; i += 2) { /* x rows [16 i, 16 i + 32): two B tiles */
             int two_m = i + 1 < mb;
-            const char *pf = (const char *)(w0 + (32 + i / 2 * per) * k);
-            long pf_rows = nrows - i / 2 * per < per ? nrows - i / 2 * per : per;
             const uint32_t *b0 = xt + i * kb * 256, *b1 = b0 + kb * 256;
             float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
             _tile_zero(0);
@@ -177,9 +112,6 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
             _tile_zero(2);
             _tile_zero(3);
             for (long q = 0; q < kb; q++) {
-#if AMX_PF
-                for (long r = 0; r < pf_rows; r++) _mm_prefetch(pf + r * k * 2 + q * 64, AMX_PF);
-#endif
                 _tile_loadd(4, w0 + q * 32, k * 2);
                 _tile_loadd(6, b0 + q * 256, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -221,7 +153,7 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256;
     long cp = AMX_WB_CHUNK / (pair_sz * 4);
     cp = cp < 1 ? 1 : (cp > p1 - p0 ? p1 - p0 : cp);
-    uint32_t *wpk = scratch(cp * pair_sz * 4 + 2 * 4096);
+    uint32_t *wpk = amx_scratch(cp * pair_sz * 4 + 2 * 4096);
     if (!wpk) return 0;
     float *cbs = (float *)(wpk + cp * pair_sz);
     /* the previous block's C tiles wait in one of two buffers and are rounded to bf16 a tile per

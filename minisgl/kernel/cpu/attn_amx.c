@@ -21,59 +21,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attn_tilecfg;
+#include "amx_tiles.h"
 
-static int attn_tiles(void) { /* the tile-state permission (once per process) and 8 tiles of 16 x 64 B */
-    static int ok = -1;
-    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    if (!ok) return 0;
-    attn_tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    _tile_loadconfig(&c);
-    return 1;
-}
-
-static void *attn_scratch(long bytes) { /* per thread, only grows (no page faults per call) */
-    static __thread void *buf;
-    static __thread long cap;
-    if (bytes > cap) {
-        free(buf);
-        cap = (bytes + 4095) & ~4095l;
-        buf = aligned_alloc(64, cap);
-        if (!buf) cap = 0;
-    }
-    return buf;
-}
-
-/* 16 x 16 transpose of 32-bit elements (row i at src + i * stride bytes) into out[j * 16 + i] */
-static inline void tr16(const void *src, long stride, uint32_t *out) {
-    __m512i r[16], t[16], u[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512((const char *)src + i * stride);
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; i++) {
-        u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        __m512i v = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), v2 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
-        __m512i x = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88), x2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
-        _mm512_storeu_si512(out + (0 + j) * 16, _mm512_shuffle_i32x4(v, x, 0x88));
-        _mm512_storeu_si512(out + (8 + j) * 16, _mm512_shuffle_i32x4(v, x, 0xDD));
-        _mm512_storeu_si512(out + (4 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0x88));
-        _mm512_storeu_si512(out + (12 + j) * 16, _mm512_shuffle_i32x4(v2, x2, 0xDD));
-    }
-}
 
 /* exp(x) for x <= 0, good to 1.2e-4 relative (a least-squares cubic) (the weights are rounded to bf16, 4e-3, next):
  * 2^(x log2 e) as 2^n by the exponent (scalef) and 2^f, f in [-0.5, 0.5], by a cubic. */
@@ -102,7 +51,7 @@ static void pack_kv(const uint16_t *k, const uint16_t *v, long ld, long n, long 
             for (long r = 0; b * 16 + r < n; r++) memcpy(pad + r * d, rows + r * ld, d * 2);
             rows = pad, stride = d;
         }
-        for (long c = 0; c < dc; c++) tr16(rows + c * 32, stride * 2, kt + (b * dc + c) * 256);
+        for (long c = 0; c < dc; c++) transpose16(rows + c * 32, stride * 2, kt + (b * dc + c) * 256);
     }
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
                                         36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -212,7 +161,7 @@ static void attend_block(const uint16_t *q, long ld, long n, long d, float scale
 
 int prefill_attention_amx_bf16(const uint16_t *qkv, long ld, long n, long hq, long hk, long d, float scale,
                                uint16_t *out, long ldo, int nthreads) {
-    if (d % 32 || d > 256 || n < 1 || hk < 1 || hq % hk || !attn_tiles()) return 0;
+    if (d % 32 || d > 256 || n < 1 || hk < 1 || hq % hk || !amx_request()) return 0;
     const long nk32 = (n + 31) / 32, lds = nk32 * 32, nqb = (n + 31) / 32;
     const long kt_sz = 2 * nk32 * (d / 32) * 256, vt_sz = nk32 * (d / 16) * 256; /* dwords per KV head */
     uint32_t *kv = aligned_alloc(64, hk * (kt_sz + vt_sz) * 4);
@@ -221,8 +170,8 @@ int prefill_attention_amx_bf16(const uint16_t *qkv, long ld, long n, long hq, lo
     int ok = 1;
 #pragma omp parallel num_threads(nthreads) reduction(& : ok)
     {
-        attn_tiles();
-        char *buf = attn_scratch(32 * lds * 4 + 32 * lds * 2 + 32 * 32 * 4 + 64 * d * 2 + 256);
+        amx_config();
+        char *buf = amx_scratch(32 * lds * 4 + 32 * lds * 2 + 32 * 32 * 4 + 64 * d * 2 + 256);
         if (!buf) ok = 0;
         float *s = (float *)buf, *cb = s + 32 * lds;
         uint16_t *pb = (uint16_t *)(cb + 32 * 32), *pad = pb + 32 * lds;
