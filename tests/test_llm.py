@@ -106,6 +106,16 @@ def test_overlap_on_and_off(tiny_dir, refs, overlap):
         check_workload(results, refs, PROMPTS, MAX_TOKENS, f"overlap={overlap}")
 
 
+def test_overlap_default_follows_the_device(tiny_dir, monkeypatch):
+    """Unset, overlap is on for CUDA and off on a CPU, where the forward runs inside the launch
+    and a one-step lag would only delay each token; an explicit choice wins either way."""
+    monkeypatch.delenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", raising=False)
+    with running_llm(tiny_dir) as llm:
+        assert llm.scheduler.overlap is (llm.scheduler.device.type != "cpu")
+    with running_llm(tiny_dir, enable_overlap=True) as llm:
+        assert llm.scheduler.overlap is True
+
+
 def test_overlap_env_switch(tiny_dir, refs, monkeypatch):
     cfg = dict(model_path=str(tiny_dir), tp_info=None, dtype=torch.float32)
     monkeypatch.delenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", raising=False)
