@@ -24,6 +24,7 @@ not cover (MoE, tensor parallelism, CUDA) run the model's own forward.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -31,13 +32,17 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.core import Batch
-from minisgl.kernel.cpu import SUFFIX, CpuKernels, cpu_kernels
+from minisgl.kernel.cpu import SUFFIX, CpuKernels, DecodeGemm, DecodeLayer, DecodeStep, cpu_kernels
 from minisgl.kvcache.pool import KVCachePool
 from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight, pack_bf16
 from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
+
+# Decode batches up to this many rows run their layers in one C call (kernel/cpu/decode_loop.c):
+# the rows the skinny GEMMs (bf16 and quantized) take.
+FUSED_MAX_ROWS = 8
 
 
 @dataclass
@@ -160,6 +165,24 @@ class CpuDecodeRunner:
         ]  # fmt: skip
         for t in [L.ln1 for L in self.layers] + [self.final_norm, self.cos, self.sin]:
             assert t.is_contiguous()
+        self._fused = self._fused_table(k) if dtype == torch.bfloat16 else None
+
+    def _fused_table(self, k: CpuKernels) -> Any:
+        """decode_loop.c's layer table for decode batches of <= FUSED_MAX_ROWS rows, or None
+        where one of their GEMMs has no C kernel that takes them all."""
+        specs = [[lin.decode_spec(FUSED_MAX_ROWS) for lin in (L.qkv, L.o, L.gate_up, L.down)] for L in self.layers]
+        if any(sp is None for row in specs for sp in row):
+            return None
+        table = (DecodeLayer * len(self.layers))()
+        for entry, ptrs, row in zip(table, self._ptrs, specs):
+            entry.ln1, entry.ln2, entry.q_norm, entry.k_norm, entry.k_cache, entry.v_cache = ptrs
+            for name, sp in zip(("qkv", "o", "gate_up", "down"), row):
+                setattr(entry, name, DecodeGemm(*sp))  # type: ignore[misc]
+        self._step = DecodeStep(cos=self.cos.data_ptr(), sin=self.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
+                                hidden=self.embed.shape[1], inter=self.layers[0].gate_up.dense.shape[0] // 2,
+                                hq=self.hq, hk=self.hk, d=self.d, eps=self.eps, scale=self.scale, nthreads=self.nthreads)  # fmt: skip
+        self._decode_layers = k.lib.decode_layers_bf16
+        return table
 
     # ---- per-step metadata ----------------------------------------------------------------
     def _metadata(self, batch: Batch, page_table: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor | None]:
@@ -271,6 +294,9 @@ class CpuDecodeRunner:
         segments = _attention_segments(sdpa_plan) if sdpa_plan is not None else []
         rms(x.data_ptr(), pres, self._ptrs[0][0], ph, b, hidden, eps, 0)
         n = len(self.layers)
+        if self._fused is not None and sdpa_plan is None and b <= FUSED_MAX_ROWS:
+            self._run_fused(h, res, attn, act, positions, out_loc, page_table, table_row, kv_len)
+            return self.lm_head(h)
         for i, L in enumerate(self.layers):
             _, ln2, qn, kn, kc, vc = self._ptrs[i]
             qkv = L.qkv(h)
@@ -294,6 +320,23 @@ class CpuDecodeRunner:
             nxt = self._ptrs[i + 1][0] if i + 1 < n else self.final_norm.data_ptr()
             rms(m.data_ptr(), pres, nxt, ph, b, hidden, eps, 1)
         return self.lm_head(h if last is None else h[last])
+
+    def _run_fused(self, h: torch.Tensor, res: torch.Tensor, attn: torch.Tensor, act: torch.Tensor,
+                   positions: torch.Tensor, out_loc: torch.Tensor, page_table: torch.Tensor,
+                   table_row: torch.Tensor, kv_len: torch.Tensor) -> None:  # fmt: skip
+        """The layers of a small decode batch in one C call (the same kernels in the same order
+        as the loop in _forward_kernels: bitwise the same result). h: layer 0's normed input in,
+        the final norm's output out."""
+        b, hidden = h.shape
+        qkv = h.new_empty(b, (self.hq + 2 * self.hk) * self.d)
+        a, m, gu = h.new_empty(b, hidden), h.new_empty(b, hidden), h.new_empty(b, 2 * act.shape[1])
+        st = self._step
+        st.res, st.h, st.qkv, st.attn, st.a = res.data_ptr(), h.data_ptr(), qkv.data_ptr(), attn.data_ptr(), a.data_ptr()
+        st.gu, st.act, st.m = gu.data_ptr(), act.data_ptr(), m.data_ptr()
+        st.positions, st.out_loc, st.page_table = positions.data_ptr(), out_loc.data_ptr(), page_table.data_ptr()
+        st.table_row, st.kv_len, st.pt_stride, st.rows = table_row.data_ptr(), kv_len.data_ptr(), page_table.stride(0), b
+        if not self._decode_layers(self._fused, len(self.layers), ctypes.byref(st)):
+            raise RuntimeError("decode_layers_bf16 refused its layer table")
 
     # ---- the step -----------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, layer_id: int, slots: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

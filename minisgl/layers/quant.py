@@ -264,6 +264,19 @@ class QuantLinear:
         self._bias_ptr = bias.data_ptr() if bias is not None else None
         self._n, self._k = dense.shape
 
+    def decode_spec(self, rows: int) -> tuple[int, int, int, int, int | None] | None:
+        """(kind, weight, n, k, bias) of the C kernel that runs batches of up to `rows` rows and
+        cannot decline them (kernel/cpu/decode_loop.c's DecodeGemm: 0 bf16, 4 int4, 8 int8), or
+        None where one of those rows would take torch's path."""
+        if self.quant is not None and rows <= self.dense_above:
+            if self.qgemv is None or self._k % 32:
+                return None
+            kind = 4 if isinstance(self.quant, Int4Weight) else 8
+            return kind, self.quant.records.data_ptr(), self._n, self._k, self._bias_ptr
+        if self.quant is None and self.gemv is not None and rows <= self.gemv_max_rows:
+            return 0, self.dense.data_ptr(), self._n, self._k, self._bias_ptr
+        return None
+
     def _c_gemm(self, fn: GemvFn, x: torch.Tensor, weight: int) -> torch.Tensor | None:
         """y from one of the C kernels (same signature), None where it declined the shape."""
         if x.dim() != 2 or x.stride(-1) != 1:

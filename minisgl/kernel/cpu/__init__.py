@@ -1,8 +1,9 @@
 """Fused C kernels for the CPU decode step, built on first use and called through ctypes.
 
 `kernels.c` (norms, rotary, SiLU, paged attention), `gemv.c` (the bf16 skinny GEMM of small
-decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones) and `qgemv.c` (the skinny GEMM on GGUF's
-Q4_1 / Q8_0 blocks) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
+decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
+Q4_1 / Q8_0 blocks), `attn_amx.c` (prefill attention on AMX tiles) and `decode_loop.c` (a small
+decode batch's whole layer stack in one call) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
 a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
 headers, so no minute-long extension build. Without a compiler, or with MINISGL_CPU_KERNELS=0,
 `cpu_kernels()` returns None and callers use their torch-op path.
@@ -26,7 +27,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -37,6 +38,23 @@ _SIGNATURES = {
     "paged_attention": [_P, _L, _P, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _F, _I],
 }
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+# decode_loop.c's tables (same field order and types as its structs)
+class DecodeGemm(ctypes.Structure):
+    _fields_ = [("kind", _L), ("w", _P), ("n", _L), ("k", _L), ("bias", _P)]
+
+
+class DecodeLayer(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")]
+    _fields_ += [(n, DecodeGemm) for n in ("qkv", "o", "gate_up", "down")]
+
+
+class DecodeStep(ctypes.Structure):
+    _fields_ = [(n, _P) for n in ("res", "h", "qkv", "attn", "a", "gu", "act", "m", "positions", "cos", "sin",
+                                  "final_norm", "out_loc", "table_row", "kv_len", "page_table")]  # fmt: skip
+    _fields_ += [(n, _L) for n in ("pt_stride", "rows", "hidden", "inter", "hq", "hk", "d")]
+    _fields_ += [("eps", _F), ("scale", _F), ("nthreads", _L)]
 
 
 def _cache_dir() -> Path:
@@ -95,6 +113,7 @@ class CpuKernels:
             fn.argtypes, fn.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AVX512-BF16: quantized GEMMs stay on torch's kernels
         self.has_qgemv = bool(lib.qgemv_available())
+        lib.decode_layers_bf16.argtypes, lib.decode_layers_bf16.restype = [_P, _L, _P], ctypes.c_int
         lib.prefill_attention_amx_bf16.argtypes = [_P, _L, _L, _L, _L, _L, _F, _P, _L, _I]
         lib.prefill_attention_amx_bf16.restype = ctypes.c_int
 

@@ -1,0 +1,84 @@
+/* The whole layer stack of a small bf16 decode batch in one call (engine/cpu_decode.py).
+ *
+ * Why: a batch-1 step of the embedded model is ~7 ms, and the Python loop that called the
+ * layer's nine kernels one by one through ctypes cost ~0.5-1 ms of it (270 calls, each
+ * converting its arguments and allocating its output). Here the same kernels run in the same
+ * order on the same buffers, so the result is bitwise the per-call loop's; Python builds the
+ * layer table once and fills the step's fields per step.
+ *
+ * Every GEMM here is one that cannot decline (checked by the caller when it builds the table:
+ * the bf16 skinny GEMM takes any shape, the quantized ones k % 32 == 0), so a step never stops
+ * half way with some layers' K/V written.
+ */
+#include <stdint.h>
+
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, long rows,
+                       long h, float eps, int has_residual);
+void silu_mul_bf16(const uint16_t *gu, uint16_t *out, long rows, long inter);
+void rope_store_bf16(uint16_t *qkv, const int32_t *positions, const uint16_t *cos, const uint16_t *sin,
+                     const uint16_t *q_norm, const uint16_t *k_norm, float eps, uint16_t *k_cache,
+                     uint16_t *v_cache, const int64_t *out_loc, long rows, long hq, long hk, long d);
+void paged_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+                          const int32_t *page_table, long pt_stride, const int64_t *table_row,
+                          const int64_t *kv_len, uint16_t *out, long rows, long hq, long hk, long d,
+                          float scale, int nthreads);
+int gemv_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
+              uint16_t *y, int nthreads);
+int qgemv_q4_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
+                  const uint16_t *bias, uint16_t *y, int nthreads);
+int qgemv_q8_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
+                  const uint16_t *bias, uint16_t *y, int nthreads);
+
+enum { GEMM_BF16 = 0, GEMM_Q4 = 4, GEMM_Q8 = 8 };
+typedef struct {
+    long kind; /* GEMM_*: the weight is the module's bf16 [n, k] or the quantized records */
+    const void *w;
+    long n, k;
+    const uint16_t *bias; /* NULL: none */
+} DecodeGemm;
+typedef struct {
+    const uint16_t *ln1, *ln2, *q_norm, *k_norm; /* the norms may be NULL */
+    uint16_t *k_cache, *v_cache;
+    DecodeGemm qkv, o, gate_up, down;
+} DecodeLayer;
+typedef struct {
+    uint16_t *res, *h, *qkv, *attn, *a, *gu, *act, *m; /* [rows, width] buffers */
+    const int32_t *positions;
+    const uint16_t *cos, *sin, *final_norm;
+    const int64_t *out_loc, *table_row, *kv_len;
+    const int32_t *page_table;
+    long pt_stride, rows, hidden, inter, hq, hk, d;
+    float eps, scale;
+    long nthreads;
+} DecodeStep;
+
+static int run_gemm(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *y, int nt) {
+    switch (g->kind) {
+    case GEMM_BF16: return gemv_bf16(x, g->k, m, (const uint16_t *)g->w, g->n, g->k, g->bias, y, nt);
+    case GEMM_Q4: return qgemv_q4_bf16(x, g->k, m, (const uint8_t *)g->w, g->n, g->k, g->bias, y, nt);
+    case GEMM_Q8: return qgemv_q8_bf16(x, g->k, m, (const uint8_t *)g->w, g->n, g->k, g->bias, y, nt);
+    }
+    return 0;
+}
+
+/* s->h holds layer 0's normed input and s->res its residual (the caller's first add_rms_norm);
+ * on return s->h is the final norm's output. Returns 0 only on a malformed table. */
+int decode_layers_bf16(const DecodeLayer *layers, long nlayers, const DecodeStep *s) {
+    const long b = s->rows, width = (s->hq + 2 * s->hk) * s->d;
+    const int nt = (int)s->nthreads;
+    for (long i = 0; i < nlayers; i++) {
+        const DecodeLayer *L = layers + i;
+        if (!run_gemm(&L->qkv, s->h, b, s->qkv, nt)) return 0;
+        rope_store_bf16(s->qkv, s->positions, s->cos, s->sin, L->q_norm, L->k_norm, s->eps, L->k_cache, L->v_cache,
+                        s->out_loc, b, s->hq, s->hk, s->d);
+        paged_attention_bf16(s->qkv, width, L->k_cache, L->v_cache, s->page_table, s->pt_stride, s->table_row,
+                             s->kv_len, s->attn, b, s->hq, s->hk, s->d, s->scale, nt);
+        if (!run_gemm(&L->o, s->attn, b, s->a, nt)) return 0;
+        add_rms_norm_bf16(s->a, s->res, L->ln2, s->h, b, s->hidden, s->eps, 1);
+        if (!run_gemm(&L->gate_up, s->h, b, s->gu, nt)) return 0;
+        silu_mul_bf16(s->gu, s->act, b, s->inter);
+        if (!run_gemm(&L->down, s->act, b, s->m, nt)) return 0;
+        add_rms_norm_bf16(s->m, s->res, i + 1 < nlayers ? layers[i + 1].ln1 : s->final_norm, s->h, b, s->hidden, s->eps, 1);
+    }
+    return 1;
+}
