@@ -448,6 +448,28 @@ def _hugepage_pool(kv_cache: KVCachePool) -> None:
     kv_cache.buffer = buf.zero_()
 
 
+def _hugepage_weights(model: Any) -> None:
+    """Move the bf16 GEMM weights the runner streams (the layers' projections, the LM head) into
+    one buffer on transparent huge pages, for the TLB reason of _hugepage_records. One weight at
+    a time: each old storage is freed as its copy lands, so memory peaks at one weight above 1x."""
+    params: Dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("proj.weight", "lm_head.weight", "embed_tokens.weight")) and p.dim() == 2:
+            params.setdefault(p.data_ptr(), p)  # a tied head is the embedding
+    total = sum(-(-p.numel() * p.element_size() // 64) * 64 for p in params.values())
+    if total < (16 << 20):
+        return
+    buf = torch.empty(total + (2 << 20), dtype=torch.uint8)
+    _advise_huge(buf)
+    off = -buf.data_ptr() % 64
+    for p in params.values():
+        nbytes = p.numel() * p.element_size()
+        view = buf[off : off + nbytes].view(p.dtype).view(p.shape)
+        view.copy_(p.data)
+        p.data = view
+        off += -(-nbytes // 64) * 64
+
+
 def _hugepage_records(quant: Dict[str, QuantWeight]) -> None:
     """Move the quantized weights' records into one buffer on transparent huge pages: a batch-1
     step streams all of them (~100 MB), and on 4 KiB pages every 4 KiB of the stream is a TLB
@@ -483,6 +505,7 @@ def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, co
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
         return None
     _hugepage_pool(kv_cache)
+    _hugepage_weights(model)
     quant = None
     if method != "none":
         quant = load_quant_weights(model, method, config.model_path)
