@@ -432,6 +432,8 @@ def test_embedded_bf16_agrees_with_hf_bf16(embedded_model_dir, embedded_tokenize
     hf = _hf(embedded_model_dir, torch.bfloat16)
     prompts = [_chat_ids(embedded_tokenizer, q) for q in QUESTIONS]
     with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128, dtype=torch.bfloat16) as engine:
+        model = engine.model  # the runner moved the weights onto huge pages: the head stays tied
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         outs = _generate(engine, prompts, 24)
     for i, (ids, ours) in enumerate(zip(prompts, outs)):
         ref, ref_logits = _hf_greedy(hf, ids, 24)

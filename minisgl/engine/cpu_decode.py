@@ -452,21 +452,26 @@ def _hugepage_weights(model: Any) -> None:
     """Move the bf16 GEMM weights the runner streams (the layers' projections, the LM head) into
     one buffer on transparent huge pages, for the TLB reason of _hugepage_records. One weight at
     a time: each old storage is freed as its copy lands, so memory peaks at one weight above 1x."""
-    params: Dict[int, torch.nn.Parameter] = {}
-    for name, p in model.named_parameters():
+    groups: Dict[int, List[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
         if name.endswith(("proj.weight", "lm_head.weight", "embed_tokens.weight")) and p.dim() == 2:
-            params.setdefault(p.data_ptr(), p)  # a tied head is the embedding
-    total = sum(-(-p.numel() * p.element_size() // 64) * 64 for p in params.values())
+            # a tied head is a second parameter on the embedding's storage: both move together
+            group = groups.setdefault(p.data_ptr(), [])
+            if all(q is not p for q in group):
+                group.append(p)
+    total = sum(-(-g[0].numel() * g[0].element_size() // 64) * 64 for g in groups.values())
     if total < (16 << 20):
         return
     buf = torch.empty(total + (2 << 20), dtype=torch.uint8)
     _advise_huge(buf)
     off = -buf.data_ptr() % 64
-    for p in params.values():
-        nbytes = p.numel() * p.element_size()
-        view = buf[off : off + nbytes].view(p.dtype).view(p.shape)
-        view.copy_(p.data)
-        p.data = view
+    for group in groups.values():
+        first = group[0]
+        nbytes = first.numel() * first.element_size()
+        view = buf[off : off + nbytes].view(first.dtype).view(first.shape)
+        view.copy_(first.data)
+        for p in group:
+            p.data = view
         off += -(-nbytes // 64) * 64
 
 
