@@ -361,13 +361,16 @@ def test_rtn_quantization_runs_on_any_checkpoint(tiny_model_dir, method):
 def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant):
     """bf16 decode batches of <= 8 rows run all layers in one C call (kernel/cpu/decode_loop.c):
     the same kernels in the same order as the per-call loop, so logits and the K/V written are
-    bitwise equal (llama: q/k/v/o biases; qwen3: q/k norms, a tied head; int4/int8 codes)."""
+    bitwise equal (llama: q/k/v/o biases; qwen3: q/k norms, a tied head; int4/int8 codes for up to
+    4 rows, the dense weight on AMX past them)."""
     from minisgl.kernel.cpu import cpu_kernels
 
     kern = cpu_kernels()
     if kern is None or not kern.has_gemv:
         pytest.skip("no C compiler or no AVX512-BF16 here")
     prompts = [[3, 17, 42, 9, 100, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 200], [1, 2, 3]]
+    prompts += [[p + 1 for p in q] for q in prompts]  # 6 rows: past the quantized rows, dense on AMX
+    sizes = (1, 3, 6)
     with running_engine(tiny_model_dir(name), max_running_req=8, dtype=torch.bfloat16, quantization=quant) as engine:
         runner = engine.cpu_runner
         assert runner._fused is not None, "the layer table was not built"
@@ -378,7 +381,7 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
             if not fused:
                 runner._fused = None
             pool = engine.kv_cache.buffer.clone()
-            for size in (1, 3):
+            for size in sizes:
                 reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 2) for row, (p, o) in
                         enumerate(zip(prompts[:size], outs))]  # fmt: skip
                 batch = prepare_batch(engine, reqs, "decode")
@@ -386,7 +389,7 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
                     results[fused, size] = (runner.forward(batch, engine.page_table).clone(), engine.kv_cache.buffer.clone())
                 engine.kv_cache.buffer.copy_(pool)
             runner._fused = table
-    for size in (1, 3):
+    for size in sizes:
         assert torch.equal(results[True, size][0], results[False, size][0]), f"logits, {size} rows"
         assert torch.equal(results[True, size][1], results[False, size][1]), f"K/V, {size} rows"
 

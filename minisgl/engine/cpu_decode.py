@@ -40,8 +40,8 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-# Decode batches up to this many rows run their layers in one C call (kernel/cpu/decode_loop.c):
-# the rows the skinny GEMMs (bf16 and quantized) take.
+# Decode batches up to this many rows run their layers in one C call (kernel/cpu/decode_loop.c);
+# larger ones keep the per-call loop (its Python is small next to their GEMMs).
 FUSED_MAX_ROWS = 8
 
 
@@ -168,11 +168,15 @@ class CpuDecodeRunner:
         self._fused = self._fused_table(k) if dtype == torch.bfloat16 else None
 
     def _fused_table(self, k: CpuKernels) -> Any:
-        """decode_loop.c's layer table for decode batches of <= FUSED_MAX_ROWS rows, or None
-        where one of their GEMMs has no C kernel that takes them all."""
-        specs = [[lin.decode_spec(FUSED_MAX_ROWS) for lin in (L.qkv, L.o, L.gate_up, L.down)] for L in self.layers]
-        if any(sp is None for row in specs for sp in row):
+        """decode_loop.c's layer table for decode batches of up to `_fused_rows` rows (the most,
+        of FUSED_MAX_ROWS, 4, 2, 1, whose GEMMs all have C kernels that take them), or None."""
+        for rows in (FUSED_MAX_ROWS, 4, 2, 1):
+            specs = [[lin.decode_spec(rows) for lin in (L.qkv, L.o, L.gate_up, L.down)] for L in self.layers]
+            if all(sp is not None for row in specs for sp in row):
+                break
+        else:
             return None
+        self._fused_rows = rows
         table = (DecodeLayer * len(self.layers))()
         for entry, ptrs, row in zip(table, self._ptrs, specs):
             entry.ln1, entry.ln2, entry.q_norm, entry.k_norm, entry.k_cache, entry.v_cache = ptrs
@@ -294,7 +298,7 @@ class CpuDecodeRunner:
         segments = _attention_segments(sdpa_plan) if sdpa_plan is not None else []
         rms(x.data_ptr(), pres, self._ptrs[0][0], ph, b, hidden, eps, 0)
         n = len(self.layers)
-        if self._fused is not None and sdpa_plan is None and b <= FUSED_MAX_ROWS:
+        if self._fused is not None and sdpa_plan is None and b <= self._fused_rows:
             self._run_fused(h, res, attn, act, positions, out_loc, page_table, table_row, kv_len)
             return self.lm_head(h)
         for i, L in enumerate(self.layers):

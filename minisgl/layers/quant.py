@@ -26,10 +26,16 @@ import torch
 QuantMethod = Literal["int4", "int8"]
 BLOCK = 32  # GGUF's block of input columns sharing a scale
 INT4_GROUP = BLOCK
-# Rows (tokens) above which the dense weight beats the quantized kernel on this CPU.
-DEFAULT_DENSE_ABOVE = 8
-# Rows up to which the C bf16 skinny GEMM (kernel/cpu/gemv.c) beats oneDNN's bf16 linear here.
-DEFAULT_GEMV_MAX_ROWS = 8
+# Rows (tokens) above which the dense weight (on the AMX GEMM) beats the quantized kernel here:
+# a whole decode step of the embedded model (context 200, 2 threads), int4 codes vs dense on AMX:
+# 4 rows 340 vs 312 tok/s, 6 rows 346 vs 424, 8 rows 372 vs 534.
+DEFAULT_DENSE_ABOVE = 4
+# Rows up to which the C bf16 skinny GEMM (kernel/cpu/gemv.c) beats the AMX GEMM (amx.c, which
+# reads the weight in place for few rows): the same step at 2 / 4 / 8 rows, 147 / 275 / 370 tok/s
+# against 168 / 312 / 534 on AMX; at one row the skinny GEMM's pure weight stream.
+DEFAULT_GEMV_MAX_ROWS = 1
+# The AMX GEMM declines above this many rows (kernel/cpu/amx.c: oneDNN is faster there).
+AMX_MAX_ROWS = 640
 
 
 # (x, ldx, rows, weight, n, k, bias | None, y, threads) -> 1 ran / 0 declined: the C GEMMs' signature
@@ -264,18 +270,22 @@ class QuantLinear:
         self._bias_ptr = bias.data_ptr() if bias is not None else None
         self._n, self._k = dense.shape
 
-    def decode_spec(self, rows: int) -> tuple[int, int, int, int, int | None] | None:
-        """(kind, weight, n, k, bias) of the C kernel that runs batches of up to `rows` rows and
-        cannot decline them (kernel/cpu/decode_loop.c's DecodeGemm: 0 bf16, 4 int4, 8 int8), or
-        None where one of those rows would take torch's path."""
-        if self.quant is not None and rows <= self.dense_above:
+    def decode_spec(self, rows: int) -> tuple[int | None, int, int, int, int, int, int, int | None] | None:
+        """kernel/cpu/decode_loop.c's DecodeGemm for batches of up to `rows` rows: the same choice
+        of kernel per row count as __call__ (quantized, skinny bf16, AMX), or None where some row
+        count up to `rows` would take torch's path (no C kernel, or one that declines the shape)."""
+        q_bits = q_rows = 0
+        q_ptr = None
+        if self.quant is not None:
             if self.qgemv is None or self._k % 32:
                 return None
-            kind = 4 if isinstance(self.quant, Int4Weight) else 8
-            return kind, self.quant.records.data_ptr(), self._n, self._k, self._bias_ptr
-        if self.quant is None and self.gemv is not None and rows <= self.gemv_max_rows:
-            return 0, self.dense.data_ptr(), self._n, self._k, self._bias_ptr
-        return None
+            q_bits, q_rows, q_ptr = (4 if isinstance(self.quant, Int4Weight) else 8), self.dense_above, self.quant.records.data_ptr()
+        dense_rows = range(q_rows + 1, rows + 1)  # the row counts the dense weight serves
+        gemv_rows = self.gemv_max_rows if self.gemv is not None else 0
+        if any(r > gemv_rows for r in dense_rows):  # those take AMX: it must take the shape
+            if self.amx is None or self._n % 16 or self._k % 32 or rows > AMX_MAX_ROWS:
+                return None
+        return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr
 
     def _c_gemm(self, fn: GemvFn, x: torch.Tensor, weight: int) -> torch.Tensor | None:
         """y from one of the C kernels (same signature), None where it declined the shape."""

@@ -42,7 +42,8 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 # decode_loop.c's tables (same field order and types as its structs)
 class DecodeGemm(ctypes.Structure):
-    _fields_ = [("kind", _L), ("w", _P), ("n", _L), ("k", _L), ("bias", _P)]
+    _fields_ = [("q", _P), ("q_bits", _L), ("q_rows", _L), ("w", _P), ("gemv_rows", _L), ("n", _L), ("k", _L),
+                ("bias", _P)]  # fmt: skip
 
 
 class DecodeLayer(ctypes.Structure):

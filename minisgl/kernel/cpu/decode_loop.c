@@ -6,9 +6,10 @@
  * order on the same buffers, so the result is bitwise the per-call loop's; Python builds the
  * layer table once and fills the step's fields per step.
  *
- * Every GEMM here is one that cannot decline (checked by the caller when it builds the table:
- * the bf16 skinny GEMM takes any shape, the quantized ones k % 32 == 0), so a step never stops
- * half way with some layers' K/V written.
+ * Every GEMM here is one that cannot decline for the rows it is given (checked by the caller
+ * when it builds the table: the bf16 skinny GEMM takes any shape, the quantized ones and AMX
+ * k % 32 == 0, AMX n % 16 == 0 and <= 640 rows), so a step never stops half way with some
+ * layers' K/V written.
  */
 #include <stdint.h>
 
@@ -29,11 +30,17 @@ int qgemv_q4_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n,
 int qgemv_q8_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
                   const uint16_t *bias, uint16_t *y, int nthreads);
 
-enum { GEMM_BF16 = 0, GEMM_Q4 = 4, GEMM_Q8 = 8 };
+int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
+                  uint16_t *y, int nthreads);
+
+/* One projection, dispatched by the batch's rows as QuantLinear does: the quantized records for
+ * <= q_rows rows (q_bits 4 or 8; 0: none), else the bf16 skinny GEMM for <= gemv_rows rows, else
+ * the AMX GEMM (the caller checked it takes the shape). */
 typedef struct {
-    long kind; /* GEMM_*: the weight is the module's bf16 [n, k] or the quantized records */
-    const void *w;
-    long n, k;
+    const void *q;
+    long q_bits, q_rows;
+    const uint16_t *w;
+    long gemv_rows, n, k;
     const uint16_t *bias; /* NULL: none */
 } DecodeGemm;
 typedef struct {
@@ -53,12 +60,10 @@ typedef struct {
 } DecodeStep;
 
 static int run_gemm(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *y, int nt) {
-    switch (g->kind) {
-    case GEMM_BF16: return gemv_bf16(x, g->k, m, (const uint16_t *)g->w, g->n, g->k, g->bias, y, nt);
-    case GEMM_Q4: return qgemv_q4_bf16(x, g->k, m, (const uint8_t *)g->w, g->n, g->k, g->bias, y, nt);
-    case GEMM_Q8: return qgemv_q8_bf16(x, g->k, m, (const uint8_t *)g->w, g->n, g->k, g->bias, y, nt);
-    }
-    return 0;
+    if (g->q_bits && m <= g->q_rows)
+        return (g->q_bits == 4 ? qgemv_q4_bf16 : qgemv_q8_bf16)(x, g->k, m, (const uint8_t *)g->q, g->n, g->k, g->bias, y, nt);
+    if (m <= g->gemv_rows) return gemv_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
+    return gemm_amx_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
 }
 
 /* s->h holds layer 0's normed input and s->res its residual (the caller's first add_rms_norm);
