@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -175,9 +175,10 @@ class TritonAttnBackend(BaseAttnBackend):
             # a fixed tile, so eager and graph steps run the same kernel.
             nd = meta.num_decode
             assert meta.dec_num_splits is not None and meta.dec_rows is not None and meta.dec_seq_lens is not None
+            mid_o, mid_lse = self._no_split_scratch(q.device)
             decode_attention(
                 q[:nd], k_cache, v_cache, self.page_table, meta.dec_rows, meta.dec_seq_lens, meta.dec_num_splits,
-                self._no_split_o(q.device), self._no_split_lse(q.device), out[:nd], self.sm_scale,
+                mid_o, mid_lse, out[:nd], self.sm_scale,
                 block_n=decode_tile(MIXED_DECODE_TILE_BS, q.dtype), order=meta.dec_order,
             )  # fmt: skip
         if meta.max_extend_len > 0:
@@ -188,16 +189,13 @@ class TritonAttnBackend(BaseAttnBackend):
             )  # fmt: skip
         return out
 
-    def _no_split_o(self, device: torch.device) -> torch.Tensor:
-        # A split bound of 1 makes decode_attention write `out` directly; the scratch is unused.
+    def _no_split_scratch(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(mid_o, mid_lse) placeholders: a split bound of 1 makes decode_attention write `out`
+        directly, so the scratch is never read."""
         if "no_split_o" not in self._scratch:
             self._scratch["no_split_o"] = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=device)
             self._scratch["no_split_lse"] = torch.empty((1, 1, 1), dtype=torch.float32, device=device)
-        return self._scratch["no_split_o"]
-
-    def _no_split_lse(self, device: torch.device) -> torch.Tensor:
-        self._no_split_o(device)
-        return self._scratch["no_split_lse"]
+        return self._scratch["no_split_o"], self._scratch["no_split_lse"]
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:

@@ -461,10 +461,30 @@ def _hugepage_pool(kv_cache: KVCachePool) -> None:
     kv_cache.buffer = buf.zero_()
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
+
+
+class _HugeArena:
+    """One buffer advised for transparent huge pages, handed out as 64-byte-aligned copies."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = torch.empty(nbytes + (2 << 20), dtype=torch.uint8)
+        _advise_huge(self.buf)
+        self.off = -self.buf.data_ptr() % 64
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        nbytes = t.numel() * t.element_size()
+        view = self.buf[self.off : self.off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        self.off += _aligned(nbytes)
+        return view
+
+
 def _hugepage_weights(model: Any) -> None:
-    """Move the bf16 GEMM weights the runner streams (the layers' projections, the LM head) into
-    one buffer on transparent huge pages, for the TLB reason of _hugepage_records. One weight at
-    a time: each old storage is freed as its copy lands, so memory peaks at one weight above 1x."""
+    """Move the bf16 GEMM weights the runner streams (the layers' projections, the LM head) onto
+    transparent huge pages, for the TLB reason of _hugepage_records. One weight at a time: each
+    old storage is freed (and handed back) as its copy lands, so memory peaks at one weight
+    above 1x."""
     groups: Dict[int, List[torch.nn.Parameter]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if name.endswith(("proj.weight", "lm_head.weight", "embed_tokens.weight")) and p.dim() == 2:
@@ -472,40 +492,29 @@ def _hugepage_weights(model: Any) -> None:
             group = groups.setdefault(p.data_ptr(), [])
             if all(q is not p for q in group):
                 group.append(p)
-    total = sum(-(-g[0].numel() * g[0].element_size() // 64) * 64 for g in groups.values())
+    total = sum(_aligned(g[0].numel() * g[0].element_size()) for g in groups.values())
     if total < (16 << 20):
         return
-    buf = torch.empty(total + (2 << 20), dtype=torch.uint8)
-    _advise_huge(buf)
-    off = -buf.data_ptr() % 64
+    arena = _HugeArena(total)
     for group in groups.values():
-        first = group[0]
-        nbytes = first.numel() * first.element_size()
-        view = buf[off : off + nbytes].view(first.dtype).view(first.shape)
-        view.copy_(first.data)
+        view = arena.copy(group[0].data)
         for p in group:
             p.data = view
-        off += -(-nbytes // 64) * 64
-        _release_freed()  # the old storage's pages go back now, not at the end: the peak stays ~1x
+        _release_freed()
 
 
 def _hugepage_records(quant: Dict[str, QuantWeight]) -> None:
-    """Move the quantized weights' records into one buffer on transparent huge pages: a batch-1
-    step streams all of them (~100 MB), and on 4 KiB pages every 4 KiB of the stream is a TLB
-    miss, which also stalls the kernel's software prefetches."""
+    """Move the quantized weights' records onto transparent huge pages: a batch-1 step streams
+    all of them (~100 MB), and on 4 KiB pages every 4 KiB of the stream is a TLB miss, which
+    also stalls the kernel's software prefetches."""
     unique = list({id(q): q for q in quant.values()}.values())  # a tied head is listed twice
-    total = sum(-(-q.records.numel() // 64) * 64 for q in unique)
+    total = sum(_aligned(q.records.numel()) for q in unique)
     if total < (16 << 20):
         return
-    buf = torch.empty(total + (2 << 20), dtype=torch.uint8)
-    _advise_huge(buf)
-    off = -buf.data_ptr() % 64
+    arena = _HugeArena(total)
     for q in unique:
-        n = q.records.numel()
-        view = buf[off : off + n].view(q.records.shape)
-        view.copy_(q.records)
-        q.records = view
-        off += -(-n // 64) * 64
+        q.records = arena.copy(q.records)
+    _release_freed()
 
 
 def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, config) -> CpuDecodeRunner | None:  # type: ignore[no-untyped-def]

@@ -68,11 +68,13 @@ def _qgemv(name: str) -> Any:
     return getattr(k.lib, name) if k is not None and k.has_qgemv else None
 
 
-def _run_qgemv(fn: Any, records: torch.Tensor, n: int, k: int, x: torch.Tensor, nthreads: int) -> torch.Tensor | None:
+def _c_gemm(fn: GemvFn, x: torch.Tensor, weight: int, n: int, k: int, bias: int | None, nthreads: int) -> torch.Tensor | None:
+    """y [rows, n] from one of the C GEMMs (their shared signature) over the weight at address
+    `weight`, None where the kernel declined the shape."""
     if x.dim() != 2 or x.stride(-1) != 1:
         x = x.reshape(-1, x.shape[-1]).contiguous()
-    y = x.new_empty(x.shape[0], n)
-    ok = fn(x.data_ptr(), x.stride(0), x.shape[0], records.data_ptr(), n, k, None, y.data_ptr(), nthreads)
+    y = torch.empty((x.shape[0], n), dtype=x.dtype)
+    ok = fn(x.data_ptr(), x.stride(0), x.shape[0], weight, n, k, bias, y.data_ptr(), nthreads)
     return y if ok else None
 
 
@@ -145,7 +147,7 @@ class Int4Weight:
 
     def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
-            y = _run_qgemv(fn, self.records, self.out_features, self.in_features, x, nthreads)
+            y = _c_gemm(fn, x, self.records.data_ptr(), self.out_features, self.in_features, None, nthreads)
             if y is not None:
                 return y
         packed, sz = self._torch_layout(x.dtype)
@@ -210,7 +212,7 @@ class Int8Weight:
 
     def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
         if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
-            y = _run_qgemv(fn, self.records, self.out_features, self.in_features, x, nthreads)
+            y = _c_gemm(fn, x, self.records.data_ptr(), self.out_features, self.in_features, None, nthreads)
             if y is not None:
                 return y
         if x.dtype not in self._dense:
@@ -287,28 +289,19 @@ class QuantLinear:
                 return None
         return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr
 
-    def _c_gemm(self, fn: GemvFn, x: torch.Tensor, weight: int) -> torch.Tensor | None:
-        """y from one of the C kernels (same signature), None where it declined the shape."""
-        if x.dim() != 2 or x.stride(-1) != 1:
-            x = x.reshape(-1, x.shape[-1]).contiguous()
-        m = x.shape[0]
-        y = torch.empty((m, self._n), dtype=x.dtype)
-        ok = fn(x.data_ptr(), x.stride(0), m, weight, self._n, self._k, self._bias_ptr, y.data_ptr(), self.nthreads)
-        return y if ok else None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None or x.shape[0] > self.dense_above:
             if x.dtype == torch.bfloat16:
                 fn = self.gemv if x.shape[0] <= self.gemv_max_rows else None
                 c = fn or self.amx
-                y = self._c_gemm(c, x, self.dense.data_ptr()) if c is not None else None
+                y = _c_gemm(c, x, self.dense.data_ptr(), self._n, self._k, self._bias_ptr, self.nthreads) if c is not None else None
                 if y is not None:
                     return y
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return torch.nn.functional.linear(x, self.dense, self.bias)
         if self.qgemv is not None and x.dtype == torch.bfloat16:
-            y = self._c_gemm(self.qgemv, x, self.quant.records.data_ptr())
+            y = _c_gemm(self.qgemv, x, self.quant.records.data_ptr(), self._n, self._k, self._bias_ptr, self.nthreads)
             if y is not None:
                 return y
         y = self.quant.mm(x, self.nthreads)

@@ -74,6 +74,26 @@ static void q4_prepare(const uint16_t *x, long ldx, long M, long k, long kp, uin
     }
 }
 
+/* The end of a tile, shared by q4 and q8: each row's block term sum_g (m_g - offset d_g) S_g (the
+ * fp16 d at byte d_off of the row's record, then m when has_m), 16 blocks at a time, then the
+ * lanes summed, the bias added and one rounding to bf16. */
+static inline __attribute__((always_inline)) void tile_finish(
+    __m512 acc[8][8], const uint8_t *wr, long rec, long d_off, int has_m, float offset, const float *xs, long G,
+    const uint16_t *bias, long n0, uint16_t *y, long ldy, const int R, const int M) {
+    const __m512 neg = _mm512_set1_ps(-offset);
+    for (int r = 0; r < R; r++) {
+        const uint16_t *ds = (const uint16_t *)(wr + r * rec + d_off), *mins = ds + G;
+        for (long g = 0; g < G; g += 16) {
+            __mmask16 live = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
+            __m512 cv = _mm512_mul_ps(neg, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, ds + g)));
+            if (has_m) cv = _mm512_add_ps(cv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g)));
+            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
+        }
+        float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]) + b);
+    }
+}
+
 /* R weight rows (n0 ..) against M activation rows, R * M <= 16 accumulators; always_inline with
  * constant R and M so both loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void q4_tile(
@@ -108,18 +128,7 @@ static inline __attribute__((always_inline)) void q4_tile(
             }
         }
     }
-    const __m512 c128 = _mm512_set1_ps(128.f);
-    for (int r = 0; r < R; r++) { /* + sum_g (m_g - 128 d_g) S_g, 16 blocks at a time */
-        const uint16_t *ds = (const uint16_t *)(wr + r * rec + kb), *mins = ds + G;
-        for (long g = 0; g < G; g += 16) {
-            __mmask16 live = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
-            __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, ds + g));
-            __m512 mv = _mm512_fnmadd_ps(c128, dv, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mins + g)));
-            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
-        }
-        float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
-        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]) + b);
-    }
+    tile_finish(acc, wr, rec, kb, 1, 128.f, xs, G, bias, n0, y, ldy, R, M);
 }
 
 /* q8 runs the same arithmetic on byte codes u = q + 128 split into nibbles l, h: the pair's 64
@@ -159,17 +168,7 @@ static inline __attribute__((always_inline)) void q8_tile(
             }
         }
     }
-    const __m512 c2304 = _mm512_set1_ps(-2304.f);
-    for (int r = 0; r < R; r++) { /* + sum_g -2304 d_g S_g */
-        const uint16_t *ds = (const uint16_t *)(wr + r * rec + kp);
-        for (long g = 0; g < G; g += 16) {
-            __mmask16 live = G - g >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (G - g)) - 1u);
-            __m512 cv = _mm512_mul_ps(c2304, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, ds + g)));
-            for (int m = 0; m < M; m++) acc[r][m] = _mm512_fmadd_ps(cv, _mm512_maskz_loadu_ps(live, xs + m * G + g), acc[r][m]);
-        }
-        float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
-        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]) + b);
-    }
+    tile_finish(acc, wr, rec, kp, 0, 2304.f, xs, G, bias, n0, y, ldy, R, M);
 }
 
 #define Q_ROWS(NAME, TILE)                                                                         \
