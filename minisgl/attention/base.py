@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Tuple
 
 import torch
 
@@ -28,9 +28,17 @@ class BaseAttnMetadata:
 
 
 class BaseAttnBackend(ABC):
+    # the pool formats (kvcache/pool.py KV_CACHE_DTYPES) this backend's kernels read and write
+    kv_cache_dtypes: Tuple[str, ...] = ("auto",)
+
     def __init__(self, model_config: ModelConfig) -> None:
         ctx = get_global_ctx()
         assert ctx.kv_cache is not None and ctx.page_table is not None, "create the KV pool and page table first"
+        if ctx.kv_cache.kv_cache_dtype not in self.kv_cache_dtypes:
+            raise ValueError(
+                f"attention backend {type(self).__name__} does not support kv_cache_dtype={ctx.kv_cache.kv_cache_dtype!r} "
+                f"(it supports: {', '.join(self.kv_cache_dtypes)}); the torch backend reads every format"
+            )
         self.model_config = model_config
         self.kv_cache = ctx.kv_cache
         self.page_table = ctx.page_table

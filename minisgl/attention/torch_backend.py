@@ -34,11 +34,13 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 
 class TorchAttnBackend(BaseAttnBackend):
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
+
     @property
     def _compute_dtype(self) -> torch.dtype:
         # CPU SDPA in bf16/fp16 is several times slower than in fp32 (measured 4.4 vs 0.6 ms for
         # a 16-request decode), so CPU attends in fp32 on gathered (contiguous) keys.
-        return torch.float32 if self.device.type == "cpu" else self.kv_cache.dtype
+        return torch.float32 if self.device.type == "cpu" else self.kv_cache.model_dtype
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -65,19 +67,18 @@ class TorchAttnBackend(BaseAttnBackend):
         batch.attn_metadata = TorchAttnMetadata(last, prefill=seqs)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         meta: TorchAttnMetadata = batch.attn_metadata
         cast = self._compute_dtype
         if meta.decode_slots is not None:
-            keys = k_cache[meta.decode_slots].to(cast).transpose(1, 2)  # [B, Hk, S, D]
-            values = v_cache[meta.decode_slots].to(cast).transpose(1, 2)
+            keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
             o = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
             return o.squeeze(2).to(q.dtype)
         out = torch.empty_like(q)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
-            ki = k_cache[s.slots].to(cast).transpose(0, 1)  # [Hk, S, D]
-            vi = v_cache[s.slots].to(cast).transpose(0, 1)
+            ki, vi = self.kv_cache.gather(layer_id, s.slots, cast)
+            ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hk, S, D]
             oi = F.scaled_dot_product_attention(qi.to(ki.dtype), ki, vi, attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True)
             out[s.q_start : s.q_start + s.q_len] = oi.transpose(0, 1).to(q.dtype)
         return out

@@ -30,6 +30,9 @@ class EngineConfig:
     page_size: int = 1
     memory_ratio: float = 0.9
     cpu_kv_cache_bytes: int = 2 << 30  # on CPU the KV pool is capped at 2 GiB by default
+    # What the KV pool stores (kvcache/pool.py): "auto" (the model dtype), "fp8_e4m3" (CUDA) or
+    # "int8" (CPU, per-head scales): half the bytes per token for decode attention to read.
+    kv_cache_dtype: str = "auto"
     distributed_timeout: float = 60.0
     distributed_port: int = 2333
     use_dummy_weight: bool = False

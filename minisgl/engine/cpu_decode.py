@@ -528,6 +528,8 @@ def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, co
         why_not = "cpu_fast_decode=False"
     if why_not is None and not read_env().cpu_fast_decode:
         why_not = "MINISGL_CPU_FAST_DECODE=0"  # for processes started without a config knob (server)
+    if why_not is None and kv_cache.quantized:
+        why_not = f"kv_cache_dtype={kv_cache.kv_cache_dtype!r}"
     if why_not is not None:
         if method != "none":
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")

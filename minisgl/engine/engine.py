@@ -26,6 +26,7 @@ from minisgl.kernel.fused import use_fused_on
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kernel.skinny import set_plan as set_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
+from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
 from minisgl.layers.batch_invariant import BatchInvariantMode
 from minisgl.layers.rotary import clear_rope_cache, set_rope_device
 from minisgl.models import create_model
@@ -103,6 +104,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     if not 0.0 < config.memory_ratio <= 1.0:
         raise ValueError(f"memory_ratio must be in (0, 1], got {config.memory_ratio}")
     device = _pick_device(config)
+    check_kv_cache_dtype(config.kv_cache_dtype, device)
     if config.deterministic:
         if config.attention_backend not in ("auto", "deterministic"):
             raise ValueError(
@@ -113,6 +115,8 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
             raise ValueError(
                 f"deterministic mode does not support quantization={config.quantization!r} (its GEMMs are not batch-invariant)"
             )
+        if config.kv_cache_dtype != "auto":
+            raise ValueError(f"deterministic mode needs the model-dtype KV cache, got kv_cache_dtype={config.kv_cache_dtype!r}")
         if config.tp_info.size > 1:
             raise ValueError("deterministic mode needs tp=1 (all-reduce order is not batch-invariant here)")
         config = dataclasses.replace(config, attention_backend="deterministic", cpu_fast_decode=False)
@@ -198,6 +202,7 @@ class Engine:
             page_size=config.page_size,
             device=self.device,
             dtype=self.dtype,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
 
         # ---- page table: a row per request, each entry the pool slot of that token's KV
@@ -331,14 +336,10 @@ class Engine:
         return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype)
 
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
-        cache_per_page = (
-            2  # K and V
-            * config.model_config.head_dim
-            * div_even(config.model_config.num_kv_heads, config.tp_info.size, allow_replicate=True)
-            * config.page_size
-            * self.dtype.itemsize
-            * config.model_config.num_layers
-        )
+        mc = config.model_config
+        local_kv_heads = div_even(mc.num_kv_heads, config.tp_info.size, allow_replicate=True)
+        per_slot = kv_bytes_per_slot(config.kv_cache_dtype, self.dtype, mc.num_layers, local_kv_heads, mc.head_dim)
+        cache_per_page = per_slot * config.page_size
         num_pages = config.num_page_override
         if num_pages is None:
             new_free_memory = self._sync_get_memory()[1]

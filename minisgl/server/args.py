@@ -58,6 +58,7 @@ class ServerArgs:
     allowed_origins: List[str] | None = None  # CORS; None: no cross-origin access
     tool_call_parser: str = "auto"
     quantization: str | None = None  # CPU weight-only: gguf, int4, int8
+    kv_cache_dtype: str = "auto"  # auto (model dtype), fp8_e4m3 (CUDA), int8 (CPU)
     reasoning_parser: str = "auto"
     ipc_dir: str = ""  # set by launch
 
@@ -143,6 +144,7 @@ class ServerArgs:
             cache_type=self.cache,
             enable_overlap=False if self.disable_overlap else None,
             quantization=self.quantization,
+            kv_cache_dtype=self.kv_cache_dtype,
             dist_init_addr=self.dist_init_addr,
             distributed_timeout=self.dist_timeout,
             use_dummy_weight=self.load_format == "dummy",
@@ -266,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=["gguf", "int4", "int8"],
         help="CPU only: weight-only quantized decode GEMMs (gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
+    )
+
+    model.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3", "int8"],
+        help="what the KV cache stores: auto (the model dtype), fp8_e4m3 (CUDA, unit scale) or int8 (CPU, per-head scales)",
     )
 
     sched = parser.add_argument_group("scheduling and KV cache")

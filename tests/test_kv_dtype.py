@@ -1,0 +1,136 @@
+"""8-bit KV cache formats (kvcache/pool.py `kv_cache_dtype`): the quantizing store, the
+dequantizing gather, validation, and the engine on an int8 pool against the same engine on a
+model-dtype pool and against HF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import (
+    TEST_DEVICE,
+    PageAllocator,
+    engine_config,
+    make_req,
+    random_prompts,
+    run_generation,
+    running_engine,
+    teacher_forced_logits,
+)
+
+from minisgl.engine import Engine
+from minisgl.kvcache.pool import FP8_MAX, KVCachePool, kv_bytes_per_slot, quantize_int8_per_head
+
+
+def test_int8_per_head_quantization_error_is_within_half_a_step():
+    torch.manual_seed(0)
+    x = torch.randn(50, 3, 64) * torch.logspace(-3, 2, 50)[:, None, None]
+    x[7, 1] = 0.0  # an all-zero head: scale 0, codes 0, no division by zero
+    codes, scale = quantize_int8_per_head(x)
+    assert codes.dtype == torch.int8 and scale.shape == (50, 3)
+    back = codes.float() * scale.unsqueeze(-1)
+    amax = x.abs().amax(-1, keepdim=True)
+    # round to nearest of x * 127 / amax: at most half a code step (amax / 254) off, plus fp32 slack
+    assert torch.all((back - x).abs() <= amax / 254 * (1 + 1e-5) + 1e-30)
+    assert torch.equal(back[7, 1], torch.zeros(64)) and scale[7, 1] == 0
+    assert int(codes.abs().max()) == 127  # every head's absmax lands on the top code
+
+
+def test_pool_store_and_gather_round_trip():
+    torch.manual_seed(0)
+    pool = KVCachePool(2, 40, 3, 16, torch.device("cpu"), torch.bfloat16, kv_cache_dtype="int8")
+    assert pool.dtype == torch.int8 and pool.model_dtype == torch.bfloat16 and pool.quantized
+    k, v = torch.randn(5, 3, 16, dtype=torch.bfloat16), torch.randn(5, 3, 16, dtype=torch.bfloat16) * 30
+    loc = torch.tensor([3, 17, 4, 39, 0])
+    pool.store_kv(k, v, loc, layer_id=1)
+    gk, gv = pool.gather(1, loc.view(1, 5), torch.float32)
+    assert gk.shape == (1, 5, 3, 16)
+    for got, want in ((gk[0], k), (gv[0], v)):
+        amax = want.float().abs().amax(-1, keepdim=True)
+        assert torch.all((got - want.float()).abs() <= amax / 254 * (1 + 1e-5))
+    assert torch.count_nonzero(pool.k_cache(0)) == 0  # the other layer is untouched
+    expect = 2 * 2 * 40 * kv_bytes_per_slot("int8", torch.bfloat16, 1, 3, 16) // 2
+    assert pool.nbytes == expect == 2 * 2 * 40 * 3 * (16 + 4)
+
+
+def test_fp8_store_saturates_instead_of_nan():
+    pool = KVCachePool(1, 8, 1, 4, torch.device("cpu"), torch.bfloat16, kv_cache_dtype="fp8_e4m3")
+    k = torch.tensor([[[1000.0, -1000.0, 0.3, -2.5]]], dtype=torch.bfloat16)
+    pool.store_kv(k, k, torch.tensor([2]), 0)
+    gk, _ = pool.gather(0, torch.tensor([2]), torch.float32)
+    assert torch.equal(gk[0, 0], torch.tensor([FP8_MAX, -FP8_MAX, 0.3, -2.5]).to(torch.float8_e4m3fn).float())
+    assert pool.nbytes == 2 * 8 * 4  # one byte per value, no scales
+
+
+def test_kv_cache_dtype_is_validated(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8_e4m3, int8"):
+        Engine(engine_config(path, kv_cache_dtype="fp4"))
+    if TEST_DEVICE == "cpu":
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            Engine(engine_config(path, kv_cache_dtype="fp8_e4m3"))
+    with pytest.raises(ValueError, match="deterministic mode needs the model-dtype KV cache"):
+        Engine(engine_config(path, kv_cache_dtype="int8" if TEST_DEVICE == "cpu" else "fp8_e4m3", deterministic=True))
+
+
+def test_server_args_take_kv_cache_dtype():
+    from minisgl.server.args import parse_args
+
+    args = parse_args(["--kv-cache-dtype", "int8"])
+    assert args.kv_cache_dtype == "int8"
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-dtype", "fp16"])
+
+
+def _reqs(engine, prompts, steps):
+    alloc = PageAllocator(engine)
+    reqs = []
+    for row, ids in enumerate(prompts):
+        alloc.allocate(row, len(ids) + steps)
+        reqs.append(make_req(ids, row, output_len=steps))
+    return reqs
+
+
+def _fake_quantized_store(monkeypatch):
+    """The model-dtype pool, but every stored K/V first goes through int8 and back (the
+    reference quantizer, checked on its own above): what an int8 pool must compute."""
+    store = KVCachePool.store_kv
+
+    def fake(self, k, v, out_loc, layer_id):
+        def rt(x):
+            codes, scale = quantize_int8_per_head(x)
+            return (codes.float() * scale.unsqueeze(-1)).to(x.dtype)
+
+        store(self, rt(k), rt(v), out_loc, layer_id)
+
+    monkeypatch.setattr(KVCachePool, "store_kv", fake)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="int8 is the CPU format (CUDA: fp8_e4m3, tested on the GPU)")
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_int8_pool_equals_attention_over_dequantized_kv(tiny_model_dir, name, monkeypatch):
+    """fp32 model, teacher-forced on one token sequence: the int8 pool's logits at every step
+    (prefill and decode, the module path) equal those of the fp32 pool holding the same K/V
+    quantized and dequantized, and greedy decoding (the engine's own path: the CPU runner
+    where it takes the int8 pool) gives the same tokens; against the plain fp32 pool they
+    differ (the format is lossy) but stay close."""
+    path = tiny_model_dir(name)
+    prompts = random_prompts([9, 23, 40], seed=3)
+    steps = 12
+    with running_engine(path, max_running_req=3) as engine:
+        ref_tokens = run_generation(engine, _reqs(engine, prompts, steps), steps)
+        plain = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+
+    def run(**kw):
+        with running_engine(path, max_running_req=3, **kw) as engine:
+            logits = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+        with running_engine(path, max_running_req=3, **kw) as engine:
+            return logits, run_generation(engine, _reqs(engine, prompts, steps), steps)
+
+    int8_logits, int8_tokens = run(kv_cache_dtype="int8")
+    with monkeypatch.context() as m:
+        _fake_quantized_store(m)
+        fake_logits, fake_tokens = run(cpu_fast_decode=False)  # the module path stores through store_kv
+    assert (int8_logits - fake_logits).abs().max().item() < 1e-4
+    assert int8_tokens == fake_tokens
+    diff = (int8_logits - plain).abs().max().item()
+    assert 0 < diff < 0.1 * plain.abs().max().item()
