@@ -2,6 +2,7 @@
 
     python benchmark/cpu.py                        # bf16, dense
     python benchmark/cpu.py --quantization gguf    # the GGUF's own Q4_1 codes for small batches
+    python benchmark/cpu.py --kv-cache-dtype int8  # K/V as int8 codes with per-head scales
     python benchmark/cpu.py --parts latency --plot docs/cpu_batch_scaling.png
 
 Parts (comma-separated --parts, default all but the plot sweep):
@@ -136,8 +137,8 @@ def llama_cpp_latency(prompt: List[int], gen_len: int, threads: int) -> Dict[str
 def make_llm(a: argparse.Namespace, max_running: int, max_seq: int) -> Any:
     from minisgl.llm import LLM
 
-    return LLM(None, dtype=a.dtype, quantization=a.quantization, max_running_req=max_running,
-               max_seq_len_override=max_seq, cpu_kv_cache_bytes=4 << 30)  # fmt: skip
+    return LLM(None, dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+               max_running_req=max_running, max_seq_len_override=max_seq, cpu_kv_cache_bytes=4 << 30)  # fmt: skip
 
 
 def minisgl_latency(sched: Any, prompt: List[int], gen_len: int, reps: int) -> Dict[str, float]:
@@ -284,6 +285,7 @@ def main() -> None:
     p.add_argument("--parts", default="latency,offline")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", default=None, help="none | gguf | int4 | int8")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (per-head scales)")
     p.add_argument("--prompt-len", type=int, default=500)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--reps", type=int, default=3, help="latency repetitions (min TTFT, median inter-token gap)")
@@ -305,7 +307,7 @@ def main() -> None:
 
     dtype = parse_dtype(a.dtype)
     out: Dict[str, Any] = {"loadavg_start": loadavg(), "dtype": a.dtype, "quantization": a.quantization,
-                           "threads": torch.get_num_threads()}  # fmt: skip
+                           "kv_cache_dtype": a.kv_cache_dtype, "threads": torch.get_num_threads()}  # fmt: skip
     print(f"load average at start: {out['loadavg_start']:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     hf = None if a.no_hf else hf_model(dtype)
     for part in a.parts.split(","):

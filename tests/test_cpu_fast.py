@@ -309,11 +309,16 @@ def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
 
 
 # ---- the runner on tiny models (fp32, exact) -----------------------------------------------------
-@pytest.mark.parametrize("name,kernels", [("llama", True), ("qwen3", True), ("mistral", True), ("qwen3", False)])
-def test_runner_matches_module_path(tiny_model_dir, name, kernels, monkeypatch, request):
+@pytest.mark.parametrize(
+    "name,kernels,kv",
+    [("llama", True, "auto"), ("qwen3", True, "auto"), ("mistral", True, "auto"), ("qwen3", False, "auto"),
+     ("llama", True, "int8"), ("mistral", True, "int8"), ("qwen3", False, "int8")],
+)  # fmt: skip
+def test_runner_matches_module_path(tiny_model_dir, name, kernels, kv, monkeypatch, request):
     """The same prompts through the runner (C kernels for prefill and decode, or without them the
     torch-op decode step) and through the module path: identical greedy tokens, and decode
-    logits within float32 noise."""
+    logits within float32 noise. With the int8 KV pool (kv_int8.c against the pool's reference
+    store and gather) as with the fp32 one."""
     from minisgl.kernel.cpu import cpu_kernels
 
     monkeypatch.setenv("MINISGL_CPU_KERNELS", "1" if kernels else "0")
@@ -322,7 +327,7 @@ def test_runner_matches_module_path(tiny_model_dir, name, kernels, monkeypatch, 
     prompts = [[3, 17, 42, 9, 100, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 200]]
     outs, logits = {}, {}
     for fast in (False, True):
-        with running_engine(tiny_model_dir(name), max_running_req=2, cpu_fast_decode=fast) as engine:
+        with running_engine(tiny_model_dir(name), max_running_req=2, cpu_fast_decode=fast, kv_cache_dtype=kv) as engine:
             assert (engine.cpu_runner is not None) == fast
             if fast:
                 assert (engine.cpu_runner.kernels is not None) == kernels, "the C kernels did not build"
@@ -357,8 +362,12 @@ def test_rtn_quantization_runs_on_any_checkpoint(tiny_model_dir, method):
     assert len(out) == 6 and all(0 <= t < 256 for t in out)
 
 
-@pytest.mark.parametrize("name,quant", [("llama", None), ("qwen3", None), ("qwen3", "int4"), ("qwen3", "int8")])
-def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant):
+@pytest.mark.parametrize(
+    "name,quant,kv",
+    [("llama", None, "auto"), ("qwen3", None, "auto"), ("qwen3", "int4", "auto"), ("qwen3", "int8", "auto"),
+     ("llama", None, "int8"), ("qwen3", "int4", "int8")],
+)  # fmt: skip
+def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant, kv):
     """bf16 decode batches of <= 8 rows run all layers in one C call (kernel/cpu/decode_loop.c):
     the same kernels in the same order as the per-call loop, so logits and the K/V written are
     bitwise equal (llama: q/k/v/o biases; qwen3: q/k norms, a tied head; int4/int8 codes for up to
@@ -371,8 +380,10 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
     prompts = [[3, 17, 42, 9, 100, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 200], [1, 2, 3]]
     prompts += [[p + 1 for p in q] for q in prompts]  # 6 rows: past the quantized rows, dense on AMX
     sizes = (1, 3, 6)
-    with running_engine(tiny_model_dir(name), max_running_req=8, dtype=torch.bfloat16, quantization=quant) as engine:
+    with running_engine(tiny_model_dir(name), max_running_req=8, dtype=torch.bfloat16, quantization=quant,
+                        kv_cache_dtype=kv) as engine:  # fmt: skip
         runner = engine.cpu_runner
+        pool_state = lambda: (engine.kv_cache.buffer.clone(), None if kv == "auto" else engine.kv_cache.scales.clone())  # noqa: E731
         assert runner._fused is not None, "the layer table was not built"
         outs = _generate(engine, prompts, 4)
         results = {}
@@ -380,18 +391,22 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
             table = runner._fused
             if not fused:
                 runner._fused = None
-            pool = engine.kv_cache.buffer.clone()
+            pool = pool_state()
             for size in sizes:
                 reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 2) for row, (p, o) in
                         enumerate(zip(prompts[:size], outs))]  # fmt: skip
                 batch = prepare_batch(engine, reqs, "decode")
                 with torch.inference_mode(), engine.ctx.forward_batch(batch):
-                    results[fused, size] = (runner.forward(batch, engine.page_table).clone(), engine.kv_cache.buffer.clone())
-                engine.kv_cache.buffer.copy_(pool)
+                    results[fused, size] = (runner.forward(batch, engine.page_table).clone(), *pool_state())
+                engine.kv_cache.buffer.copy_(pool[0])
+                if pool[1] is not None:
+                    engine.kv_cache.scales.copy_(pool[1])
             runner._fused = table
     for size in sizes:
         assert torch.equal(results[True, size][0], results[False, size][0]), f"logits, {size} rows"
         assert torch.equal(results[True, size][1], results[False, size][1]), f"K/V, {size} rows"
+        if kv != "auto":
+            assert torch.equal(results[True, size][2], results[False, size][2]), f"K/V scales, {size} rows"
 
 
 # ---- the embedded model ------------------------------------------------------------------------

@@ -134,3 +134,83 @@ def test_int8_pool_equals_attention_over_dequantized_kv(tiny_model_dir, name, mo
     assert int8_tokens == fake_tokens
     diff = (int8_logits - plain).abs().max().item()
     assert 0 < diff < 0.1 * plain.abs().max().item()
+
+
+# ---- the C kernels of the int8 pool (kernel/cpu/kv_int8.c) -----------------------------------
+def _cpu_kernels():
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("no C compiler here")
+    return kern
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 48])
+def test_c_int8_store_is_bitwise_the_reference_store(dtype, d):
+    """rope_store_q8 at position 0 (cos 1, sin 0: the rotation is the identity) writes the same
+    codes and scales as KVCachePool's reference store, and leaves in the qkv row the values the
+    pool now holds."""
+    kern = _cpu_kernels()
+    torch.manual_seed(0)
+    hq, hk, rows, slots = 4, 2, 70, 100  # 70 rows: the store's parallel loop
+    qkv = (torch.randn(rows, (hq + 2 * hk) * d) * torch.logspace(-2, 2, rows)[:, None]).to(dtype)
+    qkv[3, hq * d : (hq + 1) * d] = 0  # an all-zero K head
+    cos, sin = torch.ones(1, d, dtype=dtype), torch.zeros(1, d, dtype=dtype)
+    pos = torch.zeros(rows, dtype=torch.int32)
+    loc = torch.randperm(slots)[:rows].to(torch.int64)
+    pool = KVCachePool(1, slots, hk, d, torch.device("cpu"), dtype, kv_cache_dtype="int8")
+    k = qkv[:, hq * d : (hq + hk) * d].view(rows, hk, d).clone()
+    v = qkv[:, (hq + hk) * d :].view(rows, hk, d).clone()
+    pool.store_kv(k, v, loc, 0)
+    kc, vc = torch.zeros(slots, hk, d, dtype=torch.int8), torch.zeros(slots, hk, d, dtype=torch.int8)
+    ks, vs = torch.zeros(slots, hk), torch.zeros(slots, hk)
+    kern.get("rope_store_q8", dtype)(
+        qkv.data_ptr(), pos.data_ptr(), cos.data_ptr(), sin.data_ptr(), None, None, 1e-6, kc.data_ptr(), vc.data_ptr(),
+        ks.data_ptr(), vs.data_ptr(), loc.data_ptr(), rows, hq, hk, d,
+    )  # fmt: skip
+    assert torch.equal(kc, pool.k_cache(0)) and torch.equal(vc, pool.v_cache(0))
+    assert torch.equal(ks, pool.k_scale(0)) and torch.equal(vs, pool.v_scale(0))
+    gk, gv = pool.gather(0, loc, torch.float32)
+    assert torch.equal(qkv[:, hq * d : (hq + hk) * d].view(rows, hk, d), gk.to(dtype))
+    assert torch.equal(qkv[:, (hq + hk) * d :].view(rows, hk, d), gv.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 1), (32, 4, 2)])  # 32: the generic loop
+def test_c_int8_attention_matches_softmax_over_dequantized_kv(dtype, d, hq, hk):
+    """paged_attention_q8 over scattered slots of an int8 pool (lengths off the 16-key block)
+    equals fp32 softmax(q k^T / sqrt(d)) v on the pool's dequantized K/V (KVCachePool.gather),
+    up to the output's rounding."""
+    kern = _cpu_kernels()
+    torch.manual_seed(0)
+    lens = [1, 15, 17, 100, 33]
+    slots = 512
+    pool = KVCachePool(1, slots, hk, d, torch.device("cpu"), dtype, kv_cache_dtype="int8")
+    all_slots = torch.arange(slots)
+    pool.store_kv(torch.randn(slots, hk, d) * 3, torch.randn(slots, hk, d), all_slots, 0)
+    table = torch.stack([torch.randperm(slots)[:128] for _ in lens]).to(torch.int32).contiguous()
+    width = (hq + 2 * hk) * d
+    qkv = torch.randn(len(lens), width).to(dtype)
+    out = torch.empty(len(lens), hq * d, dtype=dtype)
+    rows = torch.arange(len(lens), dtype=torch.int64)
+    kv_len = torch.tensor(lens, dtype=torch.int64)
+    scale = d**-0.5
+    kern.get("paged_attention_q8", dtype)(
+        qkv.data_ptr(), width, pool.k_cache(0).data_ptr(), pool.v_cache(0).data_ptr(), pool.k_scale(0).data_ptr(),
+        pool.v_scale(0).data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(), kv_len.data_ptr(),
+        out.data_ptr(), len(lens), hq, hk, d, scale, 2,
+    )  # fmt: skip
+    g = hq // hk
+    for t, n in enumerate(lens):
+        k, v = pool.gather(0, table[t, :n].long(), torch.float32)
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # [n, hq, d]
+        q = qkv[t, : hq * d].float().view(hq, d)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q, k) * scale, dim=-1)
+        ref = torch.einsum("hn,nhd->hd", p, v).reshape(-1)
+        err = ((out[t].float() - ref).abs() / (ref.abs() + 0.1)).max().item()
+        # fp32: the scores are (q * scale . codes) * k_scale here, q . (codes * k_scale) * scale in
+        # the reference; with keys 3x the unit scale that rounding reaches ~1e-5 after the softmax
+        tol = 3e-5 if dtype == torch.float32 else 2**-8
+        assert err <= tol, (t, n, err)

@@ -158,14 +158,24 @@ class CpuDecodeRunner:
         self._rope_fn = k.get("rope_store", dtype)
         self._attn_fn = k.get("paged_attention", dtype)
         nul = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        kv = self.kv
+        if kv.scales is not None:  # the int8 pool (kv_int8.c): codes and per-head scales
+            self._rope_fn, self._attn_fn = k.get("rope_store_q8", dtype), k.get("paged_attention_q8", dtype)
+        # per layer: norms, then the pool arguments the rope/store and attention kernels take
         self._ptrs = [
-            (L.ln1.data_ptr(), L.ln2.data_ptr(), nul(L.q_norm), nul(L.k_norm),
-             self.kv.k_cache(i).data_ptr(), self.kv.v_cache(i).data_ptr())
+            (L.ln1.data_ptr(), L.ln2.data_ptr(), nul(L.q_norm), nul(L.k_norm), self._pool_args(i))
             for i, L in enumerate(self.layers)
         ]  # fmt: skip
         for t in [L.ln1 for L in self.layers] + [self.final_norm, self.cos, self.sin]:
             assert t.is_contiguous()
         self._fused = self._fused_table(k) if dtype == torch.bfloat16 else None
+
+    def _pool_args(self, layer_id: int) -> Tuple[int, ...]:
+        kv = self.kv
+        ptrs = (kv.k_cache(layer_id).data_ptr(), kv.v_cache(layer_id).data_ptr())
+        if kv.scales is None:
+            return ptrs
+        return ptrs + (kv.k_scale(layer_id).data_ptr(), kv.v_scale(layer_id).data_ptr())
 
     def _fused_table(self, k: CpuKernels) -> Any:
         """decode_loop.c's layer table for decode batches of up to `_fused_rows` rows (the most,
@@ -179,7 +189,10 @@ class CpuDecodeRunner:
         self._fused_rows = rows
         table = (DecodeLayer * len(self.layers))()
         for entry, ptrs, row in zip(table, self._ptrs, specs):
-            entry.ln1, entry.ln2, entry.q_norm, entry.k_norm, entry.k_cache, entry.v_cache = ptrs
+            entry.ln1, entry.ln2, entry.q_norm, entry.k_norm, pool = ptrs
+            entry.k_cache, entry.v_cache = pool[:2]
+            if len(pool) == 4:  # int8: the C loop takes the q8 kernels where the scales are set
+                entry.k_scale, entry.v_scale = pool[2:]
             for name, sp in zip(("qkv", "o", "gate_up", "down"), row):
                 setattr(entry, name, DecodeGemm(*sp))  # type: ignore[misc]
         self._step = DecodeStep(cos=self.cos.data_ptr(), sin=self.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
@@ -258,13 +271,13 @@ class CpuDecodeRunner:
                                   out.stride(0), self.nthreads):  # fmt: skip
                     continue
             q = rows[:, :qs].view(n, hq, d).transpose(0, 1).unsqueeze(0)
-            if cached == 0:  # keys are this step's own rows: causal, no gather
+            if cached == 0:  # keys are this step's own rows (as the pool holds them): causal, no gather
                 k = rows[:, qs : qs + ks].view(n, hk, d)
                 v = rows[:, qs + ks :].view(n, hk, d)
                 mask = None
             else:  # a cached prefix: all keys from the pool (this step's are stored already)
                 slots = page_table[row, :total].long()
-                k, v = self.kv.k_cache(layer_id)[slots], self.kv.v_cache(layer_id)[slots]
+                k, v = self.kv.gather(layer_id, slots, rows.dtype)
                 pos = torch.arange(cached, total)
                 mask = torch.arange(total)[None, :] <= pos[:, None]
             k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
@@ -302,16 +315,16 @@ class CpuDecodeRunner:
             self._run_fused(h, res, attn, act, positions, out_loc, page_table, table_row, kv_len)
             return self.lm_head(h)
         for i, L in enumerate(self.layers):
-            _, ln2, qn, kn, kc, vc = self._ptrs[i]
+            _, ln2, qn, kn, pool = self._ptrs[i]
             qkv = L.qkv(h)
             pq = qkv.data_ptr()
-            rope(pq, ppos, pcos, psin, qn, kn, eps, kc, vc, ploc, b, hq, hk, d)
+            rope(pq, ppos, pcos, psin, qn, kn, eps, *pool, ploc, b, hq, hk, d)
             if sdpa_plan is None:
-                attend(pq, width, kc, vc, ppt, pt_stride, prow, plen, pattn, b, hq, hk, d, scale, nt)
+                attend(pq, width, *pool, ppt, pt_stride, prow, plen, pattn, b, hq, hk, d, scale, nt)
             else:
                 for paged, start, count, plan in segments:
                     if paged:  # decode rows and small chunks: the paged kernel, keys read in place
-                        attend(pq + start * width * esz, width, kc, vc, ppt, pt_stride, prow + 8 * start, plen + 8 * start,
+                        attend(pq + start * width * esz, width, *pool, ppt, pt_stride, prow + 8 * start, plen + 8 * start,
                                pattn + start * hq * d * esz, count, hq, hk, d, scale, nt)  # fmt: skip
                     else:
                         self._prefill_sdpa(qkv, attn, i, page_table, plan)
@@ -347,8 +360,10 @@ class CpuDecodeRunner:
         """q [B, Hq, D] over the pool rows `slots` [B, S]; returns [B, Hq * D]."""
         b, s = slots.shape
         g = self.hq // self.hk
-        k = self.kv.k_cache(layer_id)[slots]  # [B, S, Hk, D] in the pool dtype
-        v = self.kv.v_cache(layer_id)[slots]
+        if self.kv.quantized:
+            k, v = self.kv.gather(layer_id, slots, q.dtype)
+        else:  # [B, S, Hk, D] in the pool dtype, no copy of a cast
+            k, v = self.kv.k_cache(layer_id)[slots], self.kv.v_cache(layer_id)[slots]
         qg = q.view(b, self.hk, g, self.d)
         # [B, Hk, G, D] x [B, Hk, D, S] -> [B, Hk, G, S], fp32 accumulate
         scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * self.scale
@@ -377,8 +392,7 @@ class CpuDecodeRunner:
             if L.q_norm is not None and L.k_norm is not None:
                 q, k = _rms(q, L.q_norm, eps), _rms(k, L.k_norm, eps)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            self.kv.k_cache(i).index_copy_(0, out_loc, k)
-            self.kv.v_cache(i).index_copy_(0, out_loc, v)
+            self.kv.store_kv(k, v, out_loc, i)
             a = L.o(self._attend(q, i, slots, bias))
             residual = residual + a
             h = _rms(residual, L.ln2, eps)
@@ -456,9 +470,17 @@ def _hugepage_pool(kv_cache: KVCachePool) -> None:
         return
     shape, dtype = kv_cache.buffer.shape, kv_cache.buffer.dtype
     kv_cache.buffer = torch.empty(0, dtype=dtype)  # free the old pool first: no 2x peak
+    kv_cache.buffer = _huge_zeros(shape, dtype)
+    if kv_cache.scales is not None:  # an int8 pool's scales are read per key as well
+        shape = kv_cache.scales.shape
+        kv_cache.scales = torch.empty(0)
+        kv_cache.scales = _huge_zeros(shape, torch.float32)
+
+
+def _huge_zeros(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype)
     _advise_huge(buf)
-    kv_cache.buffer = buf.zero_()
+    return buf.zero_()
 
 
 def _aligned(nbytes: int) -> int:
@@ -528,8 +550,6 @@ def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, co
         why_not = "cpu_fast_decode=False"
     if why_not is None and not read_env().cpu_fast_decode:
         why_not = "MINISGL_CPU_FAST_DECODE=0"  # for processes started without a config knob (server)
-    if why_not is None and kv_cache.quantized:
-        why_not = f"kv_cache_dtype={kv_cache.kv_cache_dtype!r}"
     if why_not is not None:
         if method != "none":
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")

@@ -131,7 +131,9 @@ def quantize_int8_per_head(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]
     (kernel/cpu) computes exactly these fp32 operations, so both give the same bits."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division (the C store's 127.0f / amax): `127.0 / amax` on a tensor is computed as
+    # reciprocal(amax) * 127 in torch, one rounding more
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(xf * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return codes, amax / 127.0
 

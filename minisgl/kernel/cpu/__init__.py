@@ -1,6 +1,6 @@
 """Fused C kernels for the CPU decode step, built on first use and called through ctypes.
 
-`kernels.c` (norms, rotary, SiLU, paged attention), `gemv.c` (the bf16 skinny GEMM of small
+`kernels.c` (norms, rotary, SiLU, paged attention), `kv_int8.c` (the int8 KV pool's store and decode attention), `gemv.c` (the bf16 skinny GEMM of small
 decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
 Q4_1 / Q8_0 blocks), `attn_amx.c` (prefill attention on AMX tiles) and `decode_loop.c` (a small
 decode batch's whole layer stack in one call) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
@@ -27,8 +27,8 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c")]
-_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h")]  # part of the cache key
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c", "kv_int8.c")]
+_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "softmax.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -36,6 +36,9 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _L, _L],
     "rope_store": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _L, _L, _L, _L],
     "paged_attention": [_P, _L, _P, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _F, _I],
+    # the int8 pool (kv_int8.c): K/V codes and their per-head scales
+    "rope_store_q8": [_P, _P, _P, _P, _P, _P, _F, _P, _P, _P, _P, _P, _L, _L, _L, _L],
+    "paged_attention_q8": [_P, _L, _P, _P, _P, _P, _P, _L, _P, _P, _P, _L, _L, _L, _L, _F, _I],
 }
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -47,7 +50,7 @@ class DecodeGemm(ctypes.Structure):
 
 
 class DecodeLayer(ctypes.Structure):
-    _fields_ = [(n, _P) for n in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache")]
+    _fields_ = [(n, _P) for n in ("ln1", "ln2", "q_norm", "k_norm", "k_cache", "v_cache", "k_scale", "v_scale")]
     _fields_ += [(n, DecodeGemm) for n in ("qkv", "o", "gate_up", "down")]
 
 

@@ -23,6 +23,13 @@ void paged_attention_bf16(const uint16_t *q, long q_stride, const uint16_t *k_ca
                           const int32_t *page_table, long pt_stride, const int64_t *table_row,
                           const int64_t *kv_len, uint16_t *out, long rows, long hq, long hk, long d,
                           float scale, int nthreads);
+void rope_store_q8_bf16(uint16_t *qkv, const int32_t *positions, const uint16_t *cos, const uint16_t *sin,
+                        const uint16_t *q_norm, const uint16_t *k_norm, float eps, int8_t *k_cache, int8_t *v_cache,
+                        float *k_scale, float *v_scale, const int64_t *out_loc, long rows, long hq, long hk, long d);
+void paged_attention_q8_bf16(const uint16_t *q, long q_stride, const int8_t *k_cache, const int8_t *v_cache,
+                             const float *k_scale, const float *v_scale, const int32_t *page_table, long pt_stride,
+                             const int64_t *table_row, const int64_t *kv_len, uint16_t *out, long rows, long hq,
+                             long hk, long d, float scale, int nthreads);
 int gemv_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
               uint16_t *y, int nthreads);
 int qgemv_q4_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n, long k,
@@ -45,7 +52,8 @@ typedef struct {
 } DecodeGemm;
 typedef struct {
     const uint16_t *ln1, *ln2, *q_norm, *k_norm; /* the norms may be NULL */
-    uint16_t *k_cache, *v_cache;
+    void *k_cache, *v_cache;
+    float *k_scale, *v_scale; /* an int8 pool's per-head scales (kv_int8.c); NULL: a bf16 pool */
     DecodeGemm qkv, o, gate_up, down;
 } DecodeLayer;
 typedef struct {
@@ -74,10 +82,17 @@ int decode_layers_bf16(const DecodeLayer *layers, long nlayers, const DecodeStep
     for (long i = 0; i < nlayers; i++) {
         const DecodeLayer *L = layers + i;
         if (!run_gemm(&L->qkv, s->h, b, s->qkv, nt)) return 0;
-        rope_store_bf16(s->qkv, s->positions, s->cos, s->sin, L->q_norm, L->k_norm, s->eps, L->k_cache, L->v_cache,
-                        s->out_loc, b, s->hq, s->hk, s->d);
-        paged_attention_bf16(s->qkv, width, L->k_cache, L->v_cache, s->page_table, s->pt_stride, s->table_row,
-                             s->kv_len, s->attn, b, s->hq, s->hk, s->d, s->scale, nt);
+        if (L->k_scale) {
+            rope_store_q8_bf16(s->qkv, s->positions, s->cos, s->sin, L->q_norm, L->k_norm, s->eps, L->k_cache,
+                               L->v_cache, L->k_scale, L->v_scale, s->out_loc, b, s->hq, s->hk, s->d);
+            paged_attention_q8_bf16(s->qkv, width, L->k_cache, L->v_cache, L->k_scale, L->v_scale, s->page_table,
+                                    s->pt_stride, s->table_row, s->kv_len, s->attn, b, s->hq, s->hk, s->d, s->scale, nt);
+        } else {
+            rope_store_bf16(s->qkv, s->positions, s->cos, s->sin, L->q_norm, L->k_norm, s->eps, L->k_cache,
+                            L->v_cache, s->out_loc, b, s->hq, s->hk, s->d);
+            paged_attention_bf16(s->qkv, width, L->k_cache, L->v_cache, s->page_table, s->pt_stride, s->table_row,
+                                 s->kv_len, s->attn, b, s->hq, s->hk, s->d, s->scale, nt);
+        }
         if (!run_gemm(&L->o, s->attn, b, s->a, nt)) return 0;
         add_rms_norm_bf16(s->a, s->res, L->ln2, s->h, b, s->hidden, s->eps, 1);
         if (!run_gemm(&L->gate_up, s->h, b, s->gu, nt)) return 0;

@@ -14,27 +14,10 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "softmax.h"
 
-/* exp(x), branch-free so loops over it vectorize (libm's expf
- * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
- * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
-static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float t = x * 1.44269504088896341f;
-    float n = __builtin_rintf(t);
-    float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+void q8_head(float *x, long d, int8_t *codes, float *scale); /* kv_int8.c */
+
 static inline float ld_f32(const float *p, long i) { return p[i]; }
 static inline void st_f32(float *p, long i, float v) { p[i] = v; }
 static inline float rnd_f32(float v) { return v; }
@@ -48,20 +31,6 @@ static inline float rnd_bf16(float v) { return bf16_to_f(f_to_bf16(v)); }
 /* The decode attention hot loop in AVX-512 for head_dim D in {64, 128}: the G query heads of one
  * KV head stay in registers; keys go in blocks of 16 whose scores form one vector, so the
  * online-softmax max, exp and rescale run once per block and 16 lanes wide. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n); /* p * 2^n, exact (n in [-126, 127] after the clamp) */
-}
 static inline __m512 ld16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 ld16_bf16(const uint16_t *p) {
     __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -219,22 +188,6 @@ static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache
 DEFINE_FAST_ATTN(f32, float, 64)
 DEFINE_FAST_ATTN(f32, float, 128)
 #if defined(__AVX512BF16__)
-/* 16 vectors -> one: lane b = the sum of d[b]'s 16 lanes. A shuffle tree (45 ops) in place of
- * 16 horizontal reductions (~9 dependent ops each), which dominated the per-key score cost. */
-static inline __m512 hsum16x16(__m512 d[16]) {
-    __m512 e[8], f[4];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [k2i, k2i+1, k2i, k2i+1] partials */
-        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
-                             _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: [k4i .. k4i+3] partials */
-        __m512d a = _mm512_castps_pd(e[2 * i]), b = _mm512_castps_pd(e[2 * i + 1]);
-        f[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    /* across the four 128-bit lanes */
-    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
-    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88), _mm512_shuffle_f32x4(f[2], f[3], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-}
 /* bf16 decode attention with VDPBF16PS scores: q and k are bf16 already, their products are
  * exact in fp32 and summed in fp32 (what the fp32 path computes, in another order); the scale
  * (a power of two for head_dim 64 / 256, else one fp32 rounding) is applied to the sums. p and
@@ -411,6 +364,31 @@ void rope_store_##SUF(T *qkv, const int32_t *positions, const T *cos, const T *s
             head_norm_rope_##SUF(row + (hq + h) * d, k_norm, eps, c, s, d);                     \
         memcpy(k_cache + out_loc[t] * hk * d, row + hq * d, hk * d * sizeof(T));                \
         memcpy(v_cache + out_loc[t] * hk * d, row + (hq + hk) * d, hk * d * sizeof(T));         \
+    }                                                                                           \
+}                                                                                               \
+                                                                                                \
+/* rope_store for the int8 pool (kv_int8.c): each K and V head quantized into its slot, and the \
+ * row's K/V replaced by the dequantized values (rounded to T) that the pool now holds. */      \
+void rope_store_q8_##SUF(T *qkv, const int32_t *positions, const T *cos, const T *sin,          \
+                         const T *q_norm, const T *k_norm, float eps, int8_t *k_cache,          \
+                         int8_t *v_cache, float *k_scale, float *v_scale, const int64_t *out_loc, \
+                         long rows, long hq, long hk, long d) {                                 \
+    long width = (hq + 2 * hk) * d;                                                             \
+    _Pragma("omp parallel for if(rows >= 64)")                                                  \
+    for (long t = 0; t < rows; t++) {                                                           \
+        T *row = qkv + t * width;                                                               \
+        const T *c = cos + (long)positions[t] * d, *s = sin + (long)positions[t] * d;           \
+        for (long h = 0; h < hq; h++) head_norm_rope_##SUF(row + h * d, q_norm, eps, c, s, d);  \
+        for (long h = 0; h < hk; h++)                                                           \
+            head_norm_rope_##SUF(row + (hq + h) * d, k_norm, eps, c, s, d);                     \
+        for (long h = 0; h < 2 * hk; h++) {                                                     \
+            T *x = row + (hq + h) * d;                                                          \
+            long slot = out_loc[t] * hk + h % hk;                                               \
+            float f[256];                                                                       \
+            for (long i = 0; i < d; i++) f[i] = ld_##SUF(x, i);                                 \
+            q8_head(f, d, (h < hk ? k_cache : v_cache) + slot * d, (h < hk ? k_scale : v_scale) + slot); \
+            for (long i = 0; i < d; i++) st_##SUF(x, i, f[i]);                                  \
+        }                                                                                       \
     }                                                                                           \
 }                                                                                               \
                                                                                                 \

@@ -1,0 +1,60 @@
+/* The online-softmax arithmetic shared by the CPU attention kernels (kernels.c, kv_int8.c). */
+#ifndef MINISGL_SOFTMAX_H
+#define MINISGL_SOFTMAX_H
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x), branch-free so loops over it vectorize (libm's expf
+ * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
+ * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float n = __builtin_rintf(t);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n); /* p * 2^n, exact (n in [-126, 127] after the clamp) */
+}
+/* 16 vectors -> one: lane b = the sum of d[b]'s 16 lanes. A shuffle tree (45 ops) in place of
+ * 16 horizontal reductions (~9 dependent ops each), which dominated the per-key score cost. */
+static inline __m512 hsum16x16(__m512 d[16]) {
+    __m512 e[8], f[4];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [k2i, k2i+1, k2i, k2i+1] partials */
+        e[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]),
+                             _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* per 128-bit lane: [k4i .. k4i+3] partials */
+        __m512d a = _mm512_castps_pd(e[2 * i]), b = _mm512_castps_pd(e[2 * i + 1]);
+        f[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* across the four 128-bit lanes */
+    __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(f[0], f[1], 0x88), _mm512_shuffle_f32x4(f[0], f[1], 0xDD));
+    __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88), _mm512_shuffle_f32x4(f[2], f[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+#endif
+#endif
