@@ -541,3 +541,24 @@ def test_amx_prefill_attention_matches_sdpa(n, hq, hk, d):
     assert ours_err.mean() <= 1.5 * torch_err.mean() + 1e-4
     assert ours_err.max() <= torch_err.max() + ref.abs().max() * 2**-7
     assert (out[:, qs:] == 7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [49152, 1000, 7])  # 7: under one 16-lane vector
+def test_argmax_kernel_equals_torch_argmax(dtype, n):
+    """Greedy sampling's C argmax (kernel/cpu/argmax.c) against torch.argmax: random rows, rows
+    of ties (the first index wins), a NaN (the first NaN wins), all -inf, a strided view."""
+    from minisgl.kernel.cpu import argmax_rows
+
+    if argmax_rows(torch.zeros(1, 4)) is None:
+        pytest.skip("no C compiler here")
+    torch.manual_seed(0)
+    x = torch.randn(70, n + 3).to(dtype)[:, :n]  # rows ld = n + 3 apart
+    x[1] = 0.5  # all tied
+    x[2, n // 2], x[2, n - 1] = 100, 100  # a tie of two maxima
+    x[3, n // 3], x[3, n - 2] = float("nan"), float("nan")
+    x[4] = float("-inf")
+    x[5, -1] = 1e4  # the max in the tail
+    x[6] = x[6].round()  # many equal values
+    got = argmax_rows(x)
+    assert torch.equal(got, torch.argmax(x.float(), dim=-1)), (got[:8], torch.argmax(x.float(), dim=-1)[:8])

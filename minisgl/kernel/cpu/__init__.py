@@ -1,6 +1,6 @@
 """Fused C kernels for the CPU decode step, built on first use and called through ctypes.
 
-`kernels.c` (norms, rotary, SiLU, paged attention), `kv_int8.c` (the int8 KV pool's store and decode attention), `gemv.c` (the bf16 skinny GEMM of small
+`kernels.c` (norms, rotary, SiLU, paged attention), `kv_int8.c` (the int8 KV pool's store and decode attention), `argmax.c` (greedy sampling), `gemv.c` (the bf16 skinny GEMM of small
 decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
 Q4_1 / Q8_0 blocks), `attn_amx.c` (prefill attention on AMX tiles) and `decode_loop.c` (a small
 decode batch's whole layer stack in one call) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
@@ -27,7 +27,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c", "kv_int8.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c", "kv_int8.c", "argmax.c")]
 _HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "softmax.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -120,9 +120,23 @@ class CpuKernels:
         lib.decode_layers_bf16.argtypes, lib.decode_layers_bf16.restype = [_P, _L, _P], ctypes.c_int
         lib.prefill_attention_amx_bf16.argtypes = [_P, _L, _L, _L, _L, _L, _F, _P, _L, _I]
         lib.prefill_attention_amx_bf16.restype = ctypes.c_int
+        for suf in SUFFIX.values():
+            fn = getattr(lib, f"argmax_rows_{suf}")
+            fn.argtypes, fn.restype = [_P, _L, _L, _L, _P, _I], None
 
     def get(self, name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return getattr(self.lib, f"{name}_{SUFFIX[dtype]}")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """torch.argmax(x, dim=-1) of 2-D CPU logits (fp32 or bf16, unit stride in the last dim) on
+    argmax.c: same result, ties and NaNs included; None where it does not apply."""
+    kern = cpu_kernels()
+    if kern is None or x.dim() != 2 or x.dtype not in SUFFIX or x.stride(1) != 1 or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    kern.get("argmax_rows", x.dtype)(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 @lru_cache(maxsize=1)
