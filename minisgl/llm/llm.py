@@ -29,6 +29,10 @@ from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_mode
 from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
 OFFLINE_MAX_EXTEND_TOKENS = 16384
+# On a CPU the prefill is compute-bound and its activations are what a chunk keeps in cache:
+# the offline recipe of benchmark/cpu.py (64 prompts, 12k prompt tokens) measured 7.5 s at
+# 4096-token chunks against 8.1 s at 8192 or 16384 and 7.7 s at 3072 (docs/PERFORMANCE.md).
+CPU_OFFLINE_MAX_EXTEND_TOKENS = 4096
 Message = Dict[str, Any]
 Prompt = Union[str, List[int], List[Message]]
 
@@ -66,10 +70,10 @@ class LLM:
         # such an LLM takes token-id prompts only and returns empty text. Loaded before the
         # engine so a failure here cannot leave an engine (and its global Context) behind.
         self.tokenizer = _load_tokenizer_if_any(path)
-        # Offline, nobody waits on inter-token latency, so prefill takes bigger steps than the
+        # Offline, nobody waits on inter-token latency, so on CUDA prefill takes bigger steps than the
         # server's 8192: each prefill step is an eager forward whose launch cost (~30 ms of host
         # time on the H200 machine) the GPU mostly idles through, so fewer steps win throughput.
-        config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS)
+        config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS if target.type == "cuda" else CPU_OFFLINE_MAX_EXTEND_TOKENS)
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
         if tp > 1 and "distributed_port" not in config and "dist_init_addr" not in config:

@@ -20,6 +20,23 @@
  * (code * scale): callers hand those values to attention over this step's own rows, so every
  * reader sees the same K/V. */
 void q8_head(float *x, long d, int8_t *codes, float *scale) {
+#ifdef __AVX512F__
+    if (d % 16 == 0) { /* the same operations 16 lanes wide (a 500-token prefill stores 5.8M values) */
+        __m512 m = _mm512_setzero_ps();
+        for (long i = 0; i < d; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+        float amax = _mm512_reduce_max_ps(m);
+        float inv = amax > 0.f ? 127.0f / amax : 0.f, s = amax / 127.0f;
+        const __m512 vinv = _mm512_set1_ps(inv), vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(127.f);
+        for (long i = 0; i < d; i += 16) {
+            __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm512_min_ps(_mm512_max_ps(r, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+            _mm_storeu_si128((__m128i *)(codes + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(r, vs));
+        }
+        *scale = s;
+        return;
+    }
+#endif
     float amax = 0.f;
     for (long i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
     float inv = amax > 0.f ? 127.0f / amax : 0.f, s = amax / 127.0f;
