@@ -459,16 +459,16 @@ def test_embedded_bf16_agrees_with_hf_bf16(embedded_model_dir, embedded_tokenize
     assert "Paris" in embedded_tokenizer.decode(outs[0])
 
 
-@pytest.mark.parametrize("method", ["gguf", "int8"])
-def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, method):
-    """Quantized decode (gguf: the file's own Q4_1 codes; int8: its weights rounded to Q8_0 blocks)
-    vs HF bf16 on the dequantized weights, teacher-forced on our own tokens: each of our tokens
-    is in HF's top 5 at its position (until EOS)."""
+@pytest.mark.parametrize("method,kv", [("gguf", "auto"), ("int8", "auto"), (None, "int8")])
+def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, method, kv):
+    """Quantized decode (gguf: the file's own Q4_1 codes; int8: its weights rounded to Q8_0 blocks;
+    or bf16 weights over the int8 KV cache) vs HF bf16 on the dequantized weights, teacher-forced
+    on our own tokens: each of our tokens is in HF's top 5 at its position (until EOS)."""
     hf = _hf(embedded_model_dir, torch.bfloat16)
     prompts = [_chat_ids(embedded_tokenizer, q) for q in QUESTIONS]
     n = 32
     with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128, dtype=torch.bfloat16,
-                        quantization=method) as engine:  # fmt: skip
+                        quantization=method, kv_cache_dtype=kv) as engine:  # fmt: skip
         outs = _generate(engine, prompts, n)
     differ = total = 0
     for ids, ours in zip(prompts, outs):
@@ -482,7 +482,7 @@ def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, me
         differ += sum(int(t != int(top5[j, 0])) for j, t in enumerate(ours))
         total += len(ours)
     rate = differ / total
-    print(f"\n{method} vs HF bf16: {differ}/{total} tokens differ from HF's argmax ({rate:.1%})")
+    print(f"\n{method}, KV {kv} vs HF bf16: {differ}/{total} tokens differ from HF's argmax ({rate:.1%})")
     assert rate <= 0.25
     assert "Paris" in embedded_tokenizer.decode(outs[0])
 
