@@ -157,16 +157,7 @@ static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache
         float pj[8][16];                                                                          \
         for (long j = 0; j < g; j++) {                                                            \
             __m512 sv = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, sc[j]);             \
-            float bm = _mm512_reduce_max_ps(sv);                                                  \
-            if (bm > mx[j]) {                                                                     \
-                __m512 corr = _mm512_set1_ps(fast_exp(mx[j] - bm));                               \
-                den[j] *= fast_exp(mx[j] - bm);                                                   \
-                for (int c = 0; c < V; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], corr);           \
-                mx[j] = bm;                                                                       \
-            }                                                                                     \
-            __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx[j])))); \
-            den[j] += _mm512_reduce_add_ps(pv);                                                   \
-            _mm512_storeu_ps(pj[j], pv);                                                          \
+            _mm512_storeu_ps(pj[j], softmax_block(sv, live, mx + j, den + j, acc[j], V));         \
         }                                                                                         \
         for (int b = 0; b < nb; b++) {                                                            \
             const T *vr = v_cache + ((long)slots[s0 + b] * hk + kh) * D;                          \
@@ -229,16 +220,7 @@ static void attn_task_bf16_##D(const uint16_t *q, const uint16_t *k_cache, const
                 d[b] = t;                                                                         \
             }                                                                                     \
             __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(hsum16x16(d), vscale)); \
-            float bm = _mm512_reduce_max_ps(sv);                                                  \
-            if (bm > mx[j]) {                                                                     \
-                float corr = fast_exp(mx[j] - bm);                                                \
-                den[j] *= corr;                                                                   \
-                for (int c = 0; c < V; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], _mm512_set1_ps(corr)); \
-                mx[j] = bm;                                                                       \
-            }                                                                                     \
-            __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx[j])))); \
-            den[j] += _mm512_reduce_add_ps(pv);                                                   \
-            _mm512_storeu_ps(pj[j], pv);                                                          \
+            _mm512_storeu_ps(pj[j], softmax_block(sv, live, mx + j, den + j, acc[j], V));         \
         }                                                                                         \
         for (int b = 0; b < nb; b++) {                                                            \
             const uint16_t *vr = v_cache + ((long)slots[s0 + b] * hk + kh) * D;                   \
@@ -349,6 +331,14 @@ static void head_norm_rope_##SUF(T *x, const T *nw, float eps, const T *cos, con
     }                                                                                           \
 }                                                                                               \
                                                                                                 \
+/* One qkv row [(hq + 2 hk) * d] at `pos`: its q and k heads normed and rotated in place. */      \
+static void rope_row_##SUF(T *row, int32_t pos, const T *cos, const T *sin, const T *q_norm,     \
+                           const T *k_norm, float eps, long hq, long hk, long d) {              \
+    const T *c = cos + (long)pos * d, *s = sin + (long)pos * d;                                 \
+    for (long h = 0; h < hq; h++) head_norm_rope_##SUF(row + h * d, q_norm, eps, c, s, d);      \
+    for (long h = 0; h < hk; h++) head_norm_rope_##SUF(row + (hq + h) * d, k_norm, eps, c, s, d); \
+}                                                                                               \
+                                                                                                \
 /* qkv rows [T, (hq + 2 hk) * d]: q and k normed/rotated in place, then k and v copied into   \
  * the pool slots out_loc[t] (k_cache/v_cache [slots, hk, d]). */                                \
 void rope_store_##SUF(T *qkv, const int32_t *positions, const T *cos, const T *sin,             \
@@ -358,10 +348,7 @@ void rope_store_##SUF(T *qkv, const int32_t *positions, const T *cos, const T *s
     _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long t = 0; t < rows; t++) {                                                           \
         T *row = qkv + t * width;                                                               \
-        const T *c = cos + (long)positions[t] * d, *s = sin + (long)positions[t] * d;           \
-        for (long h = 0; h < hq; h++) head_norm_rope_##SUF(row + h * d, q_norm, eps, c, s, d);  \
-        for (long h = 0; h < hk; h++)                                                           \
-            head_norm_rope_##SUF(row + (hq + h) * d, k_norm, eps, c, s, d);                     \
+        rope_row_##SUF(row, positions[t], cos, sin, q_norm, k_norm, eps, hq, hk, d);            \
         memcpy(k_cache + out_loc[t] * hk * d, row + hq * d, hk * d * sizeof(T));                \
         memcpy(v_cache + out_loc[t] * hk * d, row + (hq + hk) * d, hk * d * sizeof(T));         \
     }                                                                                           \
@@ -377,10 +364,7 @@ void rope_store_q8_##SUF(T *qkv, const int32_t *positions, const T *cos, const T
     _Pragma("omp parallel for if(rows >= 64)")                                                  \
     for (long t = 0; t < rows; t++) {                                                           \
         T *row = qkv + t * width;                                                               \
-        const T *c = cos + (long)positions[t] * d, *s = sin + (long)positions[t] * d;           \
-        for (long h = 0; h < hq; h++) head_norm_rope_##SUF(row + h * d, q_norm, eps, c, s, d);  \
-        for (long h = 0; h < hk; h++)                                                           \
-            head_norm_rope_##SUF(row + (hq + h) * d, k_norm, eps, c, s, d);                     \
+        rope_row_##SUF(row, positions[t], cos, sin, q_norm, k_norm, eps, hq, hk, d);            \
         for (long h = 0; h < 2 * hk; h++) {                                                     \
             T *x = row + (hq + h) * d;                                                          \
             long slot = out_loc[t] * hk + h % hk;                                               \

@@ -140,15 +140,7 @@ static void attn_q8_task_##D(const float *qf, const int8_t *k_cache, const int8_
         float pj[8][16];                                                                          \
         for (long j = 0; j < g; j++) {                                                            \
             __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(hsum16x16(part[j]), ksv)); \
-            float bm = _mm512_reduce_max_ps(sv);                                                  \
-            if (bm > mx[j]) {                                                                     \
-                float corr = fast_exp(mx[j] - bm);                                                \
-                den[j] *= corr;                                                                   \
-                for (int c = 0; c < V; c++) acc[j][c] = _mm512_mul_ps(acc[j][c], _mm512_set1_ps(corr)); \
-                mx[j] = bm;                                                                       \
-            }                                                                                     \
-            __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mx[j])))); \
-            den[j] += _mm512_reduce_add_ps(pv);                                                   \
+            __m512 pv = softmax_block(sv, live, mx + j, den + j, acc[j], V);                      \
             _mm512_storeu_ps(pj[j], _mm512_mul_ps(pv, _mm512_loadu_ps(vs)));                      \
         }                                                                                         \
         for (int b = 0; b < nb; b++) {                                                            \

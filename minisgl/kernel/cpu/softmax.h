@@ -56,5 +56,20 @@ static inline __m512 hsum16x16(__m512 d[16]) {
     __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(f[2], f[3], 0x88), _mm512_shuffle_f32x4(f[2], f[3], 0xDD));
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
+/* One 16-key block of the online softmax: scores sv (dead lanes already -inf) raise the running
+ * max *mx (the nv accumulators and *den rescaled when it moves), add their exps to *den, and
+ * come back as those exps, dead lanes 0. */
+static inline __m512 softmax_block(__m512 sv, __mmask16 live, float *mx, float *den, __m512 *acc, int nv) {
+    float bm = _mm512_reduce_max_ps(sv);
+    if (bm > *mx) {
+        float corr = fast_exp(*mx - bm);
+        *den *= corr;
+        for (int c = 0; c < nv; c++) acc[c] = _mm512_mul_ps(acc[c], _mm512_set1_ps(corr));
+        *mx = bm;
+    }
+    __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(*mx))));
+    *den += _mm512_reduce_add_ps(pv);
+    return pv;
+}
 #endif
 #endif
