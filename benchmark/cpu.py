@@ -9,7 +9,9 @@ Parts (comma-separated --parts, default all but the plot sweep):
 - latency: batch-1 decode tok/s and TTFT for a --prompt-len (500) token prompt, through the real
   scheduler; HF `generate` on the same prompt, timed per token by a streamer. Both: min TTFT and
   median inter-token gap over --reps runs (robust to a neighbour's burst on a shared machine);
-  llama.cpp when `llama_cpp` imports.
+  llama.cpp when `llama_cpp` imports (llama-cpp-python 0.3.36 builds from source here; its AMX
+  code crashes in this VM, so build it with -DGGML_NATIVE=OFF and AVX-512 on, AMX off: see
+  docs/PERFORMANCE.md).
 - offline: --num-requests (64) prompts of U[100, 300] random token ids, --max-tokens (128) new
   tokens each, EOS ignored, greedy; HF on the first --hf-requests of them in one static batch.
 - sweep: decode tok/s vs batch size (1..64, --sweep-context tokens of context) for minisgl
@@ -204,7 +206,12 @@ def part_latency(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
     print(line)
     lc = llama_cpp_latency(prompt, a.gen_len, torch.get_num_threads())
     out["latency"]["llama_cpp"] = lc
-    print("llama.cpp:", "not importable" if lc is None else f"TTFT {lc['ttft_ms']:.0f} ms, decode {lc['decode_tok_s']:.1f} tok/s")
+    if lc is None:
+        print("llama.cpp: not importable")
+    else:
+        print(f"llama.cpp (the same GGUF, Q4_1): TTFT {lc['ttft_ms']:.0f} ms, decode {lc['decode_tok_s']:.1f} tok/s"
+              f" | minisgl / llama.cpp: decode {ours['decode_tok_s'] / lc['decode_tok_s']:.2f}x,"
+              f" TTFT {ours['ttft_ms'] / lc['ttft_ms']:.2f}")  # fmt: skip
 
 
 def part_offline(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
