@@ -114,12 +114,14 @@ def _decode_partial_kernel(
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = v.to(Q.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -244,6 +246,7 @@ def _extend_kernel(
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
             qk = tl.where(visible, qk, float("-inf"))
@@ -252,6 +255,7 @@ def _extend_kernel(
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = v.to(Q.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -380,6 +384,17 @@ def extend_attention(
 
 
 @triton.jit
+def to_kv_cache(x, dtype: tl.constexpr):
+    """`x` (model dtype) as the pool stores it. fp8: the pool's reference store (kvcache/pool.py),
+    widen to float32, saturate at +-448 (e4m3fn has no infinity: an overflow would be NaN), round to
+    nearest; bitwise the same bytes as `KVCachePool._store_quantized`."""
+    if dtype == tl.float8e4nv:
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, KCache, VCache, Loc,
     stride_kt, stride_vt, stride_kcs, stride_vcs,
@@ -390,13 +405,14 @@ def _store_kv_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     k = tl.load(K + t.to(tl.int64) * stride_kt + offs, mask=mask)
-    tl.store(KCache + slot * stride_kcs + offs, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(KCache + slot * stride_kcs + offs, to_kv_cache(k, KCache.dtype.element_ty), mask=mask)
     v = tl.load(V + t.to(tl.int64) * stride_vt + offs, mask=mask)
-    tl.store(VCache + slot * stride_vcs + offs, v.to(VCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + slot * stride_vcs + offs, to_kv_cache(v, VCache.dtype.element_ty), mask=mask)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
-    """One launch for both K and V (the torch fallback takes three): k/v [T, Hk, D] -> pool slots."""
+    """One launch for both K and V (the torch fallback takes three): k/v [T, Hk, D] -> pool slots.
+    A float8_e4m3fn cache stores what the pool's reference fp8 store stores (`to_kv_cache`)."""
     T, Hk, D = k.shape
     if k.stride(2) != 1 or k.stride(1) != D:
         k = k.contiguous()
