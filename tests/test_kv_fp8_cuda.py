@@ -122,11 +122,11 @@ def test_fp8_pool_equals_attention_over_round_tripped_kv(tiny_model_dir: Any, na
     assert not fp8.isnan().any()
     diff = (fp8 - fake).abs().max().item()
     print(f"{name} {backend} {dtype}: |fp8 - round-tripped| {diff:.3g}, |fp8 - plain| {(fp8 - plain).abs().max().item():.3g}")
-    # the same kernels on the same values: only the decode tile (chosen by the pool's element
-    # size) may change the summation order
-    assert diff <= (1e-5 if dtype == torch.float32 else 2e-2) * plain.abs().max().item()
+    # fp32 (and the torch backend): the same arithmetic on the same values. bf16 on triton: decode
+    # runs its dots in fp16 over an fp8 pool (exact inputs, p rounded to fp16 instead of bf16)
+    assert diff <= (1e-5 if dtype == torch.float32 or backend == "torch" else 2e-2) * plain.abs().max().item()
     lossy = (fp8 - plain).abs().max().item()
-    assert 0 < lossy < 0.1 * plain.abs().max().item()
+    assert 0 < lossy < 0.5 * plain.abs().max().item()  # a tiny random model: e4m3 keeps ~4 bits
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

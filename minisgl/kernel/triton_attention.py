@@ -24,6 +24,8 @@ comparisons.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -35,6 +37,10 @@ LOG2E = 1.4426950408889634
 # TFLOP/s). At most the mixed-step graphs' default token cap, so a captured step and the same
 # step run eagerly always pick the same tile.
 LONG_EXTEND = 2048
+# fp16 decode dots over an fp8 pool (see _decode_partial_kernel): q * 2^-4 keeps |q| < 2^20 finite
+F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
+# MINISGL_FP8_DOT=bf16: widen fp8 K/V to bf16 instead (the A/B of docs/PERFORMANCE.md)
+FP8_F16_DOT = os.environ.get("MINISGL_FP8_DOT", "f16") != "bf16"
 
 
 @triton.jit
@@ -71,6 +77,7 @@ def _decode_partial_kernel(
     DIRECT: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -103,6 +110,12 @@ def _decode_partial_kernel(
             mask=mask_h[:, None] & mask_d[None, :],
             other=0.0,
         )
+        # fp8 pool, bf16 model: the dots run in fp16, which e4m3 widens to in one instruction per
+        # two values (to bf16 it takes three and a shared-memory detour); q is scaled by an exact
+        # power of two into fp16's range (qk_scale carries it back), p in [0, 1] fits as it is
+        kdt = tl.float16 if F16_DOT else Q.dtype.element_ty
+        if F16_DOT:
+            q = (q.to(tl.float32) * F16_Q_SCALE).to(tl.float16)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -114,14 +127,14 @@ def _decode_partial_kernel(
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
+            k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = v.to(Q.dtype.element_ty)
+            v = v.to(kdt)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -313,11 +326,12 @@ def decode_attention(
         num_stages = 2 if fp32 else 3
     direct = S == 1
     pdl = pdl_for(B)
+    f16_dot = FP8_F16_DOT and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     _decode_partial_kernel[(Hk, B, S)](
         q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
@@ -325,7 +339,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
+        USE_PDL=pdl, F16_DOT=f16_dot, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if direct:
         return
