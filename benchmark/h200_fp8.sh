@@ -23,9 +23,9 @@ for part in ${*:-tests sweep offline}; do
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
              export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
-    sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
+    sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
     offline) for r in ${REPS:-1}; do off "triton_auto_$r" --attention-backend triton; off "triton_fp8_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3
-               [ -n "${FP8_AB:-}" ] && MINISGL_FP8_DOT=bf16 off "triton_fp8bf16dot_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
+               [ -n "${FP8_AB:-}" ] && MINISGL_FP8_DOT=f16 off "triton_fp8f16_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
     fi) off fi_tc_auto --attention-backend flashinfer
         off fi_tc_fp8 --attention-backend flashinfer --kv-cache-dtype fp8_e4m3
         [ -n "${FI_NOTC:-}" ] && MINISGL_FLASHINFER_TENSOR_CORES=0 off fi_notc_auto --attention-backend flashinfer ;;

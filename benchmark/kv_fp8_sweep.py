@@ -1,7 +1,8 @@
 """Decode attention on a bf16 vs an fp8_e4m3 KV pool (CUDA): tiles and stages, Qwen3-0.6B heads.
 
 For each (batch, mean context) the triton backend's own split rule picks the chunks; each config
-(BLOCK_N, num_stages, num_warps) is timed over 4 layers' pools in turn (KV several times the L2),
+(BLOCK_N, num_stages, num_warps) is timed as a CUDA graph of 8 calls over 4 layers' pools in turn
+(KV several times the L2; the graph keeps small cases from timing the Python launch),
 lengths uniform in [ctx/2, 3ctx/2], scattered slots, longest-first order. Checked first: the
 fp8 kernel's output equals the bf16 kernel's over the fp8 values widened to bf16, same tile.
     python3 benchmark/kv_fp8_sweep.py --out sweep.json
@@ -45,13 +46,13 @@ def case(bs: int, ctx: int, sms: int, gen: torch.Generator) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="256x1000,128x1000,64x800,16x1000,8x1000,1x600,1x8000")
+    ap.add_argument("--cases", default="256x1000,64x800,8x1000,1x600")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator().manual_seed(0)
     rows = []
-    configs = [(bn, st, 4) for bn in (64, 128, 256) for st in (1, 2, 3, 4)] + [(128, 3, 8), (256, 3, 8)]
+    configs = [(bn, st, 4) for bn in (64, 128, 256) for st in (1, 3)] + [(128, 2, 4), (256, 3, 8)]
     for spec in a.cases.split(","):
         bs, ctx = (int(x) for x in spec.split("x"))
         c = case(bs, ctx, sms, gen)
@@ -67,32 +68,37 @@ def main() -> None:
             decode_attention(q, kv[0], kv[1], c["pt"], c["rows"], c["seq"], c["splits"], mid_o, mid_lse, out,
                              D**-0.5, block_n=bn, num_warps=w, num_stages=st, order=c["order"])  # fmt: skip
 
-        # correctness: fp8 (both dot types) against the bf16 kernel over the widened values, same tile
+        # correctness: fp8 (each read mode) against the bf16 kernel over the widened values, same tile
         for bn in (64, 128, 256):
             run(kv8w[0], bn, 3, 4)
             ref = out.clone()
-            for f16 in (False, True):
-                TA.FP8_F16_DOT = f16
+            for mode in ("bf16", "f16", "words"):
+                TA.FP8_DOT = mode
                 out.fill_(float("nan"))
                 run(kv8[0], bn, 3, 4)
                 err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                print(f"  check {spec} tile {bn} {'f16' if f16 else 'bf16'} dot: max rel diff vs bf16 kernel {err:.2e}")
+                print(f"  check {spec} tile {bn} fp8 {mode}: max rel diff vs the bf16 kernel {err:.2e}")
                 assert not out.isnan().any() and err < 2e-2
         kv_bytes = int(c["lens"].sum()) * HK * D * 2  # K and V elements per layer
         base = decode_tile(bs, torch.bfloat16)
-        for kvname, kvs, itemsize in (("bf16", kv16, 2), ("fp8", kv8, 1), ("fp8bf16dot", kv8, 1)):
-            TA.FP8_F16_DOT = kvname == "fp8"
+        for kvname, kvs, itemsize in (("bf16", kv16, 2), ("fp8words", kv8, 1), ("fp8f16", kv8, 1)):
+            TA.FP8_DOT = "f16" if kvname == "fp8f16" else "words"
             for bn, st, w in configs:
                 try:
-                    ms = triton.testing.do_bench(lambda: [run(kv, bn, st, w) for kv in kvs], warmup=20, rep=60,
-                                                 return_mode="median") / LAYERS  # fmt: skip
+                    run(kvs[0], bn, st, w)  # compile outside the capture
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for _ in range(2):
+                            for kv in kvs:
+                                run(kv, bn, st, w)
+                    ms = triton.testing.do_bench(g.replay, warmup=10, rep=40, return_mode="median") / (2 * LAYERS)
                 except Exception as e:  # an out-of-resources config
                     print(f"  {spec} {kvname} {bn}/{st}/{w}: {type(e).__name__}")
                     continue
                 gbs = kv_bytes * itemsize / (ms * 1e-3) / 1e9
                 rows.append(dict(case=spec, kv=kvname, block_n=bn, stages=st, warps=w, us=ms * 1e3, GBps=gbs,
                                  default=(bn == base and st == 3 and w == 4)))  # fmt: skip
-        for kvname in ("bf16", "fp8", "fp8bf16dot"):
+        for kvname in ("bf16", "fp8words", "fp8f16"):
             mine = [r for r in rows if r["case"] == spec and r["kv"] == kvname]
             best = min(mine, key=lambda r: r["us"])
             dflt = next((r for r in mine if r["default"]), None)
