@@ -39,22 +39,9 @@ LOG2E = 1.4426950408889634
 LONG_EXTEND = 2048
 # fp16 decode dots over an fp8 pool (see _decode_partial_kernel): q * 2^-4 keeps |q| < 2^20 finite
 F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
-# How decode reads an fp8 pool in a bf16 model (the A/B of docs/PERFORMANCE.md, MINISGL_FP8_DOT):
-# "words" (default): 16-bit words widened by integer ops (_e4m3x2_to_f16), fp16 dots;
-# "f16": fp8 loads widened by cvt, fp16 dots; "bf16": fp8 loads widened to bf16, bf16 dots.
-FP8_DOT = os.environ.get("MINISGL_FP8_DOT", "words")
-
-
-@triton.jit
-def _e4m3x2_to_f16(w, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[N, D/2] uint16 words of two e4m3 bytes -> [N, D] fp16 holding each value times 2^-8,
-    exactly (subnormals and zero too): the byte's sign goes to bit 15 and its 7 exponent and
-    mantissa bits to bits 7-13, and e4m3's exponent bias (7) is fp16's (15) minus 8. Integer ops
-    on 16-bit lanes, so the tile moves into the dot's layout as 16-bit data (ldmatrix) instead of
-    the per-byte shared-memory loads that an fp8 dot operand takes."""
-    lo = ((w << 8) & 0x8000) | ((w << 7) & 0x3F80)
-    hi = (w & 0x8000) | ((w >> 1) & 0x3F80)
-    return tl.join(lo, hi).reshape(BLOCK_N, BLOCK_D).to(tl.float16, bitcast=True)
+# How decode reads an fp8 pool in a bf16 model (the A/B in docs/PERFORMANCE.md): "f16" (default)
+# fp16 dots; MINISGL_FP8_DOT=bf16 widens to bf16 and keeps bf16 dots (9-25% slower kernel)
+FP8_DOT = os.environ.get("MINISGL_FP8_DOT", "f16")
 
 
 @triton.jit
@@ -92,7 +79,6 @@ def _decode_partial_kernel(
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
-    FP8_WORDS: tl.constexpr = False,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -141,25 +127,15 @@ def _decode_partial_kernel(
             mask_n = offs_n < end
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            if FP8_WORDS:  # K/V are uint16 views of the fp8 pool (strides in words)
-                offs_w = tl.arange(0, BLOCK_D // 2)
-                w_mask = mask_n[:, None] & (offs_w[None, :] < HEAD_DIM // 2)
-                kw = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_w[None, :], mask=w_mask, other=0)
-                k = _e4m3x2_to_f16(kw, BLOCK_N, BLOCK_D)
-            else:
-                k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-                k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            if FP8_WORDS:
-                vw = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_w[None, :], mask=w_mask, other=0)
-                v = _e4m3x2_to_f16(vw, BLOCK_N, BLOCK_D)
-            else:
-                v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = v.to(kdt)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = v.to(kdt)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -167,8 +143,6 @@ def _decode_partial_kernel(
         has = l_i > 0.0  # an empty chunk (start >= seq_len) contributes weight 0, never NaN
         safe_l = tl.where(has, l_i, 1.0)
         out = acc / safe_l[:, None]
-        if FP8_WORDS:
-            out = out * 256.0  # V was read as value * 2^-8
         if DIRECT:  # one chunk per request (the grid has one split): this is the final output
             o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
             tl.store(o_ptr, out.to(MidO.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
@@ -354,21 +328,19 @@ def decode_attention(
     direct = S == 1
     pdl = pdl_for(B)
     f16_dot = FP8_DOT != "bf16" and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-    words = f16_dot and FP8_DOT == "words" and D % 2 == 0
-    k_in, v_in = (k_cache.view(torch.uint16), v_cache.view(torch.uint16)) if words else (k_cache, v_cache)
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     _decode_partial_kernel[(Hk, B, S)](
-        q, k_in, v_in, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
-        sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0) * (256.0 if words else 1.0),
+        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
+        sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
         q.stride(0), q.stride(1),
-        k_in.stride(0), k_in.stride(1), v_in.stride(0), v_in.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         *dst_strides,
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-        USE_PDL=pdl, F16_DOT=f16_dot, FP8_WORDS=words, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
+        USE_PDL=pdl, F16_DOT=f16_dot, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if direct:
         return
