@@ -11,7 +11,8 @@ the fixed buffers and the wrapper's plan in place, which is what the captured ke
 
 Decode runs FlashInfer's tensor-core kernel (`use_tensor_cores=True`, its prefill kernel with one
 query row per request) for every GQA group: its CUDA-core kernel was 16% slower per call than
-triton's at Qwen3's group of 2 on the H200 (docs/PERFORMANCE.md). `MINISGL_FLASHINFER_TENSOR_CORES=0`
+triton's at Qwen3's group of 2 on the H200, and the tensor-core one is 4% faster offline
+(docs/PERFORMANCE.md). `MINISGL_FLASHINFER_TENSOR_CORES=0`
 restores the old rule (tensor cores from a group of 4). An fp8_e4m3 pool is passed as FlashInfer's
 `kv_data_type` with unit scales (q stays in the model dtype).
 """

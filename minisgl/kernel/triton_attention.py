@@ -17,6 +17,9 @@ Extend/prefill, grid (B, Hq, query blocks): queries `[cached_len, device_len)` o
 attend to keys `[0, position]` (causal with the cached-prefix offset), keys read from the pool
 (this step's K/V are stored before attention runs). Blocks above the diagonal are skipped.
 
+An fp8_e4m3 pool (kv_cache_dtype) is stored through `to_kv_cache` (the pool's reference bytes) and
+widened exactly as tiles load: to the model dtype in extend, to fp16 in a bf16 model's decode.
+
 All softmax arithmetic is float32 in base 2 (the scale is pre-multiplied by log2(e)). Float32
 inputs use IEEE dots (not TF32) so float32 models match the reference exactly enough for greedy
 comparisons.
