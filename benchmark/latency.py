@@ -132,6 +132,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=0, help="decode steps timed per batch size (0: auto)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
     p.add_argument("--out", default=None, help="write the JSON summary here")
     a = p.parse_args()
 
@@ -153,17 +154,19 @@ def main() -> None:
         max_seq_len_override=max(a.context + iters + 64, a.prompt_len + a.gen_len + 8),
         num_page_override=None if on_cuda else max(sizes) * (a.context + iters + 64) + 4096,
         cpu_kv_cache_bytes=8 << 30,
+        kv_cache_dtype=a.kv_cache_dtype,
     )
     sched = Scheduler(cfg)
     engine = sched.engine
     mcfg = engine.config.model_config
     bw = copy_bandwidth(device)
     wbytes = weight_bytes(engine)
-    kvt = kv_bytes_per_token(mcfg, dtype)
+    kvt = kv_bytes_per_token(mcfg, engine.kv_cache.dtype)  # the pool's bytes (1 per element for fp8)
     summary: Dict[str, object] = {
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "model": mcfg.architecture,
         "dtype": str(dtype),
+        "kv_cache_dtype": a.kv_cache_dtype,
         "attention_backend": engine.config.attention_backend,
         "cuda_graph_sizes": engine.graph_runner.batch_sizes,
         "copy_bandwidth_GBps": bw / 1e9,

@@ -76,6 +76,8 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         config["mixed_batches"] = False
     if args.num_pages is not None:
         config["num_page_override"] = args.num_pages
+    if args.kv_cache_dtype != "auto":
+        config["kv_cache_dtype"] = args.kv_cache_dtype
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
     config["max_seq_len_override"] = max(longest, 128)
 
@@ -88,6 +90,7 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         dtype=str(engine.dtype).replace("torch.", ""),
         device=device,
         attention_backend=engine.config.attention_backend,
+        kv_cache_dtype=engine.kv_cache.kv_cache_dtype,
         kv_tokens=engine.num_pages * engine.config.page_size,
         overlap=llm.scheduler.overlap,
     )
@@ -327,6 +330,7 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from free memory)")
     ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (see docs/ARCHITECTURE.md)")
     ap.add_argument("--disable-mixed-batches", action="store_true", help="prefill and decode steps alternate")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")

@@ -78,3 +78,77 @@ def test_extend_tiles_in_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-c", _TILES], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0 and "tiles ok" in proc.stdout, proc.stderr[-4000:]
+
+
+_FP8 = """
+import torch
+from minisgl.kernel.interpreter import patch_interpreter
+
+patch_interpreter()
+from minisgl.kernel.triton_attention import decode_attention, extend_attention, store_kv
+from minisgl.kvcache.pool import KVCachePool
+
+torch.manual_seed(0)
+Hq, Hk, D, slots = 4, 2, 64, 1024
+fp8 = torch.float8_e4m3fn
+
+# the store kernel writes the pool's reference bytes (saturation, subnormals, round to nearest)
+for dt in (torch.float32, torch.bfloat16):
+    k = (torch.randn(40, Hk, D) * 60).to(dt)
+    k.view(-1)[:4] = torch.tensor([1000.0, -1000.0, float("inf"), 3e-3])
+    v = (torch.randn(40, Hk, D) * 0.01).to(dt)
+    loc = torch.randperm(slots)[:40]
+    ref = KVCachePool(1, slots, Hk, D, torch.device("cpu"), dt, kv_cache_dtype="fp8_e4m3")
+    ref.store_kv(k, v, loc, 0)
+    kc, vc = torch.zeros(slots, Hk, D, dtype=fp8), torch.zeros(slots, Hk, D, dtype=fp8)
+    store_kv(kc, vc, k, v, loc)
+    assert torch.equal(kc.view(torch.uint8), ref.k_cache(0).view(torch.uint8)), dt
+    assert torch.equal(vc.view(torch.uint8), ref.v_cache(0).view(torch.uint8)), dt
+
+# attention over an fp8 pool == attention over its values widened (decode: bf16 q, fp16 dots;
+# extend: float32), against a float32 reference
+k8 = (torch.randn(slots, Hk, D) * 2).to(fp8)
+v8 = torch.randn(slots, Hk, D).to(fp8)
+lens = [37, 130, 5]
+pt = torch.zeros(len(lens), 256, dtype=torch.int32)
+perm = torch.randperm(slots)
+for i, n in enumerate(lens):
+    pt[i, :n] = perm[i * 300 : i * 300 + n]
+
+
+def reference(q, i, n, first):  # queries of request i at positions first.. attend causally
+    kk = k8[pt[i, :n].long()].float().repeat_interleave(Hq // Hk, 1)
+    vv = v8[pt[i, :n].long()].float().repeat_interleave(Hq // Hk, 1)
+    s = torch.einsum("qhd,khd->hqk", q.float(), kk) / D**0.5
+    s = s.masked_fill(torch.arange(n)[None, None, :] > (first + torch.arange(q.shape[0]))[None, :, None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
+
+
+q = torch.randn(len(lens), Hq, D).to(torch.bfloat16)
+ref = torch.stack([reference(q[i : i + 1], i, n, n - 1)[0] for i, n in enumerate(lens)])
+for S in (1, 4):
+    out = torch.full_like(q, float("nan"))
+    splits = torch.tensor([min(S, -(-n // 16)) for n in lens])
+    mid_o, mid_lse = torch.empty(len(lens), Hq, S, D), torch.empty(len(lens), Hq, S)
+    decode_attention(q, k8, v8, pt, torch.arange(len(lens)), torch.tensor(lens), splits, mid_o, mid_lse, out, D**-0.5,
+                     block_n=32, num_stages=2)
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 8e-3, (S, err)  # the bf16 output's rounding
+spec = [(30, 7), (0, 130)]  # (cached, new)
+qe = torch.randn(sum(n for _, n in spec), Hq, D)
+meta = [torch.tensor(x) for x in ([0, 1], [0, 7], [c for c, _ in spec], [n for _, n in spec])]
+out = torch.full_like(qe, float("nan"))
+extend_attention(qe, k8, v8, pt, *meta, 130, out, D**-0.5)
+refe = torch.cat([reference(qe[:7], 0, 37, 30), reference(qe[7:], 1, 130, 0)])
+err = ((out - refe).abs().max() / refe.abs().max()).item()
+assert err < 1e-5, err
+print("fp8 ok")
+"""
+
+
+def test_fp8_kv_kernels_in_interpreter() -> None:
+    """The fp8_e4m3 pool through the triton kernels: stored bytes == the pool's reference store,
+    decode (split and direct) and extend over fp8 keys/values against a float32 reference."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _FP8], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0 and "fp8 ok" in proc.stdout, proc.stderr[-4000:]

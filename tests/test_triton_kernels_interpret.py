@@ -118,6 +118,19 @@ CHECKS = textwrap.dedent(
             check(name + " (q)", got_q, rq, dtype)
             check(name + " (k cache)", kc, rkc, dtype)
             check(name + " (v cache)", vc, rvc, dtype)
+            # an fp8 pool: the kernel stores the pool's reference fp8 store of what it stores above
+            # (v scaled past e4m3's range, so saturation is exercised)
+            big = torch.cat([qkv[:, : (hq + hk) * head_dim], qkv[:, (hq + hk) * head_dim :] * 300], dim=1)
+            kc, vc = torch.zeros_like(kc), torch.zeros_like(vc)
+            K.attention_prologue(big, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, head_dim)
+            kc8, vc8 = (torch.zeros(slots, hk, head_dim, dtype=torch.float8_e4m3fn) for _ in range(2))
+            got_q8 = K.attention_prologue(big, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc8, vc8, loc, hq, hk, head_dim)
+            for got8, wide in ((kc8, kc), (vc8, vc)):
+                want8 = wide.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+                same = torch.equal(got8.view(torch.uint8), want8.view(torch.uint8))
+                print(f"{'ok  ' if same else 'FAIL'} {name} fp8 cache bytes == the pool's reference store")
+                if not same:
+                    failures.append(name + " fp8")
 
         # MoE: every routing layout the align step must handle
         ref = TorchMoeBackend()
@@ -219,6 +232,22 @@ COMPILE = textwrap.dedent(
     for norm in (True, False):
         build(K._attn_prologue_kernel, sig, dict(HALF=64, HEAD_DIM=128, HAS_NORM=norm, BLOCK_H=16, BLOCK_HALF=64,
                                                   USE_PDL=norm), 8)
+    # an fp8_e4m3 KV pool: the prologue's and the store kernel's saturating cast, the decode
+    # kernel's fp16 dots over widened fp8 tiles (must keep its tensor-core dots)
+    build(K._attn_prologue_kernel, {**sig, "KCache": "*fp8e4nv", "VCache": "*fp8e4nv"},
+          dict(HALF=64, HEAD_DIM=128, HAS_NORM=True, BLOCK_H=16, BLOCK_HALF=64, USE_PDL=True), 8)
+    from minisgl.kernel import triton_attention as A
+    build(A._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "KCache": "*fp8e4nv", "VCache": "*fp8e4nv", "Loc": "*i32",
+                               **i32("stride_kt", "stride_vt", "stride_kcs", "stride_vcs")}, dict(N=1024, BLOCK=1024))
+    dec = {n: "i32" for n in A._decode_partial_kernel.arg_names if n.startswith("stride")}
+    dec.update({"Q": "*bf16", "K": "*fp8e4nv", "V": "*fp8e4nv", "PageTable": "*i32", "Rows": "*i64", "SeqLens": "*i64",
+                "NumSplits": "*i64", "Order": "*i64", "MidO": "*fp32", "MidLse": "*fp32", "qk_scale": "fp32"})
+    for bn, direct in ((128, False), (64, True)):
+        kern = build(A._decode_partial_kernel, dec, dict(GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_N=bn, BLOCK_D=128,
+                     PRECISION="tf32", DIRECT=direct, HAS_ORDER=True, USE_PDL=False, F16_DOT=True), 4, 3)
+        if kern is not None and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in kern.asm["ptx"]:
+            print("FAIL fp8 decode does not run fp16 tensor-core dots")
+            failures.append("fp8 decode mma")
     build(M._count_kernel, {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32("num_pairs", "max_rows")}, {"BLOCK": 1024})
     build(M._segment_kernel, {"Counts": "*i32", "Total": "*i32", **i32("num_experts")}, {"BLOCK_M": 16, "BLOCK_E": 128})
     build(M._scatter_kernel, {"Ids": "*i64", "Cursor": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", **i32("num_pairs")},

@@ -8,11 +8,19 @@ CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_gr
 fixed index buffers. Decode batches of a captured size are planned on that wrapper, in eager
 runs too, so a replayed step computes exactly what the eager step computes; planning rewrites
 the fixed buffers and the wrapper's plan in place, which is what the captured kernels read.
+
+Decode runs FlashInfer's tensor-core kernel (`use_tensor_cores=True`, its prefill kernel with one
+query row per request) for every GQA group: its CUDA-core kernel was 16% slower per call than
+triton's at Qwen3's group of 2 on the H200, and the tensor-core one is 4% faster offline
+(docs/PERFORMANCE.md). `MINISGL_FLASHINFER_TENSOR_CORES=0`
+restores the old rule (tensor cores from a group of 4). An fp8_e4m3 pool is passed as FlashInfer's
+`kv_data_type` with unit scales (q stays in the model dtype).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -35,21 +43,23 @@ class FlashInferAttnMetadata(BaseAttnMetadata):
 
 class FlashInferAttnBackend(BaseAttnBackend):
     supports_cuda_graph = True
+    kv_cache_dtypes = ("auto", "fp8_e4m3")
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
-        if self.kv_cache.dtype not in (torch.float16, torch.bfloat16):
+        if self.kv_cache.model_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
-                f"the flashinfer attention backend needs a float16/bfloat16 KV cache, got {self.kv_cache.dtype}; "
+                f"the flashinfer attention backend needs a float16/bfloat16 model, got {self.kv_cache.model_dtype}; "
                 "use --dtype bfloat16 or --attention-backend triton"
             )
         self.num_qo_heads = div_even(model_config.num_qo_heads, get_tp_info().size)
         self.num_kv_heads = self.kv_cache.num_kv_heads
         self.head_dim = model_config.head_dim
-        self.dtype = self.kv_cache.dtype
+        self.dtype = self.kv_cache.model_dtype  # q and the output
+        self.kv_dtype = self.kv_cache.dtype  # the pool's: the model dtype or float8_e4m3fn
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
-        # Tensor-core decode pays off for large GQA groups (it is FlashInfer's prefill kernel).
-        self.use_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
+        group = self.num_qo_heads // self.num_kv_heads
+        self.use_tensor_cores = group >= 4 if os.environ.get("MINISGL_FLASHINFER_TENSOR_CORES") == "0" else True
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
@@ -89,7 +99,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         indptr, indices = self._kv_indices(rows, lens)
         wrapper.plan(
             indptr, indices, self._last_page_len(len(rows)), self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
-            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale,
+            q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -119,7 +129,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         kv_indptr, indices = self._kv_indices(rows, lens)
         self.prefill_wrapper.plan(
             qo_indptr, kv_indptr, indices, self._last_page_len(bs), self.num_qo_heads, self.num_kv_heads,
-            self.head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale,
+            self.head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
         last = (qo_indptr[1:].long() - 1).pin_memory().to(self.device, non_blocking=True)
         batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper)

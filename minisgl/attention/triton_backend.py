@@ -11,6 +11,11 @@ attend through the decode kernel (one chunk per request, no split-K scratch) and
 chunks through the extend kernel, eager or replayed alike. Both launches take their grid from a
 bound, not from the step (programs past the step's rows exit at once), so one CUDA graph per
 padded token count replays any mix of decode rows and chunks (engine/mixed_graph.py).
+
+An fp8_e4m3 pool (`kv_cache_dtype`) is read and written by the same kernels: the store saturates
+and rounds as `KVCachePool._store_quantized` does (the same bytes); attention widens each loaded
+K/V tile exactly (every e4m3 value is a bf16 and an fp16 value), to the model dtype in extend and
+to fp16 in a bf16 model's decode (kernel/triton_attention.py says why).
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ class TritonAttnMetadata(BaseAttnMetadata):
 
 class TritonAttnBackend(BaseAttnBackend):
     supports_cuda_graph = True
+    # fp8_e4m3: the kernels store as the pool's reference store does and widen exactly as they
+    # load, so decode reads half the bytes
+    kv_cache_dtypes = ("auto", "fp8_e4m3")
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)

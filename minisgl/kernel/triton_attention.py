@@ -17,12 +17,17 @@ Extend/prefill, grid (B, Hq, query blocks): queries `[cached_len, device_len)` o
 attend to keys `[0, position]` (causal with the cached-prefix offset), keys read from the pool
 (this step's K/V are stored before attention runs). Blocks above the diagonal are skipped.
 
+An fp8_e4m3 pool (kv_cache_dtype) is stored through `to_kv_cache` (the pool's reference bytes) and
+widened exactly as tiles load: to the model dtype in extend, to fp16 in a bf16 model's decode.
+
 All softmax arithmetic is float32 in base 2 (the scale is pre-multiplied by log2(e)). Float32
 inputs use IEEE dots (not TF32) so float32 models match the reference exactly enough for greedy
 comparisons.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -35,6 +40,11 @@ LOG2E = 1.4426950408889634
 # TFLOP/s). At most the mixed-step graphs' default token cap, so a captured step and the same
 # step run eagerly always pick the same tile.
 LONG_EXTEND = 2048
+# fp16 decode dots over an fp8 pool (see _decode_partial_kernel): q * 2^-4 keeps |q| < 2^20 finite
+F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
+# How decode reads an fp8 pool in a bf16 model (the A/B in docs/PERFORMANCE.md): "f16" (default)
+# fp16 dots; MINISGL_FP8_DOT=bf16 widens to bf16 and keeps bf16 dots (9-25% slower kernel)
+FP8_DOT = os.environ.get("MINISGL_FP8_DOT", "f16")
 
 
 @triton.jit
@@ -71,6 +81,7 @@ def _decode_partial_kernel(
     DIRECT: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -103,6 +114,12 @@ def _decode_partial_kernel(
             mask=mask_h[:, None] & mask_d[None, :],
             other=0.0,
         )
+        # fp8 pool, bf16 model: the dots run in fp16, which e4m3 widens to in one instruction per
+        # two values (to bf16 it takes three and a shared-memory detour); q is scaled by an exact
+        # power of two into fp16's range (qk_scale carries it back), p in [0, 1] fits as it is
+        kdt = tl.float16 if F16_DOT else Q.dtype.element_ty
+        if F16_DOT:
+            q = (q.to(tl.float32) * F16_Q_SCALE).to(tl.float16)
 
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -114,12 +131,14 @@ def _decode_partial_kernel(
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = v.to(kdt)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -244,6 +263,7 @@ def _extend_kernel(
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
             qk = tl.where(visible, qk, float("-inf"))
@@ -252,6 +272,7 @@ def _extend_kernel(
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = v.to(Q.dtype.element_ty)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -309,11 +330,12 @@ def decode_attention(
         num_stages = 2 if fp32 else 3
     direct = S == 1
     pdl = pdl_for(B)
+    f16_dot = FP8_DOT != "bf16" and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     _decode_partial_kernel[(Hk, B, S)](
         q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
@@ -321,7 +343,7 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
         BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
+        USE_PDL=pdl, F16_DOT=f16_dot, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
     )  # fmt: skip
     if direct:
         return
@@ -380,6 +402,17 @@ def extend_attention(
 
 
 @triton.jit
+def to_kv_cache(x, dtype: tl.constexpr):
+    """`x` (model dtype) as the pool stores it. fp8: the pool's reference store (kvcache/pool.py),
+    widen to float32, saturate at +-448 (e4m3fn has no infinity: an overflow would be NaN), round to
+    nearest; bitwise the same bytes as `KVCachePool._store_quantized`."""
+    if dtype == tl.float8e4nv:
+        return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(dtype)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _store_kv_kernel(
     K, V, KCache, VCache, Loc,
     stride_kt, stride_vt, stride_kcs, stride_vcs,
@@ -390,13 +423,14 @@ def _store_kv_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     k = tl.load(K + t.to(tl.int64) * stride_kt + offs, mask=mask)
-    tl.store(KCache + slot * stride_kcs + offs, k.to(KCache.dtype.element_ty), mask=mask)
+    tl.store(KCache + slot * stride_kcs + offs, to_kv_cache(k, KCache.dtype.element_ty), mask=mask)
     v = tl.load(V + t.to(tl.int64) * stride_vt + offs, mask=mask)
-    tl.store(VCache + slot * stride_vcs + offs, v.to(VCache.dtype.element_ty), mask=mask)
+    tl.store(VCache + slot * stride_vcs + offs, to_kv_cache(v, VCache.dtype.element_ty), mask=mask)
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor) -> None:
-    """One launch for both K and V (the torch fallback takes three): k/v [T, Hk, D] -> pool slots."""
+    """One launch for both K and V (the torch fallback takes three): k/v [T, Hk, D] -> pool slots.
+    A float8_e4m3fn cache stores what the pool's reference fp8 store stores (`to_kv_cache`)."""
     T, Hk, D = k.shape
     if k.stride(2) != 1 or k.stride(1) != D:
         k = k.contiguous()

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernel.pdl import launch_kwargs, pdl_for
+from minisgl.kernel.triton_attention import to_kv_cache
 from minisgl.utils.env import read_env
 
 INTERPRET = read_env().triton_interpret
@@ -258,14 +259,16 @@ def apply_rotary(
 def _prologue_heads(
     X, Out, t_out, heads, hmask, sxh, so_h, w1, w2, c, s, half_offs, half_mask, eps,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, ROTATE: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_H: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
+    # DT: the model dtype, where the torch path rounds; Out may be an fp8 KV pool (stored as the
+    # pool's reference fp8 store stores the model-dtype K/V)
     mask = hmask[:, None] & half_mask[None, :]
     xb = X + heads[:, None].to(tl.int64) * sxh
     ob = Out + t_out + heads[:, None].to(tl.int64) * so_h
     x1 = tl.load(xb + half_offs[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(xb + HALF + half_offs[None, :], mask=mask, other=0.0).to(tl.float32)
-    dt = Out.dtype.element_ty
+    dt = DT
     if ROTATE:  # q or k; v passes through unchanged
         if HAS_NORM:  # per-head RMSNorm, rounded where layers/norm.py rounds
             var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
@@ -279,8 +282,8 @@ def _prologue_heads(
         b2 = (x1 * s[None, :]).to(dt).to(tl.float32)
         x1 = a1 - b1
         x2 = a2 + b2
-    tl.store(ob + half_offs[None, :], x1.to(Out.dtype.element_ty), mask=mask)
-    tl.store(ob + HALF + half_offs[None, :], x2.to(Out.dtype.element_ty), mask=mask)
+    tl.store(ob + half_offs[None, :], to_kv_cache(x1.to(dt), Out.dtype.element_ty), mask=mask)
+    tl.store(ob + HALF + half_offs[None, :], to_kv_cache(x2.to(dt), Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -314,7 +317,7 @@ def _attn_prologue_kernel(
             w1 = tl.load(QW + half_offs, mask=half_mask, other=0.0).to(tl.float32)
             w2 = tl.load(QW + HALF + half_offs, mask=half_mask, other=0.0).to(tl.float32)
         _prologue_heads(row, QOut, t * s_qo, heads, heads < n_q_heads, HEAD_DIM, HEAD_DIM, w1, w2, c, s,
-                        half_offs, half_mask, eps, HALF, HEAD_DIM, HAS_NORM, True, BLOCK_H)  # fmt: skip
+                        half_offs, half_mask, eps, HALF, HEAD_DIM, HAS_NORM, True, BLOCK_H, dt)  # fmt: skip
     else:
         slot = tl.load(Loc + t).to(tl.int64)
         if hb < n_qb + n_kb:
@@ -326,12 +329,12 @@ def _attn_prologue_kernel(
                 w2 = tl.load(KW + HALF + half_offs, mask=half_mask, other=0.0).to(tl.float32)
             _prologue_heads(row + n_q_heads * HEAD_DIM, KCache, slot * s_kc, heads, heads < n_kv_heads,
                             HEAD_DIM, HEAD_DIM, w1, w2, c, s, half_offs, half_mask, eps,
-                            HALF, HEAD_DIM, HAS_NORM, True, BLOCK_H)  # fmt: skip
+                            HALF, HEAD_DIM, HAS_NORM, True, BLOCK_H, dt)  # fmt: skip
         else:
             heads = (hb - n_qb - n_kb) * BLOCK_H + tl.arange(0, BLOCK_H)
             _prologue_heads(row + (n_q_heads + n_kv_heads) * HEAD_DIM, VCache, slot * s_vc, heads,
                             heads < n_kv_heads, HEAD_DIM, HEAD_DIM, c, c, c, s, half_offs, half_mask, eps,
-                            HALF, HEAD_DIM, False, False, BLOCK_H)  # fmt: skip
+                            HALF, HEAD_DIM, False, False, BLOCK_H, dt)  # fmt: skip
 
 
 def attention_prologue(
@@ -352,7 +355,8 @@ def attention_prologue(
     """One kernel for what runs between the QKV projection and attention: split qkv [T, (Hq + 2Hk) D],
     per-head RMSNorm of q and k (Qwen3; skipped when the weights are None), rotary over the whole
     head (rotate-half layout, float32 cos/sin tables), and K/V stored into the pool slots `out_loc`
-    of k_cache/v_cache [slots, Hk, D]. Returns q [T, Hq, D]; same rounding as the torch path."""
+    of k_cache/v_cache [slots, Hk, D] (model dtype, or float8_e4m3fn stored as the pool's reference
+    fp8 store stores the model-dtype K/V). Returns q [T, Hq, D]; same rounding as the torch path."""
     T = qkv.shape[0]
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0
     assert k_cache.stride(1) == head_dim and v_cache.stride(1) == head_dim

@@ -1,8 +1,8 @@
 """The attention layer: split qkv, optional per-head q/k norm (Qwen3), rotary, then the backend
 (which also stores this step's K/V into the paged pool).
 
-On CUDA (Triton available, full-width rotary, KV pool in the model dtype) all of that up to the
-attention itself is one fused kernel, `triton_ops.attention_prologue`: a decode step of a small
+On CUDA (Triton available, full-width rotary, KV pool in the model dtype or fp8_e4m3) all of that
+up to the attention itself is one fused kernel, `triton_ops.attention_prologue`: a decode step of a small
 model is bound by its kernel count, and this turns four to six kernels per layer into one."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class AttentionLayer(nn.Module):
     def _can_fuse(self, qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
         if not use_fused(qkv) or self.rotary.rotary_dim != self.head_dim or self.rotary.cos.device != qkv.device:
             return False
-        if cache_dtype != qkv.dtype:
+        # the kernel stores the model dtype or fp8 (bitwise the pool's reference fp8 store)
+        if cache_dtype not in (qkv.dtype, torch.float8_e4m3fn):
             return False
         return self._qk_norm is None or all(n.weight.dtype == qkv.dtype for n in self._qk_norm)
 

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Issue 14, fp8 KV cache and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
+#   bash benchmark/h200_fp8.sh [parts...]
+# parts: fisetup tests sweep offline fi latency peer offline14b cudatests engine
+# fisetup needs .whl-fi (flashinfer-python 0.7.0.post1 + apache-tvm-ffi 0.1.15.post2) one folder up or here;
+# peer needs .peers (= ../shared/peers) and copies those wheels to .whl, where its run.sh looks.
+set -uo pipefail
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi
+# the device tool returns at most 8 files: logs go to $LOGS, packed into $OUT/logs.tgz at the end
+FINAL_OUT=${OUT:-/tmp/out}; OUT=${LOGS:-/tmp/fp8logs}; mkdir -p "$OUT" "$FINAL_OUT"
+RECIPE="--num-requests 256 --max-input 1024 --max-output 1024 --model benchmark/models/qwen3-0.6b --dummy-weights --peer none"
+T0=$(date +%s)
+off() { # label, args...: one offline run, the headline line into $OUT/offline.tsv
+  local label=$1; shift
+  timeout ${OFF_TIMEOUT:-240} python3 benchmark/offline.py $RECIPE "$@" > "$OUT/off_$label.log" 2>&1
+  echo -e "$label\t$(grep -i "tok/s" "$OUT/off_$label.log" | grep -v Warn | tr '\n' ' ' | cut -c1-400)" | tee -a "$OUT/offline.tsv"
+}
+for part in ${*:-tests sweep offline}; do
+  echo "=== $part $(date +%T) t=$(( $(date +%s) - T0 ))s"
+  case $part in
+    fisetup) W=$(ls -d .whl-fi ../.whl-fi 2>/dev/null | head -1); mkdir -p .whl && cp $W/*.whl .whl/
+             python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+             export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
+    tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
+    sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
+    offline) for r in ${REPS:-1}; do off "triton_auto_$r" --attention-backend triton; off "triton_fp8_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3
+               [ -n "${FP8_AB:-}" ] && MINISGL_FP8_DOT=f16 off "triton_fp8f16_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
+    fi) off fi_tc_auto --attention-backend flashinfer
+        off fi_tc_fp8 --attention-backend flashinfer --kv-cache-dtype fp8_e4m3
+        [ -n "${FI_NOTC:-}" ] && MINISGL_FLASHINFER_TENSOR_CORES=0 off fi_notc_auto --attention-backend flashinfer ;;
+    latency) for kv in auto fp8_e4m3; do timeout 200 python3 benchmark/latency.py --model benchmark/models/qwen3-0.6b --dummy-weights \
+               --dtype bfloat16 --batch-sizes ${LAT_BS:-1,8,64,256} --kv-cache-dtype $kv --out "$OUT/latency_$kv.json" 2>&1 | grep -v Warn | tail -7 | tee "$OUT/latency_$kv.log"; done ;;
+    peer) mkdir -p .whl; W=$(ls -d .whl-fi ../.whl-fi 2>/dev/null | head -1); cp $W/*.whl .whl/
+          MINISGL_PEER_BUDGET_S=${PEER_BUDGET:-260} bash .peers/mini-sglang/run.sh > "$OUT/peer_run.log" 2>&1
+          grep "RESULT\|FAILED" "$OUT/minisglang.log" "$OUT/peer_run.log" | tail -2 ;;
+    offline14b) for kv in auto fp8_e4m3; do timeout 200 python3 benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \
+               --model benchmark/models/qwen3-14b --dummy-weights --peer none --kv-cache-dtype $kv > "$OUT/off14b_$kv.log" 2>&1
+               echo -e "14b_$kv\t$(grep -i "tok/s\|kv_tokens" "$OUT/off14b_$kv.log" | tr '\n' ' ' | cut -c1-400)" | tee -a "$OUT/offline.tsv"; done ;;
+    cudatests) MINISGL_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
+               tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_kv_dtype.py \
+               -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
+    engine) timeout 300 python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
+  esac
+done
+echo "=== done $(date +%T) t=$(( $(date +%s) - T0 ))s"
+cp "$OUT"/offline.tsv "$OUT"/sweep.json "$FINAL_OUT"/ 2>/dev/null
+tar czf "$FINAL_OUT/logs.tgz" -C "$OUT" . 2>/dev/null
