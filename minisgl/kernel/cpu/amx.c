@@ -85,6 +85,12 @@ static inline void wa_store(const float *cb, int t, long row0, long col0, int tw
     store_tile(tb, row0 + 16 * b, m, col0 + 16 * a, n, bias, y);
 }
 
+#ifndef WA_PF
+#define WA_PF 1
+#endif
+#ifndef WA_PF_HINT
+#define WA_PF_HINT _MM_HINT_T1
+#endif
 static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
                     long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
     const long mb = (m + 15) / 16, kb = k / 32;
@@ -111,7 +117,13 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
+            /* the weight rows WA_PF blocks ahead, this K step's 64 bytes of each, into L2 (the
+             * tile loads read 16 rows 1-3 KiB apart: the hardware prefetcher does not follow) */
+            const char *pf = (const char *)(w0 + WA_PF * 32 * k);
+            const int do_pf = i == 0 && j + WA_PF < p1;
             for (long q = 0; q < kb; q++) {
+                if (do_pf)
+                    for (int r = 0; r < 32; r++) _mm_prefetch(pf + r * k * 2 + q * 64, WA_PF_HINT);
                 _tile_loadd(4, w0 + q * 32, k * 2);
                 _tile_loadd(6, b0 + q * 256, 64);
                 _tile_dpbf16ps(0, 4, 6);
