@@ -30,7 +30,7 @@ logger = init_logger(__name__)
 _SRCS = [
     Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c", "kv_int8.c", "argmax.c")
 ]
-_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "softmax.h")]  # part of the cache key
+_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "attn_common.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {

@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "softmax.h"
+#include "attn_common.h"
 
 void q8_head(float *x, long d, int8_t *codes, float *scale); /* kv_int8.c */
 
@@ -134,16 +134,11 @@ static void attn_task_##SUF##_##D(const T *q, const T *k_cache, const T *v_cache
         int nb = n - s0 < 16 ? (int)(n - s0) : 16;                                                \
         __mmask16 live = (__mmask16)((1u << nb) - 1u);                                            \
         float sc[8][16];                                                                          \
-        /* slots are scattered over the pool: prefetch the next block's rows so the loads below   \
-         * stream instead of waiting on DRAM latency one row at a time */                         \
-        for (long b = s0 + 16; b < s0 + 32 && b < n; b++) {                                       \
-            const char *kp = (const char *)(k_cache + ((long)slots[b] * hk + kh) * D);            \
-            const char *vp = (const char *)(v_cache + ((long)slots[b] * hk + kh) * D);            \
-            for (int off = 0; off < (int)(D * sizeof(T)); off += 64) {                            \
-                _mm_prefetch(kp + off, _MM_HINT_T0);                                              \
-                _mm_prefetch(vp + off, _MM_HINT_T0);                                              \
-            }                                                                                     \
-        }                                                                                         \
+        /* slots are scattered over the pool: the next blocks' rows, so the loads below stream */ \
+        PREFETCH_KV_ROWS(k_cache, v_cache, (const float *)NULL, (const float *)NULL, slots, s0 + 16, s0 + 32, n, hk, kh, \
+                         (int)(D * sizeof(T)), _MM_HINT_T0)                                       \
+        PREFETCH_KV_ROWS(k_cache, v_cache, (const float *)NULL, (const float *)NULL, slots, s0 + ATTN_PF_FAR_BF16, \
+                         s0 + ATTN_PF_FAR_BF16 + 16, n, hk, kh, (int)(D * sizeof(T)), _MM_HINT_T1) \
         for (int b = 0; b < nb; b++) {                                                            \
             const T *kr = k_cache + ((long)slots[s0 + b] * hk + kh) * D;                          \
             __m512 kv[V];                                                                         \
@@ -200,14 +195,10 @@ static void attn_task_bf16_##D(const uint16_t *q, const uint16_t *k_cache, const
     for (long s0 = 0; s0 < n; s0 += 16) {                                                         \
         int nb = n - s0 < 16 ? (int)(n - s0) : 16;                                                \
         __mmask16 live = (__mmask16)((1u << nb) - 1u);                                            \
-        for (long b = s0 + 16; b < s0 + 32 && b < n; b++) { /* next block's scattered rows */    \
-            const char *kp = (const char *)(k_cache + ((long)slots[b] * hk + kh) * D);            \
-            const char *vp = (const char *)(v_cache + ((long)slots[b] * hk + kh) * D);            \
-            for (int off = 0; off < D * 2; off += 64) {                                           \
-                _mm_prefetch(kp + off, _MM_HINT_T0);                                              \
-                _mm_prefetch(vp + off, _MM_HINT_T0);                                              \
-            }                                                                                     \
-        }                                                                                         \
+        PREFETCH_KV_ROWS(k_cache, v_cache, (const float *)NULL, (const float *)NULL, slots, s0 + 16, s0 + 32, n, hk, kh, \
+                         D * 2, _MM_HINT_T0)                                                      \
+        PREFETCH_KV_ROWS(k_cache, v_cache, (const float *)NULL, (const float *)NULL, slots, s0 + ATTN_PF_FAR_BF16, \
+                         s0 + ATTN_PF_FAR_BF16 + 16, n, hk, kh, D * 2, _MM_HINT_T1)               \
         const uint16_t *kr[16];                                                                   \
         for (int b = 0; b < 16; b++) kr[b] = k_cache + ((long)slots[s0 + (b < nb ? b : 0)] * hk + kh) * D; \
         float pj[8][16];                                                                          \

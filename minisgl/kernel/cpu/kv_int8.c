@@ -14,7 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "softmax.h"
+#include "attn_common.h"
 
 /* Quantize one head of d fp32 values into codes/scale, and leave in x what the pool now holds
  * (code * scale): callers hand those values to attention over this step's own rows, so every
@@ -106,16 +106,10 @@ static void attn_q8_task_##D(const float *qf, const int8_t *k_cache, const int8_
     for (long s0 = 0; s0 < n; s0 += 16) {                                                         \
         int nb = n - s0 < 16 ? (int)(n - s0) : 16;                                                \
         __mmask16 live = (__mmask16)((1u << nb) - 1u);                                            \
-        /* the next block's scattered rows and scales, so the loads below stream */               \
-        for (long b = s0 + 16; b < s0 + 32 && b < n; b++) {                                       \
-            long row = (long)slots[b] * hk + kh;                                                  \
-            for (int off = 0; off < D; off += 64) {                                               \
-                _mm_prefetch((const char *)(k_cache + row * D + off), _MM_HINT_T0);               \
-                _mm_prefetch((const char *)(v_cache + row * D + off), _MM_HINT_T0);               \
-            }                                                                                     \
-            _mm_prefetch((const char *)(k_scale + row), _MM_HINT_T0);                             \
-            _mm_prefetch((const char *)(v_scale + row), _MM_HINT_T0);                             \
-        }                                                                                         \
+        /* the next blocks' scattered rows and scales, so the loads below stream */               \
+        PREFETCH_KV_ROWS(k_cache, v_cache, k_scale, v_scale, slots, s0 + 16, s0 + 32, n, hk, kh, D, _MM_HINT_T0) \
+        PREFETCH_KV_ROWS(k_cache, v_cache, k_scale, v_scale, slots, s0 + ATTN_PF_FAR_INT8, s0 + ATTN_PF_FAR_INT8 + 16, \
+                         n, hk, kh, D, _MM_HINT_T1)                                               \
         float ks[16], vs[16];                                                                     \
         __m512 part[8][16];                                                                       \
         for (int b = 0; b < 16; b++) {                                                            \
