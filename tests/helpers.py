@@ -275,6 +275,16 @@ def make_req(
     )
 
 
+def allocated_reqs(engine: Engine, prompts: Sequence[Sequence[int]], steps: int) -> List[Req]:
+    """One request per prompt (row = its index), with pages for the prompt and `steps` more tokens."""
+    alloc = PageAllocator(engine)
+    reqs = []
+    for row, ids in enumerate(prompts):
+        alloc.allocate(row, len(ids) + steps)
+        reqs.append(make_req(ids, row, output_len=steps))
+    return reqs
+
+
 def prepare_batch(engine: Engine, reqs: List[Req], phase: str) -> Batch:
     """Fill a Batch the way the scheduler does (the seed's manual loop), then the attention
     metadata. Tokens [cached_len, device_len) of every (padded) request are fed."""

@@ -8,9 +8,8 @@ import pytest
 import torch
 from helpers import (
     TEST_DEVICE,
-    PageAllocator,
+    allocated_reqs,
     engine_config,
-    make_req,
     random_prompts,
     run_generation,
     running_engine,
@@ -81,15 +80,6 @@ def test_server_args_take_kv_cache_dtype():
         parse_args(["--kv-cache-dtype", "fp16"])
 
 
-def _reqs(engine, prompts, steps):
-    alloc = PageAllocator(engine)
-    reqs = []
-    for row, ids in enumerate(prompts):
-        alloc.allocate(row, len(ids) + steps)
-        reqs.append(make_req(ids, row, output_len=steps))
-    return reqs
-
-
 def _fake_quantized_store(monkeypatch):
     """The model-dtype pool, but every stored K/V first goes through int8 and back (the
     reference quantizer, checked on its own above): what an int8 pool must compute."""
@@ -117,14 +107,14 @@ def test_int8_pool_equals_attention_over_dequantized_kv(tiny_model_dir, name, mo
     prompts = random_prompts([9, 23, 40], seed=3)
     steps = 12
     with running_engine(path, max_running_req=3) as engine:
-        ref_tokens = run_generation(engine, _reqs(engine, prompts, steps), steps)
-        plain = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+        ref_tokens = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
+        plain = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
 
     def run(**kw):
         with running_engine(path, max_running_req=3, **kw) as engine:
-            logits = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+            logits = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
         with running_engine(path, max_running_req=3, **kw) as engine:
-            return logits, run_generation(engine, _reqs(engine, prompts, steps), steps)
+            return logits, run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
 
     int8_logits, int8_tokens = run(kv_cache_dtype="int8")
     with monkeypatch.context() as m:

@@ -6,14 +6,13 @@ through fp8, and CUDA graphs replay what runs eagerly. Skipped unless MINISGL_TE
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 import pytest
 import torch
 from helpers import (
     TEST_DEVICE,
-    PageAllocator,
-    make_req,
+    allocated_reqs,
     random_prompts,
     run_generation,
     running_engine,
@@ -75,15 +74,6 @@ def test_store_kernels_write_the_pool_reference_bytes(dtype: torch.dtype) -> Non
     assert not narrow.float().isnan().any()
 
 
-def _reqs(engine: Any, prompts: List[List[int]], steps: int) -> List[Any]:
-    alloc = PageAllocator(engine)
-    reqs = []
-    for row, ids in enumerate(prompts):
-        alloc.allocate(row, len(ids) + steps)
-        reqs.append(make_req(ids, row, output_len=steps))
-    return reqs
-
-
 def _round_trip_on_store(engine: Any) -> None:
     """A model-dtype pool whose every stored K/V goes through fp8 and back: before each layer's
     attention (the fused prologue or the backend stored them just before), the step's slots are
@@ -112,13 +102,13 @@ def test_fp8_pool_equals_attention_over_round_tripped_kv(tiny_model_dir: Any, na
     steps = 12
     kw = dict(max_running_req=4, attention_backend=backend, dtype=dtype)
     with running_engine(path, **kw) as engine:
-        ref_tokens = run_generation(engine, _reqs(engine, prompts, steps), steps)
-        plain = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+        ref_tokens = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
+        plain = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
         _round_trip_on_store(engine)
-        fake = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+        fake = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
     with running_engine(path, kv_cache_dtype="fp8_e4m3", **kw) as engine:
         assert engine.kv_cache.dtype == FP8
-        fp8 = torch.stack(teacher_forced_logits(engine, _reqs(engine, prompts, steps), ref_tokens))
+        fp8 = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
     assert not fp8.isnan().any()
     diff = (fp8 - fake).abs().max().item()
     print(f"{name} {backend} {dtype}: |fp8 - round-tripped| {diff:.3g}, |fp8 - plain| {(fp8 - plain).abs().max().item():.3g}")
@@ -139,7 +129,7 @@ def test_fp8_cuda_graphs_equal_eager(tiny_model_dir: Any, dtype: torch.dtype) ->
     kw = dict(max_running_req=4, attention_backend="triton", dtype=dtype, kv_cache_dtype="fp8_e4m3")
     with running_engine(path, **kw) as engine:
         assert engine.graph_runner.batch_sizes, "no decode graphs captured"
-        graphs = run_generation(engine, _reqs(engine, prompts, steps), steps)
+        graphs = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
     with running_engine(path, cuda_graph_bs=[], cuda_graph_max_tokens=0, **kw) as engine:
-        eager = run_generation(engine, _reqs(engine, prompts, steps), steps)
+        eager = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
     assert graphs == eager
