@@ -7,14 +7,14 @@ padded [B, max_len] block and runs one masked SDPA for the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.utils.device import make_device_tensor
 
 
@@ -28,9 +28,14 @@ class TorchPrefillSeq:
 
 @dataclass
 class TorchAttnMetadata(BaseAttnMetadata):
+    # What attention reads, built on its first call (`TorchAttnBackend._views`): on a CPU the
+    # engine's C runner takes most batches and reads none of it, only `last_indices`.
+    reqs: List[Req] = field(default_factory=list)
+    is_decode: bool = False
     prefill: List[TorchPrefillSeq] | None = None
     decode_slots: torch.Tensor | None = None  # [B, max_len]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len]
+    built: bool = False
 
 
 class TorchAttnBackend(BaseAttnBackend):
@@ -44,30 +49,37 @@ class TorchAttnBackend(BaseAttnBackend):
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
-        ext = [r.extend_len for r in reqs]
-        last = make_device_tensor(list(_cumsum(ext)), torch.int64, self.device) - 1
-        rows = make_device_tensor([r.table_idx for r in reqs], torch.int64, self.device)
-        if batch.is_decode:
+        last = make_device_tensor(list(_cumsum([r.extend_len for r in reqs])), torch.int64, self.device) - 1
+        batch.attn_metadata = TorchAttnMetadata(last, reqs=reqs, is_decode=batch.is_decode)
+
+    def _views(self, meta: TorchAttnMetadata) -> TorchAttnMetadata:
+        if meta.built:
+            return meta
+        reqs = meta.reqs
+        if meta.is_decode:
+            rows = make_device_tensor([r.table_idx for r in reqs], torch.int64, self.device)
             seq_lens = make_device_tensor([r.device_len for r in reqs], torch.int64, self.device)
             max_len = max(r.device_len for r in reqs)
-            slots = self.page_table[rows, :max_len].long()
+            meta.decode_slots = self.page_table[rows, :max_len].long()
             valid = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
-            batch.attn_metadata = TorchAttnMetadata(last, decode_slots=slots, decode_mask=valid[:, None, None, :])
-            return
-        seqs: List[TorchPrefillSeq] = []
-        start = 0
-        for r, n in zip(reqs, ext):
-            slots = self.page_table[r.table_idx, : r.device_len].long()
-            mask = None
-            if r.cached_len > 0:
-                q_pos = torch.arange(r.cached_len, r.device_len, device=self.device)
-                mask = torch.arange(r.device_len, device=self.device)[None, :] <= q_pos[:, None]
-            seqs.append(TorchPrefillSeq(start, n, slots, mask))
-            start += n
-        batch.attn_metadata = TorchAttnMetadata(last, prefill=seqs)
+            meta.decode_mask = valid[:, None, None, :]
+        else:
+            seqs: List[TorchPrefillSeq] = []
+            start = 0
+            for r in reqs:
+                slots = self.page_table[r.table_idx, : r.device_len].long()
+                mask = None
+                if r.cached_len > 0:
+                    q_pos = torch.arange(r.cached_len, r.device_len, device=self.device)
+                    mask = torch.arange(r.device_len, device=self.device)[None, :] <= q_pos[:, None]
+                seqs.append(TorchPrefillSeq(start, r.extend_len, slots, mask))
+                start += r.extend_len
+            meta.prefill = seqs
+        meta.built = True
+        return meta
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        meta: TorchAttnMetadata = batch.attn_metadata
+        meta = self._views(batch.attn_metadata)
         cast = self._compute_dtype
         if meta.decode_slots is not None:
             keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)

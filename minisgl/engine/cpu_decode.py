@@ -496,19 +496,16 @@ def _hugepage_pool(kv_cache: KVCachePool) -> None:
     prefetching already in: a 64-request decode step's attention 40 -> 36 ms)."""
     if kv_cache.nbytes < (64 << 20):
         return
-    shape, dtype = kv_cache.buffer.shape, kv_cache.buffer.dtype
-    kv_cache.buffer = torch.empty(0, dtype=dtype)  # free the old pool first: no 2x peak
-    kv_cache.buffer = _huge_zeros(shape, dtype)
-    if kv_cache.scales is not None:  # an int8 pool's scales are read per key as well
-        shape = kv_cache.scales.shape
-        kv_cache.scales = torch.empty(0)
-        kv_cache.scales = _huge_zeros(shape, torch.float32)
-
-
-def _huge_zeros(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    buf = torch.empty(shape, dtype=dtype)
-    _advise_huge(buf)
-    return buf.zero_()
+    for name in ("buffer", "scales"):  # (an int8 pool's scales are read per key as well)
+        old = getattr(kv_cache, name)
+        if old is None:
+            continue
+        shape, dtype = old.shape, old.dtype
+        del old
+        setattr(kv_cache, name, torch.empty(0, dtype=dtype))  # free the old one first: no 2x peak
+        buf = torch.empty(shape, dtype=dtype)
+        _advise_huge(buf)
+        setattr(kv_cache, name, buf.zero_())
 
 
 def _aligned(nbytes: int) -> int:

@@ -19,7 +19,7 @@ weight wins, so callers keep it for prefill and large decode batches, see `Quant
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Literal
+from typing import Any, Callable, ClassVar, Dict, Literal
 
 import torch
 
@@ -79,9 +79,41 @@ def _c_gemm(fn: GemvFn, x: torch.Tensor, weight: int, n: int, k: int, bias: int 
 
 
 @dataclass
-class Int4Weight:
-    records: torch.Tensor  # uint8 [N, Kp/2 + 4 Kp/32], Kp = K padded to 64: codes, fp16 d, m
+class _Records:
+    """What both formats share: one record per weight row, streamed by a qgemv.c kernel."""
+
+    records: torch.Tensor  # uint8 [N, record bytes]
     in_features: int
+    KERNEL: ClassVar[str] = ""  # qgemv.c's entry point for bf16 activations
+
+    @property
+    def out_features(self) -> int:
+        return self.records.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.numel()
+
+    def c_kernel(self) -> GemvFn | None:
+        """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""
+        return _qgemv(self.KERNEL)
+
+    def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
+        """x W^T: the C kernel for bf16 activations, `torch_mm` where it is missing or declines."""
+        if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
+            y = _c_gemm(fn, x, self.records.data_ptr(), self.out_features, self.in_features, None, nthreads)
+            if y is not None:
+                return y
+        return self.torch_mm(x)
+
+    def torch_mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass
+class Int4Weight(_Records):
+    # records: [N, Kp/2 + 4 Kp/32], Kp = K padded to 64: codes, fp16 d, m
+    KERNEL: ClassVar[str] = "qgemv_q4_bf16"
     _torch: Dict[torch.dtype, Any] = field(default_factory=dict, repr=False)  # fallback layouts
 
     @staticmethod
@@ -111,10 +143,6 @@ class Int4Weight:
         codes = torch.clamp(torch.round((g - lo[..., None]) / safe[..., None]), 0, 15).reshape(n, k)
         return Int4Weight.from_q4_1(codes, d, lo)
 
-    @property
-    def out_features(self) -> int:
-        return self.records.shape[0]
-
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes [N, K] uint8, d, m [N, K / 32] fp32) as stored."""
         k = self.in_features
@@ -141,27 +169,16 @@ class Int4Weight:
             self._torch[dtype] = (packed, sz)
         return self._torch[dtype]
 
-    def c_kernel(self) -> GemvFn | None:
-        """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""
-        return _qgemv("qgemv_q4_bf16")
-
-    def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
-            y = _c_gemm(fn, x, self.records.data_ptr(), self.out_features, self.in_features, None, nthreads)
-            if y is not None:
-                return y
+    def torch_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T off the C kernel (fp32 activations, or no AVX512-BF16): torch's int4 kernel."""
         packed, sz = self._torch_layout(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, BLOCK, sz)
 
-    @property
-    def nbytes(self) -> int:
-        return self.records.numel()
-
 
 @dataclass
-class Int8Weight:
-    records: torch.Tensor  # uint8 [N, Kp + 2 Kp/32], Kp = K padded to 64: codes + 128, fp16 d
-    in_features: int
+class Int8Weight(_Records):
+    # records: [N, Kp + 2 Kp/32], Kp = K padded to 64: codes + 128, fp16 d
+    KERNEL: ClassVar[str] = "qgemv_q8_bf16"
     _dense: Dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # fallback
 
     @staticmethod
@@ -188,10 +205,6 @@ class Int8Weight:
         codes = torch.clamp(torch.round(g / safe[..., None]), -127, 127).reshape(n, k)
         return Int8Weight.from_q8_0(codes, d)
 
-    @property
-    def out_features(self) -> int:
-        return self.records.shape[0]
-
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes [N, K] int8, d [N, K / 32] fp32) as stored."""
         k = self.in_features
@@ -206,22 +219,11 @@ class Int8Weight:
         codes, d = self.blocks()
         return codes.float() * d.repeat_interleave(BLOCK, 1)
 
-    def c_kernel(self) -> GemvFn | None:
-        """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""
-        return _qgemv("qgemv_q8_bf16")
-
-    def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
-            y = _c_gemm(fn, x, self.records.data_ptr(), self.out_features, self.in_features, None, nthreads)
-            if y is not None:
-                return y
+    def torch_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T off the C kernel: a dequantized copy (the same values, no bandwidth saved)."""
         if x.dtype not in self._dense:
             self._dense[x.dtype] = self.dequantize().to(x.dtype)
         return torch.nn.functional.linear(x, self._dense[x.dtype])
-
-    @property
-    def nbytes(self) -> int:
-        return self.records.numel()
 
 
 QuantWeight = Int4Weight | Int8Weight
@@ -304,5 +306,5 @@ class QuantLinear:
             y = _c_gemm(self.qgemv, x, self.quant.records.data_ptr(), self._n, self._k, self._bias_ptr, self.nthreads)
             if y is not None:
                 return y
-        y = self.quant.mm(x, self.nthreads)
+        y = self.quant.torch_mm(x)  # (the C kernel was tried above, with the bias)
         return y + self.bias if self.bias is not None else y
