@@ -15,7 +15,7 @@ from typing import List
 
 import pytest
 import torch
-from helpers import PageAllocator, assert_greedy_match, make_req, prepare_batch, run_generation, running_engine
+from helpers import PageAllocator, allocated_reqs, assert_greedy_match, make_req, prepare_batch, run_generation, running_engine
 
 from minisgl.layers.quant import Int4Weight, Int8Weight, QuantLinear
 
@@ -421,6 +421,33 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
             assert torch.equal(results[True, size][2], results[False, size][2]), f"K/V scales, {size} rows"
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_prefill_gate_up_silu_in_one_pass_changes_no_bits(tiny_model_dir, name):
+    """A bf16 prefill long enough for the AMX many-rows path runs gate_up and SiLU as one pass
+    (`CpuDecodeRunner._mlp_act`): the logits are bitwise those of the two-step MLP."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    prompts = [[(7 * i + 3) % 250 + 1 for i in range(90)], [(11 * i + 5) % 250 + 1 for i in range(40)]]
+    with running_engine(tiny_model_dir(name), max_running_req=2, dtype=torch.bfloat16) as engine:
+        runner = engine.cpu_runner
+        assert runner._gemm_silu is not None
+        calls = []
+        fused = runner._gemm_silu
+        results = {}
+        reqs = allocated_reqs(engine, prompts, 1)
+        for on in (True, False):
+            runner._gemm_silu = (lambda *a: calls.append(a[2]) or fused(*a)) if on else None
+            batch = prepare_batch(engine, reqs, "prefill")
+            with torch.inference_mode(), engine.ctx.forward_batch(batch):
+                results[on] = runner.forward(batch, engine.page_table).clone()
+        runner._gemm_silu = fused
+    assert calls and all(m == 130 for m in calls), calls  # every layer but the last (its LM-head rows only)
+    assert torch.equal(results[True], results[False])
+
+
 # ---- the embedded model ------------------------------------------------------------------------
 def _hf(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
@@ -519,6 +546,35 @@ def test_amx_gemm_both_layouts(m, n, k):
             ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
             ours = lin(x)
             assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("m,inter,k", [(500, 1536, 576), (40, 32, 64), (77, 96, 128), (640, 64, 96)])
+def test_amx_gate_up_silu_is_bitwise_the_two_steps(m, inter, k):
+    """gemm_amx_bf16_silu (the prefill MLP's gate_up GEMM with SiLU in its store, kernel/cpu/amx.c)
+    gives the bits of the AMX GEMM followed by silu_mul, for 1 and 2 threads, strided rows and row
+    tails; it declines the few-rows shapes, where the caller runs the two steps."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(m)
+    w = (torch.randn(2 * inter, k) * 0.05).to(torch.bfloat16)
+    wide = (torch.randn(m, k + 32) * 2).to(torch.bfloat16)
+    for x in (wide[:, :k].contiguous(), wide[:, :k]):
+        for threads in (1, 2):
+            gu = torch.empty(m, 2 * inter, dtype=torch.bfloat16)
+            assert kern.lib.gemm_amx_bf16(x.data_ptr(), x.stride(0), m, w.data_ptr(), 2 * inter, k, None, gu.data_ptr(), threads)
+            want = torch.empty(m, inter, dtype=torch.bfloat16)
+            kern.get("silu_mul", torch.bfloat16)(gu.data_ptr(), want.data_ptr(), m, inter)
+            got = torch.full((m, inter), float("nan"), dtype=torch.bfloat16)
+            assert kern.lib.gemm_amx_bf16_silu(x.data_ptr(), x.stride(0), m, w.data_ptr(), inter, k, got.data_ptr(), threads)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (threads, x.stride(0))
+    # few rows (the y^T = w x^T path), inter off 32 and bias-free only: declined, not computed wrongly
+    x = torch.randn(8, k).to(torch.bfloat16)
+    out = torch.empty(8, inter, dtype=torch.bfloat16)
+    assert not kern.lib.gemm_amx_bf16_silu(x.data_ptr(), k, 8, w.data_ptr(), inter, k, out.data_ptr(), 2)
+    assert not kern.lib.gemm_amx_bf16_silu(wide.data_ptr(), k + 32, m, w.data_ptr(), inter - 16, k, out.data_ptr(), 2)
 
 
 @pytest.mark.parametrize("n", [1, 17, 100, 333])

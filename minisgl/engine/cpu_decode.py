@@ -141,6 +141,8 @@ class CpuDecodeRunner:
         # Causal prefill attention on AMX tiles (kernel/cpu/attn_amx.c) for prompts without a cached
         # prefix: 2.4-3.1x SDPA's flash kernel at 100-1000 tokens, 1 thread; SDPA where it declines.
         self._attn_amx = ck.lib.prefill_attention_amx_bf16 if ck is not None and amx is not None else None
+        # gate_up and its SiLU in one AMX pass for prefill-sized row counts (kernel/cpu/amx.c)
+        self._gemm_silu = ck.lib.gemm_amx_bf16_silu if ck is not None and amx is not None else None
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
@@ -285,7 +287,8 @@ class CpuDecodeRunner:
             out[start : start + n] = o[0].transpose(0, 1).reshape(n, qs)
 
     def _forward_kernels(self, batch: Batch, page_table: torch.Tensor) -> torch.Tensor:
-        """The step on the fused C kernels: 9 calls per layer (4 GEMMs, 5 kernels)."""
+        """The step on the fused C kernels: 9 calls per layer (4 GEMMs, 5 kernels), 8 where gate_up
+        and SiLU run as one pass (prefill-sized row counts)."""
         b = batch.input_ids.shape[0]  # tokens fed (one per request in decode)
         hq, hk, d, eps = self.hq, self.hk, self.d, self.eps
         table_row, kv_len, last = self._token_rows(batch)
@@ -299,8 +302,8 @@ class CpuDecodeRunner:
         attn = x.new_empty(b, hq * d)
         inter = self.layers[0].gate_up.dense.shape[0] // 2
         act = x.new_empty(b, inter)
-        rms, silu, rope, attend = self._rms_fn, self._silu_fn, self._rope_fn, self._attn_fn
-        pres, ph, pattn, pact = res.data_ptr(), h.data_ptr(), attn.data_ptr(), act.data_ptr()
+        rms, rope, attend = self._rms_fn, self._rope_fn, self._attn_fn
+        pres, ph, pattn = res.data_ptr(), h.data_ptr(), attn.data_ptr()
         ppos, ploc = positions.data_ptr(), out_loc.data_ptr()
         pcos, psin = self.cos.data_ptr(), self.sin.data_ptr()
         ppt, pt_stride = page_table.data_ptr(), page_table.stride(0)
@@ -334,12 +337,26 @@ class CpuDecodeRunner:
             # (each GEMM result is bound to a name: a temporary would be freed before the call)
             a = L.o(attn)
             rms(a.data_ptr(), pres, ln2, ph, b, hidden, eps, 1)
-            gu = L.gate_up(h)
-            silu(gu.data_ptr(), pact, b, inter)
+            self._mlp_act(L, h, act)
             m = L.down(act)
             nxt = self._ptrs[i + 1][0] if i + 1 < n else self.final_norm.data_ptr()
             rms(m.data_ptr(), pres, nxt, ph, b, hidden, eps, 1)
         return self.lm_head(h if last is None else h[last])
+
+    def _mlp_act(self, L: _Layer, h: torch.Tensor, act: torch.Tensor) -> None:
+        """act = silu(gate) * up of the MLP input h: one AMX pass where the dense GEMM would take
+        its many-rows path (the gate_up rows, 2 x inter wide, are never written; the same bits as
+        the two steps), else gate_up then silu_mul."""
+        g, b, inter = L.gate_up, h.shape[0], act.shape[1]
+        dense = g.amx is not None and g.bias is None and b > g.gemv_max_rows and (g.quant is None or b > g.dense_above)
+        if (
+            dense
+            and self._gemm_silu is not None
+            and self._gemm_silu(h.data_ptr(), h.stride(0), b, g.dense.data_ptr(), inter, g.dense.shape[1], act.data_ptr(), self.nthreads)
+        ):
+            return
+        gu = g(h)
+        self._silu_fn(gu.data_ptr(), act.data_ptr(), b, inter)
 
     def _last_layer_rows(self, L: _Layer, qkv: torch.Tensor, res: torch.Tensor, last: torch.Tensor,
                          table_row: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor,

@@ -30,7 +30,7 @@ logger = init_logger(__name__)
 _SRCS = [
     Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c", "kv_int8.c", "argmax.c")
 ]
-_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "attn_common.h")]  # part of the cache key
+_HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "attn_common.h", "vec_math.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
 _SIGNATURES = {
@@ -113,6 +113,7 @@ class CpuKernels:
         lib.gemm_amx_bf16.argtypes, lib.gemm_amx_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AMX (compiler or CPU) or where Linux refuses the tile state
         self.has_amx = bool(lib.amx_available())
+        lib.gemm_amx_bf16_silu.argtypes, lib.gemm_amx_bf16_silu.restype = [_P, _L, _L, _P, _L, _L, _P, _I], ctypes.c_int
         lib.qgemv_available.restype = ctypes.c_int
         for name in ("qgemv_q4_bf16", "qgemv_q8_bf16"):
             fn = getattr(lib, name)

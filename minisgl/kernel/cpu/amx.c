@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include "amx_tiles.h"
+#include "vec_math.h"
 
 
 /* 16 rows (stride ld elements) of a row-major bf16 matrix as k / 32 B tiles: out[q][p][i] = the
@@ -152,6 +153,41 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     return 1;
 }
 
+/* The fused gate_up + SiLU product (gemm_amx_bf16_silu): w = [gate | up], inter rows each, and
+ * the output is act = silu(gate) * up, never the gate_up rows. Column pairs are visited as
+ * couples, gate pair c then up pair half + c (`wb_pair`), so the up tiles of a 32 x 32 block are
+ * rounded while the gate tiles of the same rows and columns wait, already rounded to bf16, in a
+ * 2 KiB scratch: the roundings of gemm + silu_mul (gate and up to bf16, silu to bf16, the product
+ * to bf16), bitwise, without writing and re-reading the 2 x inter-wide rows. */
+static inline long wb_pair(long v, long half) { return half ? ((v & 1) ? half + (v >> 1) : v >> 1) : v; }
+
+/* rows row0..+15 of a pending 2-tile block: plain rows of y, a couple's gate into gs, or its up
+ * combined with gs into act (y = act, n = inter then) */
+static void wb_store(const float *c, int two, long row0, long m, long col0, long n, const uint16_t *bias,
+                     uint16_t *y, long inter, uint16_t *gs, int half_row) {
+    if (!inter) {
+        store_tiles2(c, two, row0, m, col0, n, bias, y);
+        return;
+    }
+    uint16_t *g = gs + half_row * 16 * 32;
+    if (col0 < inter) { /* gate: rounded to bf16 as the unfused GEMM stores it */
+        for (int r = 0; r < 16 && row0 + r < m; r++)
+            _mm512_storeu_si512(g + r * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(c + 256 + r * 16), _mm512_loadu_ps(c + r * 16)));
+        return;
+    }
+    for (int r = 0; r < 16 && row0 + r < m; r++) {
+        __m512i up = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(c + 256 + r * 16), _mm512_loadu_ps(c + r * 16));
+        __m512i gate = _mm512_loadu_si512(g + r * 32);
+        __m512 out[2];
+        for (int h = 0; h < 2; h++) {
+            __m512 gv = bf16x16_to_f(h ? _mm512_extracti64x4_epi64(gate, 1) : _mm512_castsi512_si256(gate));
+            __m512 uv = bf16x16_to_f(h ? _mm512_extracti64x4_epi64(up, 1) : _mm512_castsi512_si256(up));
+            out[h] = _mm512_mul_ps(silu16_bf16(gv), uv);
+        }
+        _mm512_storeu_si512(y + (row0 + r) * inter + col0 - inter, (__m512i)_mm512_cvtne2ps_pbh(out[1], out[0]));
+    }
+}
+
 #ifndef AMX_WB_CHUNK
 #define AMX_WB_CHUNK (1l << 20)
 #endif
@@ -161,13 +197,15 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
  * its output rows are written whole. x is read once per chunk, the weight once in all. (Packing
  * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.) */
 static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
-                   long k, const uint16_t *bias, uint16_t *y, long p0, long p1) {
-    const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256;
+                   long k, const uint16_t *bias, uint16_t *y, long p0, long p1, long inter) {
+    const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256, half = inter ? n / 64 : 0;
     long cp = AMX_WB_CHUNK / (pair_sz * 4);
     cp = cp < 1 ? 1 : (cp > p1 - p0 ? p1 - p0 : cp);
-    uint32_t *wpk = amx_scratch(cp * pair_sz * 4 + 2 * 4096);
+    if (inter) cp = cp < 2 ? 2 : cp & ~1l; /* whole couples per chunk (p0, p1 are even) */
+    uint32_t *wpk = amx_scratch(cp * pair_sz * 4 + 2 * 4096 + 2048);
     if (!wpk) return 0;
     float *cbs = (float *)(wpk + cp * pair_sz);
+    uint16_t *gs = (uint16_t *)(cbs + 2048); /* a couple's rounded gate block (fused SiLU) */
     /* the previous block's C tiles wait in one of two buffers and are rounded to bf16 a tile per
      * step of the next block's K loop: vector work next to the tile unit's, not after it */
     long pend_row = -1, pend_col = 0;
@@ -180,7 +218,7 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
             const uint16_t *a1 = (xpad && i + 1 == mb - 1) ? xpad : x + (i + 1) * 16 * ldx;
             long s0 = (a0 == xpad ? k : ldx) * 2, s1 = (a1 == xpad ? k : ldx) * 2;
             for (long j = c0; j < c1; j++) { /* 32 output columns: two B tiles */
-                long n0 = j * 32;
+                long n0 = wb_pair(j, half) * 32;
                 int two = n0 + 16 < n;
                 uint32_t *wp = wpk + (j - c0) * pair_sz;
                 float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
@@ -191,8 +229,9 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
                     if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
                 }
                 const int pack_next = i == 0 && j + 1 < c1;
-                const uint16_t *nw = w + (n0 + 32) * k;
-                const int next_two = n0 + 48 < n;
+                const long nn0 = wb_pair(j + 1, half) * 32;
+                const uint16_t *nw = w + nn0 * k;
+                const int next_two = nn0 + 16 < n;
                 _tile_zero(0);
                 _tile_zero(1);
                 _tile_zero(2);
@@ -216,10 +255,10 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
                     }
                     /* tiles 2 a, 2 a + 1: rows + 16 a, columns + 0 / + 16 */
                     if (pend_row >= 0 && q < 2 && (q == 0 || pend_two_m))
-                        store_tiles2(pb + q * 512, pend_two, pend_row + 16 * q, m, pend_col, n, bias, y);
+                        wb_store(pb + q * 512, pend_two, pend_row + 16 * q, m, pend_col, n, bias, y, inter, gs, (int)q);
                 }
                 if (pend_row >= 0 && kb < 2 && pend_two_m) /* K loops of one step */
-                    store_tiles2(pb + 512, pend_two, pend_row + 16, m, pend_col, n, bias, y);
+                    wb_store(pb + 512, pend_two, pend_row + 16, m, pend_col, n, bias, y, inter, gs, 1);
                 _tile_stored(0, cb, 64);
                 _tile_stored(1, cb + 256, 64);
                 _tile_stored(2, cb + 512, 64);
@@ -230,8 +269,8 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     }
     if (pend_row >= 0) {
         float *pb = cbs + (flip ^ 1) * 1024;
-        store_tiles2(pb, pend_two, pend_row, m, pend_col, n, bias, y);
-        if (pend_two_m) store_tiles2(pb + 512, pend_two, pend_row + 16, m, pend_col, n, bias, y);
+        wb_store(pb, pend_two, pend_row, m, pend_col, n, bias, y, inter, gs, 0);
+        if (pend_two_m) wb_store(pb + 512, pend_two, pend_row + 16, m, pend_col, n, bias, y, inter, gs, 1);
     }
     return 1;
 }
@@ -242,38 +281,80 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
 #ifndef AMX_WA_ROWS
 #define AMX_WA_ROWS 0
 #endif
+/* x zero-padded past its last full 16-row block (every tile load stays in bounds), or NULL when m
+ * is a multiple of 16; *ok = 0 when it cannot be had */
+static uint16_t *pad_rows(const uint16_t *x, long ldx, long m, long k, int *ok) {
+    *ok = 1;
+    if (m % 16 == 0) return NULL;
+    uint16_t *xpad = calloc(16 * k, sizeof(uint16_t));
+    if (!xpad) {
+        *ok = 0;
+        return NULL;
+    }
+    const long mb = (m + 15) / 16;
+    for (long r = 0; r < m % 16; r++) memcpy(xpad + r * k, x + ((mb - 1) * 16 + r) * ldx, k * 2);
+    return xpad;
+}
+
 int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k,
                   const uint16_t *bias, uint16_t *y, int nthreads) {
     /* above ~640 rows oneDNN's own re-pack is amortized and its kernel is 5-15% faster here
      * (benchmark/cpu_gemm.py, 1 thread, 768-8192 rows): declined, torch's GEMM runs */
     if (k % 32 || n % 16 || m < 1 || m > AMX_MAX_ROWS || k * 2 > (1l << 30) || !amx_request()) return 0;
-    const long mb = (m + 15) / 16, pairs = (n / 16 + 1) / 2;
+    const long pairs = (n / 16 + 1) / 2;
     /* packing the side with fewer rows costs less: x (m rows, plus a transpose per output tile)
      * or w (n rows) */
     const int wa = AMX_WA_ROWS ? m <= AMX_WA_ROWS : m * (k + n) < n * k;
-    uint16_t *xpad = NULL;
-    if (m % 16) { /* the last partial block of x rows, zero-padded, so every tile load stays in bounds */
-        xpad = calloc(16 * k, sizeof(uint16_t));
-        if (!xpad) return 0;
-        for (long r = 0; r < m % 16; r++) memcpy(xpad + r * k, x + ((mb - 1) * 16 + r) * ldx, k * 2);
-    }
-    int nt = pairs < nthreads ? (int)pairs : nthreads, ok = 1;
+    int ok;
+    uint16_t *xpad = pad_rows(x, ldx, m, k, &ok);
+    if (!ok) return 0;
+    int nt = pairs < nthreads ? (int)pairs : nthreads;
 #pragma omp parallel num_threads(nt) reduction(& : ok)
     {
         amx_config();
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         long p0 = pairs * t / T, p1 = pairs * (t + 1) / T;
-        ok = wa ? gemm_wa(x, ldx, m, xpad, w, n, k, bias, y, p0, p1) : gemm_wb(x, ldx, m, xpad, w, n, k, bias, y, p0, p1);
+        ok = wa ? gemm_wa(x, ldx, m, xpad, w, n, k, bias, y, p0, p1) : gemm_wb(x, ldx, m, xpad, w, n, k, bias, y, p0, p1, 0);
         _tile_release();
     }
     free(xpad);
     return ok; /* 0 only where a scratch buffer could not be had: the caller recomputes */
+}
+
+/* act[m, inter] = silu(x w_gate^T) * (x w_up^T) for w = [gate | up] ([2 inter, k], no bias), with
+ * the roundings of gemm_amx_bf16 followed by silu_mul: the prefill MLP's gate_up product and its
+ * SiLU in one pass (the 2 x inter-wide rows are never written). Only where gemm_amx_bf16 takes
+ * its many-rows path (gemm_wb); returns 0 otherwise, and the caller runs the two steps. */
+int gemm_amx_bf16_silu(const uint16_t *x, long ldx, long m, const uint16_t *w, long inter, long k,
+                       uint16_t *act, int nthreads) {
+    const long n = 2 * inter;
+    if (inter % 32 || k % 32 || m < 1 || m > AMX_MAX_ROWS || k * 2 > (1l << 30) || AMX_WA_ROWS) return 0;
+    if (m * (k + n) < n * k || !amx_request()) return 0;
+    const long couples = n / 64;
+    int ok;
+    uint16_t *xpad = pad_rows(x, ldx, m, k, &ok);
+    if (!ok) return 0;
+    int nt = couples < nthreads ? (int)couples : nthreads;
+#pragma omp parallel num_threads(nt) reduction(& : ok)
+    {
+        amx_config();
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        long p0 = 2 * (couples * t / T), p1 = 2 * (couples * (t + 1) / T);
+        ok = gemm_wb(x, ldx, m, xpad, w, n, k, NULL, act, p0, p1, inter);
+        _tile_release();
+    }
+    free(xpad);
+    return ok;
 }
 int amx_available(void) { return amx_request(); }
 #else
 int gemm_amx_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
                   void *y, int nthreads) {
     (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
+    return 0;
+}
+int gemm_amx_bf16_silu(const void *x, long ldx, long m, const void *w, long inter, long k, void *act, int nthreads) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)inter, (void)k, (void)act, (void)nthreads;
     return 0;
 }
 int amx_available(void) { return 0; }

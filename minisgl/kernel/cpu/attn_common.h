@@ -5,42 +5,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x), branch-free so loops over it vectorize (libm's expf
- * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
- * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
-static inline float fast_exp(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float t = x * 1.44269504088896341f;
-    float n = __builtin_rintf(t);
-    float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+#include "vec_math.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n); /* p * 2^n, exact (n in [-126, 127] after the clamp) */
-}
 /* 16 vectors -> one: lane b = the sum of d[b]'s 16 lanes. A shuffle tree (45 ops) in place of
  * 16 horizontal reductions (~9 dependent ops each), which dominated the per-key score cost. */
 static inline __m512 hsum16x16(__m512 d[16]) {

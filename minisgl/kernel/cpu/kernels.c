@@ -37,22 +37,6 @@ static inline __m512 ld16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
-/* fp32 -> bf16 bits, 16 lanes, round to nearest even as f_to_bf16. With AVX512-BF16 that is one
- * VCVTNEPS2BF16, which differs from f_to_bf16 only on denormals (flushed to zero; below 1.2e-38,
- * not a value activations take); without it, the bit arithmetic of f_to_bf16. */
-static inline __m256i f16_to_bf16x16(__m512 v) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#endif
-    __m512i u = _mm512_castps_si512(v);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-static inline __m512 bf16x16_to_f(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-static inline __m512 rnd16_bf16(__m512 v) { return bf16x16_to_f(f16_to_bf16x16(v)); }
 #define LDH(p) bf16x16_to_f(_mm256_loadu_si256((const __m256i *)(p)))
 #define STH(p, v) _mm256_storeu_si256((__m256i *)(p), f16_to_bf16x16(v))
 
@@ -73,19 +57,7 @@ static void rms_row_bf16_v(const uint16_t *xr, uint16_t *rr, const uint16_t *w, 
     for (long i = 0; i < h; i += 16) STH(orow + i, _mm512_mul_ps(LDH(w + i), rnd16_bf16(_mm512_mul_ps(LDH(rr + i), vi))));
 }
 static void silu_row_bf16_v(const uint16_t *g, const uint16_t *u, uint16_t *o, long inter) {
-    for (long i = 0; i < inter; i += 16) {
-        __m512 a = LDH(g + i);
-        __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        /* a / (1 + e) without the divide (half of this loop's time): VRCP14, one Newton step,
-         * then the quotient corrected by its exact residual (q + (a - q den) / den), which is
-         * within an ulp of the divide, so bf16 roundings agree but for near-ties. */
-        __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e), inv = _mm512_rcp14_ps(den);
-        inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
-        __m512 q = _mm512_mul_ps(a, inv);
-        q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, den, a), inv, q);
-        __m512 sv = rnd16_bf16(q);
-        STH(o + i, _mm512_mul_ps(sv, LDH(u + i)));
-    }
+    for (long i = 0; i < inter; i += 16) STH(o + i, _mm512_mul_ps(silu16_bf16(LDH(g + i)), LDH(u + i)));
 }
 /* head_norm_rope_bf16 16 lanes wide for d % 32 == 0 (rotate-half moves whole 16-lane chunks);
  * the same roundings as the scalar loop. */

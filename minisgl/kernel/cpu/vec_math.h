@@ -1,0 +1,75 @@
+/* Vector math the CPU kernels share (kernels.c, kv_int8.c, amx.c): a branch-free exp, the bf16
+ * roundings of 16 fp32 lanes and the SiLU of bf16 activations. One copy, so a kernel that fuses
+ * SiLU into its store (amx.c) rounds exactly as the separate silu_mul kernel does. */
+#ifndef MINISGL_VEC_MATH_H
+#define MINISGL_VEC_MATH_H
+#include <stdint.h>
+#include <string.h>
+
+/* exp(x), branch-free so loops over it vectorize (libm's expf
+ * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
+ * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float t = x * 1.44269504088896341f;
+    float n = __builtin_rintf(t);
+    float f = t - n;
+    float p = 1.535336188319500e-4f;
+    p = p * f + 1.339887440266574e-3f;
+    p = p * f + 9.618437357674640e-3f;
+    p = p * f + 5.550332471162809e-2f;
+    p = p * f + 2.402264791363012e-1f;
+    p = p * f + 6.931472028550421e-1f;
+    p = p * f + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n); /* p * 2^n, exact (n in [-126, 127] after the clamp) */
+}
+/* fp32 -> bf16 bits, 16 lanes, round to nearest even as f_to_bf16. With AVX512-BF16 that is one
+ * VCVTNEPS2BF16, which differs from f_to_bf16 only on denormals (flushed to zero; below 1.2e-38,
+ * not a value activations take); without it, the bit arithmetic of f_to_bf16. */
+static inline __m256i f16_to_bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+static inline __m512 bf16x16_to_f(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+static inline __m512 rnd16_bf16(__m512 v) { return bf16x16_to_f(f16_to_bf16x16(v)); }
+
+/* silu(a) of 16 bf16 activations a (fp32 lanes holding bf16 values), rounded to bf16 as torch's
+ * silu output is: a / (1 + exp(-a)) without the divide (half of the loop's time): VRCP14, one
+ * Newton step, then the quotient corrected by its exact residual (q + (a - q den) / den), which
+ * is within an ulp of the divide, so bf16 roundings agree but for near-ties. */
+static inline __m512 silu16_bf16(__m512 a) {
+    __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), a));
+    __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), e), inv = _mm512_rcp14_ps(den);
+    inv = _mm512_mul_ps(inv, _mm512_fnmadd_ps(den, inv, _mm512_set1_ps(2.0f)));
+    __m512 q = _mm512_mul_ps(a, inv);
+    q = _mm512_fmadd_ps(_mm512_fnmadd_ps(q, den, a), inv, q);
+    return rnd16_bf16(q);
+}
+#endif
+#endif
