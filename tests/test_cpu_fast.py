@@ -423,8 +423,9 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_prefill_gate_up_silu_in_one_pass_changes_no_bits(tiny_model_dir, name):
-    """A bf16 prefill long enough for the AMX many-rows path runs gate_up and SiLU as one pass
-    (`CpuDecodeRunner._mlp_act`): the logits are bitwise those of the two-step MLP."""
+    """A bf16 engine keeps its projections in VNNI tiles and runs gate_up and SiLU as one pass
+    (`CpuDecodeRunner._mlp_act`) for prefills and decode batches on AMX: the logits are bitwise
+    those of the two-step MLP on the same tiles."""
     from minisgl.kernel.cpu import cpu_kernels
 
     kern = cpu_kernels()
@@ -433,19 +434,49 @@ def test_prefill_gate_up_silu_in_one_pass_changes_no_bits(tiny_model_dir, name):
     prompts = [[(7 * i + 3) % 250 + 1 for i in range(90)], [(11 * i + 5) % 250 + 1 for i in range(40)]]
     with running_engine(tiny_model_dir(name), max_running_req=2, dtype=torch.bfloat16) as engine:
         runner = engine.cpu_runner
-        assert runner._gemm_silu is not None
-        calls = []
-        fused = runner._gemm_silu
+        gate_ups = [L.gate_up for L in runner.layers]
+        assert all(g.vnni and g.amx_silu is not None for g in gate_ups)
+        fused = gate_ups[0].amx_silu
+        calls: List[int] = []
         results = {}
         reqs = allocated_reqs(engine, prompts, 1)
         for on in (True, False):
-            runner._gemm_silu = (lambda *a: calls.append(a[2]) or fused(*a)) if on else None
+            for g in gate_ups:
+                g.amx_silu = (lambda *a: calls.append(a[2]) or fused(*a)) if on else None
             batch = prepare_batch(engine, reqs, "prefill")
             with torch.inference_mode(), engine.ctx.forward_batch(batch):
                 results[on] = runner.forward(batch, engine.page_table).clone()
-        runner._gemm_silu = fused
-    assert calls and all(m == 130 for m in calls), calls  # every layer but the last (its LM-head rows only)
+        for g in gate_ups:
+            g.amx_silu = fused
+    # every layer's 130 rows but the last layer's (only its two LM-head rows)
+    assert calls == [130] * (len(gate_ups) - 1) + [2], calls
     assert torch.equal(results[True], results[False])
+
+
+def test_module_path_reads_vnni_weights(tiny_model_dir, monkeypatch):
+    """Prompt logprobs take the module path, whose linear layers cannot read the VNNI tiles
+    themselves: they multiply through the runner's kernels (`_Linear.cpu_gemm`). Against the
+    float32 engine's logprobs they are as close as a bf16 engine on plain weights
+    (MINISGL_CPU_VNNI=0) is."""
+    from sched_helpers import greedy, running_llm
+
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    prompt = [(13 * i + 1) % 250 + 1 for i in range(70)]
+    got = {}
+    for label, dtype, vnni in (("vnni", "bfloat16", "1"), ("plain", "bfloat16", "0"), ("fp32", "float32", "1")):
+        monkeypatch.setenv("MINISGL_CPU_VNNI", vnni)
+        with running_llm(tiny_model_dir("qwen3"), dtype=dtype) as llm:
+            proj = llm.scheduler.engine.model.model.layers[0].mlp.gate_up_proj
+            assert (proj.weight.dim() == 5) == (label == "vnni") and (proj.cpu_gemm is not None) == (label == "vnni")
+            (res,) = llm.generate([prompt], greedy(4, prompt_logprobs=1))
+            got[label] = torch.tensor([lp for _, lp, _ in res.prompt_logprobs])
+    err = {k: (got[k] - got["fp32"]).abs() for k in ("vnni", "plain")}
+    assert err["vnni"].mean() <= 1.5 * err["plain"].mean() + 1e-3, (err["vnni"].mean(), err["plain"].mean())
+    assert err["vnni"].max() <= 2 * err["plain"].max() + 1e-2
 
 
 # ---- the embedded model ------------------------------------------------------------------------
@@ -548,33 +579,65 @@ def test_amx_gemm_both_layouts(m, n, k):
             assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("m,inter,k", [(500, 1536, 576), (40, 32, 64), (77, 96, 128), (640, 64, 96)])
-def test_amx_gate_up_silu_is_bitwise_the_two_steps(m, inter, k):
-    """gemm_amx_bf16_silu (the prefill MLP's gate_up GEMM with SiLU in its store, kernel/cpu/amx.c)
-    gives the bits of the AMX GEMM followed by silu_mul, for 1 and 2 threads, strided rows and row
-    tails; it declines the few-rows shapes, where the caller runs the two steps."""
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (3, 80, 64), (9, 48, 64), (64, 3072, 576), (500, 576, 1536), (700, 1008, 96), (2100, 80, 64)])
+def test_vnni_gemms_match_fp32_reference(m, n, k):
+    """The GEMMs on weights in VNNI tiles (layers/quant.py vnni_pack; gemv.c's skinny one, amx.c's
+    for any row count): within one bf16 rounding of the fp32 reference, as torch's bf16 linear is,
+    with bias, strided rows, row tails, an odd number of 16-row blocks, several 1024-row groups
+    and 1 or 2 threads."""
     from minisgl.kernel.cpu import cpu_kernels
+    from minisgl.layers.quant import vnni_pack, vnni_unpack
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_amx:
+        pytest.skip("no C compiler or no AMX here")
+    torch.manual_seed(m + n)
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    packed = vnni_pack(w)
+    assert torch.equal(vnni_unpack(packed), w)
+    assert packed[1, 0, 3, 5, 1] == w[16 + 5, 2 * 3 + 1]  # [block, 32-column block, pair, row, half]
+    bias = torch.randn(n).to(torch.bfloat16)
+    wide = torch.randn(m, k + 32).to(torch.bfloat16)
+    kernels = [kern.lib.gemm_amx_vnni_bf16] + ([kern.lib.gemv_vnni_bf16] if m <= 4 else [])
+    for fn in kernels:
+        for b, x in ((None, wide[:, :k].contiguous()), (bias, wide[:, :k])):
+            for threads in (1, 2):
+                lin = QuantLinear(packed, None, b, gemv=fn, gemv_max_rows=m, nthreads=threads, amx=fn)
+                ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+                ours = lin(x)
+                assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
+                assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all(), (fn, threads)
+                torch_err = (torch.nn.functional.linear(x, w, b).float() - ref).abs().mean()
+                assert (ours.float() - ref).abs().mean() <= 1.5 * torch_err + 1e-6
+
+
+@pytest.mark.parametrize("m,inter,k", [(500, 1536, 576), (2, 32, 64), (40, 32, 64), (77, 96, 128), (700, 64, 96), (2100, 32, 64)])
+def test_vnni_gate_up_silu_is_bitwise_the_two_steps(m, inter, k):
+    """gemm_amx_vnni_silu_bf16 (the MLP's gate_up GEMM with SiLU in its store, kernel/cpu/amx.c)
+    gives the bits of the same GEMM followed by silu_mul, for 1 and 2 threads, strided rows and
+    row tails; shapes it does not tile (inter % 32) are declined, not computed wrongly."""
+    from minisgl.kernel.cpu import cpu_kernels
+    from minisgl.layers.quant import vnni_pack
 
     kern = cpu_kernels()
     if kern is None or not kern.has_amx:
         pytest.skip("no C compiler or no AMX here")
     torch.manual_seed(m)
-    w = (torch.randn(2 * inter, k) * 0.05).to(torch.bfloat16)
+    w = vnni_pack((torch.randn(2 * inter, k) * 0.05).to(torch.bfloat16))
     wide = (torch.randn(m, k + 32) * 2).to(torch.bfloat16)
+    lib = kern.lib
     for x in (wide[:, :k].contiguous(), wide[:, :k]):
         for threads in (1, 2):
             gu = torch.empty(m, 2 * inter, dtype=torch.bfloat16)
-            assert kern.lib.gemm_amx_bf16(x.data_ptr(), x.stride(0), m, w.data_ptr(), 2 * inter, k, None, gu.data_ptr(), threads)
+            assert lib.gemm_amx_vnni_bf16(x.data_ptr(), x.stride(0), m, w.data_ptr(), 2 * inter, k, None, gu.data_ptr(), threads)
             want = torch.empty(m, inter, dtype=torch.bfloat16)
             kern.get("silu_mul", torch.bfloat16)(gu.data_ptr(), want.data_ptr(), m, inter)
             got = torch.full((m, inter), float("nan"), dtype=torch.bfloat16)
-            assert kern.lib.gemm_amx_bf16_silu(x.data_ptr(), x.stride(0), m, w.data_ptr(), inter, k, got.data_ptr(), threads)
+            assert lib.gemm_amx_vnni_silu_bf16(x.data_ptr(), x.stride(0), m, w.data_ptr(), inter, k, got.data_ptr(), threads)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (threads, x.stride(0))
-    # few rows (the y^T = w x^T path), inter off 32 and bias-free only: declined, not computed wrongly
-    x = torch.randn(8, k).to(torch.bfloat16)
-    out = torch.empty(8, inter, dtype=torch.bfloat16)
-    assert not kern.lib.gemm_amx_bf16_silu(x.data_ptr(), k, 8, w.data_ptr(), inter, k, out.data_ptr(), 2)
-    assert not kern.lib.gemm_amx_bf16_silu(wide.data_ptr(), k + 32, m, w.data_ptr(), inter - 16, k, out.data_ptr(), 2)
+    w16 = vnni_pack((torch.randn(2 * inter - 32, k) * 0.05).to(torch.bfloat16))  # inter - 16: off 32
+    out = torch.empty(m, inter, dtype=torch.bfloat16)
+    assert not lib.gemm_amx_vnni_silu_bf16(wide.data_ptr(), k + 32, m, w16.data_ptr(), inter - 16, k, out.data_ptr(), 2)
 
 
 @pytest.mark.parametrize("n", [1, 17, 100, 333])

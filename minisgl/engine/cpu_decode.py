@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from minisgl.core import Batch
 from minisgl.kernel.cpu import SUFFIX, CpuKernels, DecodeGemm, DecodeLayer, DecodeStep, cpu_kernels
 from minisgl.kvcache.pool import KVCachePool
-from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight, pack_bf16
+from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight, pack_bf16, vnni_pack, vnni_packable
 from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
 
@@ -118,6 +118,13 @@ class CpuDecodeRunner:
 
             def lin(mod: Any, name: str) -> QuantLinear:
                 q = quant.get(prefix + name)
+                if mod.weight.dim() == 5:  # stored in VNNI tiles (build_cpu_runner): their kernels
+                    assert ck is not None and gemv is not None and amx is not None
+                    silu = ck.lib.gemm_amx_vnni_silu_bf16 if name == "mlp.gate_up_proj" else None
+                    ql = QuantLinear(mod.weight, q, mod.bias, dense_above, None, ck.lib.gemv_vnni_bf16, nthreads=nt,
+                                     amx=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu)  # fmt: skip
+                    mod.cpu_gemm = ql  # the module path (prompt logprobs) cannot read the tiles itself
+                    return ql
                 packed = pack_bf16(mod.weight) if pack else None
                 return QuantLinear(mod.weight, q, mod.bias, dense_above, packed, gemv, nthreads=nt, amx=amx)
 
@@ -141,8 +148,6 @@ class CpuDecodeRunner:
         # Causal prefill attention on AMX tiles (kernel/cpu/attn_amx.c) for prompts without a cached
         # prefix: 2.4-3.1x SDPA's flash kernel at 100-1000 tokens, 1 thread; SDPA where it declines.
         self._attn_amx = ck.lib.prefill_attention_amx_bf16 if ck is not None and amx is not None else None
-        # gate_up and its SiLU in one AMX pass for prefill-sized row counts (kernel/cpu/amx.c)
-        self._gemm_silu = ck.lib.gemm_amx_bf16_silu if ck is not None and amx is not None else None
         rope = model.model.layers[0].self_attn.attn.rotary  # type: ignore[attr-defined]
         dtype = self.embed.dtype
         self.cos, self.sin = rope.cos.to(dtype), rope.sin.to(dtype)
@@ -198,7 +203,7 @@ class CpuDecodeRunner:
             for name, sp in zip(("qkv", "o", "gate_up", "down"), row):
                 setattr(entry, name, DecodeGemm(*sp))  # type: ignore[misc]
         self._step = DecodeStep(cos=self.cos.data_ptr(), sin=self.sin.data_ptr(), final_norm=self.final_norm.data_ptr(),
-                                hidden=self.embed.shape[1], inter=self.layers[0].gate_up.dense.shape[0] // 2,
+                                hidden=self.embed.shape[1], inter=self.layers[0].gate_up.out_features // 2,
                                 hq=self.hq, hk=self.hk, d=self.d, eps=self.eps, scale=self.scale, nthreads=self.nthreads)  # fmt: skip
         self._decode_layers = k.lib.decode_layers_bf16
         return table
@@ -300,7 +305,7 @@ class CpuDecodeRunner:
         hidden = x.shape[1]
         res, h = torch.empty_like(x), torch.empty_like(x)
         attn = x.new_empty(b, hq * d)
-        inter = self.layers[0].gate_up.dense.shape[0] // 2
+        inter = self.layers[0].gate_up.out_features // 2
         act = x.new_empty(b, inter)
         rms, rope, attend = self._rms_fn, self._rope_fn, self._attn_fn
         pres, ph, pattn = res.data_ptr(), h.data_ptr(), attn.data_ptr()
@@ -344,19 +349,13 @@ class CpuDecodeRunner:
         return self.lm_head(h if last is None else h[last])
 
     def _mlp_act(self, L: _Layer, h: torch.Tensor, act: torch.Tensor) -> None:
-        """act = silu(gate) * up of the MLP input h: one AMX pass where the dense GEMM would take
-        its many-rows path (the gate_up rows, 2 x inter wide, are never written; the same bits as
-        the two steps), else gate_up then silu_mul."""
-        g, b, inter = L.gate_up, h.shape[0], act.shape[1]
-        dense = g.amx is not None and g.bias is None and b > g.gemv_max_rows and (g.quant is None or b > g.dense_above)
-        if (
-            dense
-            and self._gemm_silu is not None
-            and self._gemm_silu(h.data_ptr(), h.stride(0), b, g.dense.data_ptr(), inter, g.dense.shape[1], act.data_ptr(), self.nthreads)
-        ):
+        """act = silu(gate) * up of the MLP input h: gate_up and SiLU in one pass over the VNNI
+        tiles where the AMX GEMM runs (the gate_up rows, 2 x inter wide, are never written; the
+        same bits as the two steps), else gate_up then silu_mul."""
+        if L.gate_up.silu_into(h, act):
             return
-        gu = g(h)
-        self._silu_fn(gu.data_ptr(), act.data_ptr(), b, inter)
+        gu = L.gate_up(h)
+        self._silu_fn(gu.data_ptr(), act.data_ptr(), h.shape[0], act.shape[1])
 
     def _last_layer_rows(self, L: _Layer, qkv: torch.Tensor, res: torch.Tensor, last: torch.Tensor,
                          table_row: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor,
@@ -376,9 +375,8 @@ class CpuDecodeRunner:
         h = torch.empty_like(res_r)
         a = L.o(attn)
         self._rms_fn(a.data_ptr(), res_r.data_ptr(), L.ln2.data_ptr(), h.data_ptr(), r, hidden, eps, 1)
-        gu = L.gate_up(h)
-        act = h.new_empty(r, gu.shape[1] // 2)
-        self._silu_fn(gu.data_ptr(), act.data_ptr(), r, act.shape[1])
+        act = h.new_empty(r, L.gate_up.out_features // 2)
+        self._mlp_act(L, h, act)
         m = L.down(act)
         self._rms_fn(m.data_ptr(), res_r.data_ptr(), self.final_norm.data_ptr(), h.data_ptr(), r, hidden, eps, 1)
         return h
@@ -544,26 +542,35 @@ class _HugeArena:
         return view
 
 
-def _hugepage_weights(model: Any) -> None:
+_PROJECTIONS = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+
+def _place_weights(model: Any, vnni: bool) -> None:
     """Move the bf16 GEMM weights the runner streams (the layers' projections, the LM head) onto
-    transparent huge pages, for the TLB reason of _hugepage_records. One weight at a time: each
-    old storage is freed (and handed back) as its copy lands, so memory peaks at one weight
-    above 1x."""
-    groups: Dict[int, List[torch.nn.Parameter]] = {}
+    transparent huge pages, for the TLB reason of _hugepage_records; with `vnni` the projections
+    land in the AMX tile layout (layers/quant.py vnni_pack), which the C GEMMs read in place
+    instead of re-packing the plain weight on every call. One weight at a time: each old storage
+    is freed (and handed back) as its copy lands, so memory peaks at one weight above 1x."""
+    groups: Dict[int, List[Tuple[str, torch.nn.Parameter]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if name.endswith(("proj.weight", "lm_head.weight", "embed_tokens.weight")) and p.dim() == 2:
             # a tied head is a second parameter on the embedding's storage: both move together
             group = groups.setdefault(p.data_ptr(), [])
-            if all(q is not p for q in group):
-                group.append(p)
-    total = sum(_aligned(g[0].numel() * g[0].element_size()) for g in groups.values())
-    if total < (16 << 20):
-        return
-    arena = _HugeArena(total)
+            if all(q is not p for _, q in group):
+                group.append((name, p))
+
+    def placed(name: str, t: torch.Tensor) -> torch.Tensor:
+        return vnni_pack(t) if vnni and name.endswith(_PROJECTIONS) and vnni_packable(t) else t
+
+    total = sum(_aligned(g[0][1].numel() * g[0][1].element_size()) for g in groups.values())
+    arena = _HugeArena(total) if total >= (16 << 20) else None
     for group in groups.values():
-        view = arena.copy(group[0].data)
-        for p in group:
+        name, first = group[0]
+        t = placed(name, first.data)
+        view = arena.copy(t) if arena is not None else t
+        for _, p in group:
             p.data = view
+        del t
         _release_freed()
 
 
@@ -597,13 +604,24 @@ def build_cpu_runner(model: Any, kv_cache: KVCachePool, device: torch.device, co
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
         return None
     _hugepage_pool(kv_cache)
-    _hugepage_weights(model)
     quant = None
-    if method != "none":
+    if method != "none":  # (from the plain weights, before they move)
         quant = load_quant_weights(model, method, config.model_path)
         _hugepage_records(quant)
         logger.info_rank0(f"CPU decode: {len(quant)} {method} weight matrices for batches <= {DEFAULT_DENSE_ABOVE}")
+    _place_weights(model, vnni=_use_vnni(model))
     return CpuDecodeRunner(model, kv_cache, quant=quant)
+
+
+def _use_vnni(model: Any) -> bool:
+    """The projections go into VNNI tiles where the C kernels that read them are there (AMX and
+    AVX512-BF16, a bf16 model) and nothing asked for another layout (oneDNN's packed copies,
+    MINISGL_CPU_AMX=0 / MINISGL_CPU_VNNI=0)."""
+    env = read_env()
+    if model.model.embed_tokens.weight.dtype != torch.bfloat16 or env.cpu_packed or not env.cpu_amx or not env.cpu_vnni:
+        return False
+    ck = cpu_kernels()
+    return ck is not None and ck.has_amx and ck.has_gemv
 
 
 # A request feeding at most this many tokens (a decode row of a mixed batch, a small prefill

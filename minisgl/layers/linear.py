@@ -8,7 +8,7 @@ one all-reduce per block.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +20,24 @@ from minisgl.utils.misc import div_even
 
 
 class _Linear(ShardedModule):
+    # Set by the CPU runner (engine/cpu_decode.py) when it keeps this weight in the AMX tile layout,
+    # which F.linear cannot read: its C GEMM for the weight, bias included (tp == 1 there), so the
+    # module path (prompt logprobs) multiplies through the same kernels as the runner.
+    cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
         self.in_local, self.out_local = in_local, out_local
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
 
+    def _cpu_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.cpu_gemm is not None
+        return self.cpu_gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_gemm is not None:
+            return self._cpu_gemm(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -97,5 +108,7 @@ class RowParallelLinear(_Linear):
         return narrow_rank(full, 1, self.in_local, get_tp_info().rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_gemm is not None:  # (tp == 1: no all-reduce)
+            return self._cpu_gemm(x)
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

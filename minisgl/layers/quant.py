@@ -249,32 +249,70 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def vnni_pack(w: torch.Tensor) -> torch.Tensor:
+    """A [n, k] bf16 weight in the AMX tile unit's B layout (kernel/cpu/amx.c gemm_amx_vnni_bf16):
+    [n / 16, k / 32, 16, 16, 2], element [b, q, p, c, e] = w[16 b + c, 32 q + 2 p + e]: per 16
+    output rows and 32 inputs one 1 KiB tile whose 64-byte row p holds the 16 rows' pair
+    (2p, 2p + 1). The C GEMMs read it in place (no per-call re-pack); n % 16 == k % 32 == 0."""
+    n, k = w.shape
+    return w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def vnni_unpack(t: torch.Tensor) -> torch.Tensor:
+    """The plain [n, k] weight of a `vnni_pack` tensor."""
+    nb, kb = t.shape[:2]
+    return t.permute(0, 3, 1, 2, 4).reshape(nb * 16, kb * 32)
+
+
+def vnni_packable(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.dtype == torch.bfloat16 and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
+
+
 class QuantLinear:
     """y = x W^T (+ b) that reads the quantized weight for small row counts (memory-bound decode)
     and the dense one above `dense_above` rows (compute-bound: prefill, large batches); the dense
     weight in oneDNN's packed layout when `packed` is given. With `gemv` (the C bf16 skinny GEMM,
     kernel/cpu) dense calls of <= `gemv_max_rows` rows read the plain bf16 weight in place; with
-    `amx` (the C AMX GEMM) the larger ones do too (torch's GEMM where a kernel declines)."""
+    `amx` (the C AMX GEMM) the larger ones do too (torch's GEMM where a kernel declines).
+
+    A dense weight in VNNI tiles (`vnni_pack`, 5-D) is read by the kernels given for that layout
+    (gemv.c's gemv_vnni_bf16, amx.c's gemm_amx_vnni_bf16, for any row count), and `amx_silu`
+    (gemm_amx_vnni_silu_bf16) runs a [gate | up] weight with its SiLU in one pass (`silu_into`)."""
 
     def __init__(self, dense: torch.Tensor, quant: QuantWeight | None, bias: torch.Tensor | None = None,
                  dense_above: int = DEFAULT_DENSE_ABOVE, packed: torch.Tensor | None = None,
                  gemv: GemvFn | None = None, gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS,
-                 nthreads: int = 1, amx: GemvFn | None = None) -> None:  # fmt: skip
+                 nthreads: int = 1, amx: GemvFn | None = None, amx_silu: Any = None) -> None:  # fmt: skip
         self.dense, self.quant, self.bias = dense, quant, bias
         self.dense_above = dense_above
         self.packed = packed
+        self.vnni = dense.dim() == 5
         ok = dense.dtype == torch.bfloat16 and dense.is_contiguous() and dense.device.type == "cpu"
         ok = ok and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         self.gemv = gemv if ok else None
         self.amx = amx if ok and packed is None else None
+        self.amx_silu = amx_silu if ok and self.vnni and bias is None else None
         self.gemv_max_rows = gemv_max_rows
         self.nthreads = nthreads
         # the quantized weight's C kernel (bf16 activations), bound once: it is the decode hot path
         self.qgemv = quant.c_kernel() if quant is not None and ok else None
         self._bias_ptr = bias.data_ptr() if bias is not None else None
-        self._n, self._k = dense.shape
+        self._n, self._k = (dense.shape[0] * 16, dense.shape[1] * 32) if self.vnni else dense.shape
+        # the AMX GEMM on a plain weight declines above AMX_MAX_ROWS; on VNNI tiles it takes any
+        self._amx_rows = 1 << 62 if self.vnni else AMX_MAX_ROWS
 
-    def decode_spec(self, rows: int) -> tuple[int | None, int, int, int, int, int, int, int | None] | None:
+    @property
+    def out_features(self) -> int:
+        return self._n
+
+    @property
+    def in_features(self) -> int:
+        return self._k
+
+    def _dense_path(self, rows: int) -> bool:
+        return self.quant is None or rows > self.dense_above
+
+    def decode_spec(self, rows: int) -> tuple[int | None, int, int, int, int, int, int, int | None, int] | None:
         """kernel/cpu/decode_loop.c's DecodeGemm for batches of up to `rows` rows: the same choice
         of kernel per row count as __call__ (quantized, skinny bf16, AMX), or None where some row
         count up to `rows` would take torch's path (no C kernel, or one that declines the shape)."""
@@ -287,12 +325,23 @@ class QuantLinear:
         dense_rows = range(q_rows + 1, rows + 1)  # the row counts the dense weight serves
         gemv_rows = self.gemv_max_rows if self.gemv is not None else 0
         if any(r > gemv_rows for r in dense_rows):  # those take AMX: it must take the shape
-            if self.amx is None or self._n % 16 or self._k % 32 or rows > AMX_MAX_ROWS:
+            if self.amx is None or self._n % 16 or self._k % 32 or rows > self._amx_rows:
                 return None
-        return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr
+        return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr, int(self.vnni)
+
+    def silu_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """out = silu(gate) * up for this [gate | up] weight in one pass over its VNNI tiles, where
+        __call__ would take the AMX GEMM; False (nothing written) where it does not apply."""
+        b = x.shape[0]
+        if self.amx_silu is None or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or b <= self.gemv_max_rows:
+            return False
+        if not self._dense_path(b):
+            return False
+        return bool(self.amx_silu(x.data_ptr(), x.stride(0), b, self.dense.data_ptr(), self._n // 2, self._k,
+                                  out.data_ptr(), self.nthreads))  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is None or x.shape[0] > self.dense_above:
+        if self._dense_path(x.shape[0]):
             if x.dtype == torch.bfloat16:
                 fn = self.gemv if x.shape[0] <= self.gemv_max_rows else None
                 c = fn or self.amx
@@ -301,7 +350,10 @@ class QuantLinear:
                     return y
             if self.packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-            return torch.nn.functional.linear(x, self.dense, self.bias)
+            # (a VNNI weight's kernels take every shape; this is only a last resort)
+            w = vnni_unpack(self.dense) if self.vnni else self.dense
+            return torch.nn.functional.linear(x, w, self.bias)
+        assert self.quant is not None
         if self.qgemv is not None and x.dtype == torch.bfloat16:
             y = _c_gemm(self.qgemv, x, self.quant.records.data_ptr(), self._n, self._k, self._bias_ptr, self.nthreads)
             if y is not None:

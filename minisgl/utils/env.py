@@ -57,6 +57,7 @@ class Env:
     cpu_kernels: bool
     cpu_packed: bool
     cpu_amx: bool
+    cpu_vnni: bool
     cc: str | None
 
 
@@ -74,5 +75,6 @@ def read_env() -> Env:
         cpu_kernels=_flag("MINISGL_CPU_KERNELS", True),
         cpu_packed=_flag("MINISGL_CPU_PACKED", False),
         cpu_amx=_flag("MINISGL_CPU_AMX", True),
+        cpu_vnni=_flag("MINISGL_CPU_VNNI", True),
         cc=os.environ.get("CC") or None,
     )

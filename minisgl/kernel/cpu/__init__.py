@@ -48,7 +48,7 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # decode_loop.c's tables (same field order and types as its structs)
 class DecodeGemm(ctypes.Structure):
     _fields_ = [("q", _P), ("q_bits", _L), ("q_rows", _L), ("w", _P), ("gemv_rows", _L), ("n", _L), ("k", _L),
-                ("bias", _P)]  # fmt: skip
+                ("bias", _P), ("vnni", _L)]  # fmt: skip
 
 
 class DecodeLayer(ctypes.Structure):
@@ -113,7 +113,13 @@ class CpuKernels:
         lib.gemm_amx_bf16.argtypes, lib.gemm_amx_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AMX (compiler or CPU) or where Linux refuses the tile state
         self.has_amx = bool(lib.amx_available())
-        lib.gemm_amx_bf16_silu.argtypes, lib.gemm_amx_bf16_silu.restype = [_P, _L, _L, _P, _L, _L, _P, _I], ctypes.c_int
+        # the same GEMMs on weights stored in VNNI tiles (layers/quant.py vnni_pack), and gate_up
+        # with its SiLU in one pass
+        for name in ("gemm_amx_vnni_bf16", "gemv_vnni_bf16"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = lib.gemv_bf16.argtypes, ctypes.c_int
+        lib.gemm_amx_vnni_silu_bf16.argtypes = [_P, _L, _L, _P, _L, _L, _P, _I]
+        lib.gemm_amx_vnni_silu_bf16.restype = ctypes.c_int
         lib.qgemv_available.restype = ctypes.c_int
         for name in ("qgemv_q4_bf16", "qgemv_q8_bf16"):
             fn = getattr(lib, name)

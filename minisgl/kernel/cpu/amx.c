@@ -191,20 +191,37 @@ static void wb_store(const float *c, int two, long row0, long m, long col0, long
 #ifndef AMX_WB_CHUNK
 #define AMX_WB_CHUNK (1l << 20)
 #endif
+/* A VNNI weight is multiplied a chunk of pairs of 16-row blocks at a time against every block of
+ * x: for a prefill-sized x (<= 512 rows) the smallest chunk (64 KiB, its tiles stay in L1/L2 while
+ * x streams from L2): the embedded model's 120 GEMMs at 500 rows, huge pages: 56.0 ms in 1 MiB
+ * chunks, 52.5 in 128 KiB, 51.9 in 64 KiB; 64 rows 13.8 / 11.9 / 11.7 ms (prefetching the next
+ * chunk: no gain). Row groups of up to 1024 rows (x then streams from L3) take 1 MiB chunks:
+ * at 4096 rows 12.0 ms for 4 GEMMs in 512-row groups of 64 KiB chunks, 10.9 in 1024 / 1 MiB
+ * (oneDNN on the plain weight 9.9, without the SiLU that ours includes). */
+#ifndef VNNI_CHUNK
+#define VNNI_CHUNK (64l << 10)
+#endif
+#ifndef VNNI_CHUNK_MANY
+#define VNNI_CHUNK_MANY (1l << 20)
+#endif
+#ifndef VNNI_ROW_GROUP
+#define VNNI_ROW_GROUP 1024 /* a multiple of 16 */
+#endif
 /* y = x w^T for many rows, blocked for the caches: the weight is packed into B tiles a chunk of
  * column pairs at a time (<= 1 MiB, L2; each pair packed on first use, next to its first
  * products), and each 32-row block of x (<= 96 KiB, L1/L2) passes every pair of the chunk while
  * its output rows are written whole. x is read once per chunk, the weight once in all. (Packing
  * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.) */
 static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
-                   long k, const uint16_t *bias, uint16_t *y, long p0, long p1, long inter) {
+                   long k, const uint16_t *bias, uint16_t *y, long p0, long p1, long inter, int vnni) {
     const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256, half = inter ? n / 64 : 0;
-    long cp = AMX_WB_CHUNK / (pair_sz * 4);
+    long cp = (!vnni ? AMX_WB_CHUNK : m > VNNI_ROW_GROUP / 2 ? VNNI_CHUNK_MANY : VNNI_CHUNK) / (pair_sz * 4);
     cp = cp < 1 ? 1 : (cp > p1 - p0 ? p1 - p0 : cp);
     if (inter) cp = cp < 2 ? 2 : cp & ~1l; /* whole couples per chunk (p0, p1 are even) */
-    uint32_t *wpk = amx_scratch(cp * pair_sz * 4 + 2 * 4096 + 2048);
+    const long packed_words = vnni ? 0 : cp * pair_sz; /* a VNNI weight is read in place */
+    uint32_t *wpk = amx_scratch(packed_words * 4 + 2 * 4096 + 2048);
     if (!wpk) return 0;
-    float *cbs = (float *)(wpk + cp * pair_sz);
+    float *cbs = (float *)(wpk + packed_words);
     uint16_t *gs = (uint16_t *)(cbs + 2048); /* a couple's rounded gate block (fused SiLU) */
     /* the previous block's C tiles wait in one of two buffers and are rounded to bf16 a tile per
      * step of the next block's K loop: vector work next to the tile unit's, not after it */
@@ -220,15 +237,17 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
             for (long j = c0; j < c1; j++) { /* 32 output columns: two B tiles */
                 long n0 = wb_pair(j, half) * 32;
                 int two = n0 + 16 < n;
-                uint32_t *wp = wpk + (j - c0) * pair_sz;
+                /* the pair's B tiles: in the VNNI weight (16 rows' tiles follow each other) or
+                 * in the chunk's scratch */
+                const uint32_t *wp = vnni ? (const uint32_t *)w + n0 / 16 * kb * 256 : wpk + (j - c0) * pair_sz;
                 float *cb = cbs + flip * 1024, *pb = cbs + (flip ^ 1) * 1024;
                 /* packed on first use: the chunk's first pair here, each next one tile pair per K
                  * step of this one's products (transposes next to the tile unit's work) */
-                if (i == 0 && j == c0) {
-                    pack_rows16(w + n0 * k, k, k, wp);
-                    if (two) pack_rows16(w + (n0 + 16) * k, k, k, wp + kb * 256);
+                if (!vnni && i == 0 && j == c0) {
+                    pack_rows16(w + n0 * k, k, k, wpk);
+                    if (two) pack_rows16(w + (n0 + 16) * k, k, k, wpk + kb * 256);
                 }
-                const int pack_next = i == 0 && j + 1 < c1;
+                const int pack_next = !vnni && i == 0 && j + 1 < c1;
                 const long nn0 = wb_pair(j + 1, half) * 32;
                 const uint16_t *nw = w + nn0 * k;
                 const int next_two = nn0 + 16 < n;
@@ -238,8 +257,9 @@ static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
                 _tile_zero(3);
                 for (long q = 0; q < kb; q++) {
                     if (pack_next) {
-                        transpose16(nw + q * 32, k * 2, wp + pair_sz + q * 256);
-                        if (next_two) transpose16(nw + 16 * k + q * 32, k * 2, wp + pair_sz + (kb + q) * 256);
+                        uint32_t *nwp = wpk + (j + 1 - c0) * pair_sz;
+                        transpose16(nw + q * 32, k * 2, nwp + q * 256);
+                        if (next_two) transpose16(nw + 16 * k + q * 32, k * 2, nwp + (kb + q) * 256);
                     }
                     _tile_loadd(4, a0 + q * 32, s0);
                     _tile_loadd(6, wp + q * 256, 64);
@@ -314,37 +334,53 @@ int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n
         amx_config();
         int t = omp_get_thread_num(), T = omp_get_num_threads();
         long p0 = pairs * t / T, p1 = pairs * (t + 1) / T;
-        ok = wa ? gemm_wa(x, ldx, m, xpad, w, n, k, bias, y, p0, p1) : gemm_wb(x, ldx, m, xpad, w, n, k, bias, y, p0, p1, 0);
+        ok = wa ? gemm_wa(x, ldx, m, xpad, w, n, k, bias, y, p0, p1) : gemm_wb(x, ldx, m, xpad, w, n, k, bias, y, p0, p1, 0, 0);
         _tile_release();
     }
     free(xpad);
     return ok; /* 0 only where a scratch buffer could not be had: the caller recomputes */
 }
 
-/* act[m, inter] = silu(x w_gate^T) * (x w_up^T) for w = [gate | up] ([2 inter, k], no bias), with
- * the roundings of gemm_amx_bf16 followed by silu_mul: the prefill MLP's gate_up product and its
- * SiLU in one pass (the 2 x inter-wide rows are never written). Only where gemm_amx_bf16 takes
- * its many-rows path (gemm_wb); returns 0 otherwise, and the caller runs the two steps. */
-int gemm_amx_bf16_silu(const uint16_t *x, long ldx, long m, const uint16_t *w, long inter, long k,
-                       uint16_t *act, int nthreads) {
-    const long n = 2 * inter;
-    if (inter % 32 || k % 32 || m < 1 || m > AMX_MAX_ROWS || k * 2 > (1l << 30) || AMX_WA_ROWS) return 0;
-    if (m * (k + n) < n * k || !amx_request()) return 0;
-    const long couples = n / 64;
+/* The GEMM on a weight stored in VNNI tiles (`vnni_pack` in layers/quant.py): w[n / 16][k / 32]
+ * 1 KiB B tiles, tile row p = the 16 rows' bf16 pairs (2p, 2p + 1) of that 32-column block: the
+ * layout the tile unit multiplies, so nothing is transposed per call (re-packing the plain weight
+ * was ~25% of a 500-row GEMM here), for any number of rows. With inter > 0, w = [gate | up]
+ * (n = 2 inter, no bias) and y = act = silu(gate) * up, the roundings of the GEMM followed by
+ * silu_mul, bitwise (wb_store); returns 0 (the caller falls back) only for shapes it does not
+ * tile or without a scratch buffer. */
+static int gemm_vnni(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
+                     uint16_t *y, long inter, int nthreads) {
+    if (k % 32 || n % 16 || m < 1 || (inter && (inter % 32 || bias)) || !amx_request()) return 0;
+    const long units = inter ? n / 64 : (n / 16 + 1) / 2; /* pairs of 16-row blocks, or gate/up couples */
     int ok;
     uint16_t *xpad = pad_rows(x, ldx, m, k, &ok);
     if (!ok) return 0;
-    int nt = couples < nthreads ? (int)couples : nthreads;
+    int nt = units < nthreads ? (int)units : nthreads;
 #pragma omp parallel num_threads(nt) reduction(& : ok)
     {
         amx_config();
         int t = omp_get_thread_num(), T = omp_get_num_threads();
-        long p0 = 2 * (couples * t / T), p1 = 2 * (couples * (t + 1) / T);
-        ok = gemm_wb(x, ldx, m, xpad, w, n, k, NULL, act, p0, p1, inter);
+        long u0 = units * t / T, u1 = units * (t + 1) / T, per = inter ? 2 : 1, ldy = inter ? inter : n;
+        /* rows in groups that stay in L2 while the weight passes: each pair multiplies every block of
+         * x, so a 4096-row x would stream from L3 once per pair (the weight is re-read per group) */
+        for (long g0 = 0; g0 < m && ok; g0 += VNNI_ROW_GROUP) {
+            long mg = m - g0 < VNNI_ROW_GROUP ? m - g0 : VNNI_ROW_GROUP;
+            ok = gemm_wb(x + g0 * ldx, ldx, mg, g0 + mg == m ? xpad : NULL, w, n, k, bias, y + g0 * ldy, u0 * per,
+                         u1 * per, inter, 1);
+        }
         _tile_release();
     }
     free(xpad);
     return ok;
+}
+int gemm_amx_vnni_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k,
+                       const uint16_t *bias, uint16_t *y, int nthreads) {
+    return gemm_vnni(x, ldx, m, w, n, k, bias, y, 0, nthreads);
+}
+/* act[m, inter] = silu(x w_gate^T) * (x w_up^T), w the VNNI tiles of [gate | up] ([2 inter, k]) */
+int gemm_amx_vnni_silu_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long inter, long k,
+                            uint16_t *act, int nthreads) {
+    return gemm_vnni(x, ldx, m, w, 2 * inter, k, NULL, act, inter, nthreads);
 }
 int amx_available(void) { return amx_request(); }
 #else
@@ -353,7 +389,13 @@ int gemm_amx_bf16(const void *x, long ldx, long m, const void *w, long n, long k
     (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
     return 0;
 }
-int gemm_amx_bf16_silu(const void *x, long ldx, long m, const void *w, long inter, long k, void *act, int nthreads) {
+int gemm_amx_vnni_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
+                       void *y, int nthreads) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
+    return 0;
+}
+int gemm_amx_vnni_silu_bf16(const void *x, long ldx, long m, const void *w, long inter, long k, void *act,
+                            int nthreads) {
     (void)x, (void)ldx, (void)m, (void)w, (void)inter, (void)k, (void)act, (void)nthreads;
     return 0;
 }

@@ -39,16 +39,21 @@ int qgemv_q8_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n,
 
 int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
                   uint16_t *y, int nthreads);
+int gemv_vnni_bf16(const uint16_t *x, long ldx, long m, const uint32_t *w, long n, long k, const uint16_t *bias,
+                   uint16_t *y, int nthreads);
+int gemm_amx_vnni_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
+                       uint16_t *y, int nthreads);
 
 /* One projection, dispatched by the batch's rows as QuantLinear does: the quantized records for
  * <= q_rows rows (q_bits 4 or 8; 0: none), else the bf16 skinny GEMM for <= gemv_rows rows, else
- * the AMX GEMM (the caller checked it takes the shape). */
+ * the AMX GEMM (the caller checked it takes the shape); both on the VNNI tiles where vnni is set. */
 typedef struct {
     const void *q;
     long q_bits, q_rows;
     const uint16_t *w;
     long gemv_rows, n, k;
     const uint16_t *bias; /* NULL: none */
+    long vnni;            /* w is in VNNI tiles (layers/quant.py vnni_pack) */
 } DecodeGemm;
 typedef struct {
     const uint16_t *ln1, *ln2, *q_norm, *k_norm; /* the norms may be NULL */
@@ -70,6 +75,9 @@ typedef struct {
 static int run_gemm(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *y, int nt) {
     if (g->q_bits && m <= g->q_rows)
         return (g->q_bits == 4 ? qgemv_q4_bf16 : qgemv_q8_bf16)(x, g->k, m, (const uint8_t *)g->q, g->n, g->k, g->bias, y, nt);
+    if (g->vnni)
+        return m <= g->gemv_rows ? gemv_vnni_bf16(x, g->k, m, (const uint32_t *)g->w, g->n, g->k, g->bias, y, nt)
+                                 : gemm_amx_vnni_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
     if (m <= g->gemv_rows) return gemv_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
     return gemm_amx_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
 }

@@ -17,6 +17,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
+#include <omp.h>
 /* Prefetch distances in tiles (R weight rows each): the next tile into L1, the one PF_L2 ahead
  * into L2. A batch-1 bf16 decode step of the embedded model (2 threads, context 500, min of 8):
  * L1 at 2 tiles alone 10.8-11.1 ms; adding L2 at 8: 9.1; L1 at 1 and L2 at 2-6: 8.4-8.8. */
@@ -107,10 +108,91 @@ int gemv_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, lo
     }
     return 1;
 }
+
+/* The same product on a weight in VNNI tiles (amx.c's gemm_amx_vnni_bf16 layout: w[n / 16][k / 32]
+ * tiles of 16 pair rows x 16 output rows): each 64-byte tile row holds one bf16 pair of 16
+ * outputs, so one VDPBF16PS with the activation's pair broadcast adds it to the 16 outputs' lanes
+ * (no horizontal sums), and each 16-row block is one contiguous stream. JB blocks at a time keep
+ * JB x M accumulator chains in flight. */
+#ifndef VNNI_JB1
+#define VNNI_JB1 8 /* 16-row blocks at a time for one row: 2 / 4 / 6 / 8 gave 6.6 / 6.4-6.9 / 6.1-6.5 / 6.2-6.5 ms */
+#endif
+#ifndef VNNI_PF
+#define VNNI_PF 1024 /* bytes ahead of each block's stream, into L2 (the 120 GEMMs of a batch-1 step: 512 B-8 KiB within noise) */
+#endif
+static inline __attribute__((always_inline)) void gemv_vnni_tile(
+    const uint16_t *x, long ldx, const uint32_t *w, long kb, long jb0, const uint16_t *bias, uint16_t *y,
+    long ldy, const int JB, const int M) {
+    __m512 acc[JB][M];
+    for (int j = 0; j < JB; j++)
+        for (int m = 0; m < M; m++) acc[j][m] = _mm512_setzero_ps();
+    const uint32_t *wb[JB];
+    for (int j = 0; j < JB; j++) wb[j] = w + (jb0 + j) * kb * 256;
+    for (long q = 0; q < kb; q++) {
+        for (int j = 0; j < JB; j++)
+            for (int l = 0; l < 1024; l += 64) _mm_prefetch((const char *)(wb[j] + q * 256) + VNNI_PF + l, _MM_HINT_T1);
+        for (int p = 0; p < 16; p++) {
+            __m512bh xv[M];
+            for (int m = 0; m < M; m++) {
+                uint32_t pair;
+                memcpy(&pair, x + m * ldx + q * 32 + 2 * p, 4);
+                xv[m] = (__m512bh)_mm512_set1_epi32((int)pair);
+            }
+            for (int j = 0; j < JB; j++) {
+                __m512bh wv = (__m512bh)_mm512_loadu_si512(wb[j] + q * 256 + p * 16);
+                for (int m = 0; m < M; m++) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], wv, xv[m]);
+            }
+        }
+    }
+    for (int j = 0; j < JB; j++) {
+        long n0 = (jb0 + j) * 16;
+        __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
+                        : _mm512_setzero_ps();
+        for (int m = 0; m < M; m++)
+            _mm256_storeu_si256((__m256i *)(y + m * ldy + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][m], b)));
+    }
+}
+
+/* y = x w^T for the few rows of a decode step, w in VNNI tiles (n % 16 == 0, k % 32 == 0; 0 if
+ * not). The 16-row blocks are split over the threads; every activation row runs over each. */
+int gemv_vnni_bf16(const uint16_t *x, long ldx, long m, const uint32_t *w, long n, long k,
+                   const uint16_t *bias, uint16_t *y, int nthreads) {
+    if (n % 16 || k % 32 || m < 1) return 0;
+    const long nb = n / 16, kb = k / 32;
+    int nt = n * k < (1l << 16) ? 1 : nthreads;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), T = omp_get_num_threads();
+        long b0 = nb * t / T, b1 = nb * (t + 1) / T;
+        for (long m0 = 0; m0 < m; m0 += 4) {
+            const uint16_t *xm = x + m0 * ldx;
+            uint16_t *ym = y + m0 * n;
+            long jb = b0;
+#define VNNI_CASE(MM, JJ)                                                                          \
+    case MM:                                                                                       \
+        for (; jb + JJ <= b1; jb += JJ) gemv_vnni_tile(xm, ldx, w, kb, jb, bias, ym, n, JJ, MM);   \
+        for (; jb < b1; jb++) gemv_vnni_tile(xm, ldx, w, kb, jb, bias, ym, n, 1, MM);              \
+        break;
+            switch (m - m0 < 4 ? m - m0 : 4) {
+                VNNI_CASE(1, VNNI_JB1)
+                VNNI_CASE(2, 4)
+                VNNI_CASE(3, 2)
+                VNNI_CASE(4, 2)
+            }
+#undef VNNI_CASE
+        }
+    }
+    return 1;
+}
 int gemv_available(void) { return 1; }
 #else
 int gemv_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
               void *y, int nthreads) {
+    (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
+    return 0;
+}
+int gemv_vnni_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
+                   void *y, int nthreads) {
     (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
     return 0;
 }
