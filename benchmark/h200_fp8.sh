@@ -24,7 +24,9 @@ for part in ${*:-tests sweep offline}; do
              export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
     sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
-    offline) for r in ${REPS:-1}; do off "triton_auto_$r" --attention-backend triton; off "triton_fp8_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3
+    offline) NOFF=$(( ${NOFF:-0} + 1 ))  # a second "offline" part in one call gets its own labels
+             for r in ${REPS:-1}; do [ $NOFF -gt 1 ] && r="${NOFF}_$r"
+               off "triton_auto_$r" --attention-backend triton; off "triton_fp8_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3
                if [ -n "${FP8_AB:-}" ]; then for k in dot words; do  # the fp8 decode kernels (auto = the CUDA-core one)
                  MINISGL_FP8_DECODE=$k off "triton_fp8${k}_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3; done; fi; done ;;
     fi) off fi_tc_auto --attention-backend flashinfer
