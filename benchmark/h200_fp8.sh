@@ -43,7 +43,7 @@ for part in ${*:-tests sweep offline}; do
     cudatests) MINISGL_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
                tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_kv_dtype.py \
                -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
-    engine) timeout 300 python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
+    engine) timeout ${ENGINE_TIMEOUT:-300} python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
   esac
 done
 echo "=== done $(date +%T) t=$(( $(date +%s) - T0 ))s"
