@@ -19,6 +19,9 @@ attend to keys `[0, position]` (causal with the cached-prefix offset), keys read
 
 An fp8_e4m3 pool (kv_cache_dtype) is stored through `to_kv_cache` (the pool's reference bytes) and
 widened exactly as tiles load: to the model dtype in extend, to fp16 in a bf16 model's decode.
+Decode over fp8 with a GQA group of at most CC_MAX_GROUP runs a CUDA-core kernel instead of stage
+1 (`_decode_cc_kernel`, same grid, same outputs): no tensor-core dot, whose operand layout change
+costs per-byte shared-memory loads on an 8-bit tile.
 
 All softmax arithmetic is float32 in base 2 (the scale is pre-multiplied by log2(e)). Float32
 inputs use IEEE dots (not TF32) so float32 models match the reference exactly enough for greedy
@@ -50,6 +53,9 @@ FP8_DOT = os.environ.get("MINISGL_FP8_DOT", "f16")
 # MINISGL_FP8_DECODE=dot always the tensor-core kernel (A/B), =cc always the CUDA-core kernel,
 # =words the tensor-core kernel reading the pool as int32 words (widened before the layout change).
 FP8_DECODE = os.environ.get("MINISGL_FP8_DECODE", "auto")
+# H200, batch 256 x ctx 1000 (docs/PERFORMANCE.md): CUDA-core 140 / 171 / 299 us against the
+# tensor-core kernel's 214 / 215 / 212 us at groups 1 / 2 / 4 (its arithmetic grows with the group,
+# the padded dot's does not)
 CC_MAX_GROUP = 2
 # the CUDA-core kernel's tile: (keys per tile, num_warps) and its page-table / K-V prefetch depth
 # (see _decode_cc_kernel), whatever the batch: a mixed step's decode rows and a graph replay take
