@@ -4,9 +4,10 @@ CUDA-core fp8 kernel's (keys per tile, warps, prefetch depth), Qwen3 heads.
 For each (batch, mean context) the triton backend's own split rule picks the chunks; each config is
 timed as a CUDA graph of 8 calls over 4 layers' pools in turn (KV several times the L2; the graph
 keeps small cases from timing the Python launch), lengths uniform in [ctx/2, 3ctx/2], scattered
-slots, longest-first order. Checked first, every fp8 kernel and config against a float32 reference
-over the fp8 values (poisoned output, relative max error), and the tensor-core kernel's bf16-dot
-mode against the bf16 kernel over the widened values.
+slots, longest-first order. Checked first: every fp8 kernel and config against float32 attention
+over the fp8 values (poisoned output and scratch, max error relative to the largest output).
+Timed: bf16 KV and fp8 through the tensor-core kernel (fp16 dots; over bytes and over int32
+words), and the CUDA-core kernel's configs.
     python3 benchmark/kv_fp8_sweep.py --cases 256x1000,64x600,8x1000 --out sweep.json
     python3 benchmark/kv_fp8_sweep.py --heads 40x8 --cases 256x1000 --quick   # Qwen3-14B's group of 5
 """
