@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 14, fp8 KV cache and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
+# Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
 # parts: fisetup tests sweep offline fi latency peer offline14b cudatests engine
 # fisetup needs .whl-fi (flashinfer-python 0.7.0.post1 + apache-tvm-ffi 0.1.15.post2) one folder up or here;
@@ -24,8 +24,11 @@ for part in ${*:-tests sweep offline}; do
              export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
     sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
-    offline) for r in ${REPS:-1}; do off "triton_auto_$r" --attention-backend triton; off "triton_fp8_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3
-               [ -n "${FP8_AB:-}" ] && MINISGL_FP8_DOT=f16 off "triton_fp8f16_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
+    offline) NOFF=$(( ${NOFF:-0} + 1 ))  # a second "offline" part in one call gets its own labels
+             for r in ${REPS:-1}; do [ $NOFF -gt 1 ] && r="${NOFF}_$r"
+               off "triton_auto_$r" --attention-backend triton; off "triton_fp8_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3
+               if [ -n "${FP8_AB:-}" ]; then for k in dot words; do  # the fp8 decode kernels (auto = the CUDA-core one)
+                 MINISGL_FP8_DECODE=$k off "triton_fp8${k}_$r" --attention-backend triton --kv-cache-dtype fp8_e4m3; done; fi; done ;;
     fi) off fi_tc_auto --attention-backend flashinfer
         off fi_tc_fp8 --attention-backend flashinfer --kv-cache-dtype fp8_e4m3
         [ -n "${FI_NOTC:-}" ] && MINISGL_FLASHINFER_TENSOR_CORES=0 off fi_notc_auto --attention-backend flashinfer ;;
@@ -40,7 +43,7 @@ for part in ${*:-tests sweep offline}; do
     cudatests) MINISGL_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
                tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_kv_dtype.py \
                -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
-    engine) timeout 300 python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
+    engine) timeout ${ENGINE_TIMEOUT:-300} python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
   esac
 done
 echo "=== done $(date +%T) t=$(( $(date +%s) - T0 ))s"

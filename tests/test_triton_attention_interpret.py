@@ -124,16 +124,26 @@ def reference(q, i, n, first):  # queries of request i at positions first.. atte
     return torch.einsum("hqk,khd->qhd", s.softmax(-1), vv)
 
 
+import minisgl.kernel.triton_attention as TA
+
+# every e4m3 magnitude class: subnormals, the largest finite (+-448), zeros of both signs
+k8.view(-1)[:6] = torch.tensor([2.0**-9, -(2.0**-7), 448.0, -448.0, 0.0, -0.0]).to(fp8)
 q = torch.randn(len(lens), Hq, D).to(torch.bfloat16)
 ref = torch.stack([reference(q[i : i + 1], i, n, n - 1)[0] for i, n in enumerate(lens)])
-for S in (1, 4):
-    out = torch.full_like(q, float("nan"))
-    splits = torch.tensor([min(S, -(-n // 16)) for n in lens])
-    mid_o, mid_lse = torch.empty(len(lens), Hq, S, D), torch.empty(len(lens), Hq, S)
-    decode_attention(q, k8, v8, pt, torch.arange(len(lens)), torch.tensor(lens), splits, mid_o, mid_lse, out, D**-0.5,
-                     block_n=32, num_stages=2)
-    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-    assert err < 8e-3, (S, err)  # the bf16 output's rounding
+# the tensor-core kernel (fp16 dots; over fp8 bytes and over int32 words) and the CUDA-core kernel
+# (1 to 4 keys per thread per tile), direct and split; words are widened from their bits here
+for mode, tile, warps in (("dot", 32, 4), ("words", 32, 4), ("cc", 32, 4), ("cc", 64, 2), ("cc", 128, 4)):
+    TA.FP8_DECODE, TA.CC_TILE = mode, (tile, warps)
+    assert TA.use_cc_decode(q.dtype, fp8, Hq // Hk, D) == (mode == "cc")
+    for S in (1, 4):
+        out = torch.full_like(q, float("nan"))
+        splits = torch.tensor([min(S, -(-n // 16)) for n in lens])
+        mid_o, mid_lse = torch.full((len(lens), Hq, S, D), float("nan")), torch.full((len(lens), Hq, S), float("nan"))
+        decode_attention(q, k8, v8, pt, torch.arange(len(lens)), torch.tensor(lens), splits, mid_o, mid_lse, out,
+                         D**-0.5, block_n=tile, num_warps=warps, num_stages=2)
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 8e-3, (mode, tile, S, err)  # the bf16 output's rounding
+TA.FP8_DECODE, TA.CC_TILE = "auto", (64, 4)
 spec = [(30, 7), (0, 130)]  # (cached, new)
 qe = torch.randn(sum(n for _, n in spec), Hq, D)
 meta = [torch.tensor(x) for x in ([0, 1], [0, 7], [c for c, _ in spec], [n for _, n in spec])]

@@ -248,6 +248,19 @@ COMPILE = textwrap.dedent(
         if kern is not None and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in kern.asm["ptx"]:
             print("FAIL fp8 decode does not run fp16 tensor-core dots")
             failures.append("fp8 decode mma")
+    # the CUDA-core fp8 decode (int32 words of the pool, inline-PTX widening): the loop must keep
+    # the load layout (no layout conversion, no shared memory) and widen with the packed cvt
+    cc = {n: "i32" for n in A._decode_cc_kernel.arg_names if n.startswith("stride")}
+    cc.update({**dec, "K": "*i32", "V": "*i32", "MidO": "*bf16"})
+    for keys, warps, direct in ((4, 4, True), (2, 4, False)):
+        kern = build(A._decode_cc_kernel, cc, dict(GROUP=2, HEAD_DIM=128, BLOCK_H=2, KEYS=keys, STREAMS=4 * warps,
+                     BLOCK_W=32, DIRECT=direct, HAS_ORDER=True, USE_PDL=False, PREFETCH=2, ASM=True), warps, 1)
+        if kern is None:
+            continue
+        loop = kern.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
+        if "convert_layout" in loop or "local_" in loop or "cvt.rn.f16x2.e4m3x2" not in kern.asm["ptx"]:
+            print("FAIL cc decode: a layout change or shared memory in its loop, or no packed e4m3 cvt")
+            failures.append("cc decode loop")
     build(M._count_kernel, {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32("num_pairs", "max_rows")}, {"BLOCK": 1024})
     build(M._segment_kernel, {"Counts": "*i32", "Total": "*i32", **i32("num_experts")}, {"BLOCK_M": 16, "BLOCK_E": 128})
     build(M._scatter_kernel, {"Ids": "*i64", "Cursor": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", **i32("num_pairs")},

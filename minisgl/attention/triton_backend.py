@@ -15,7 +15,8 @@ padded token count replays any mix of decode rows and chunks (engine/mixed_graph
 An fp8_e4m3 pool (`kv_cache_dtype`) is read and written by the same kernels: the store saturates
 and rounds as `KVCachePool._store_quantized` does (the same bytes); attention widens each loaded
 K/V tile exactly (every e4m3 value is a bf16 and an fp16 value), to the model dtype in extend and
-to fp16 in a bf16 model's decode (kernel/triton_attention.py says why).
+to fp16 in a bf16 model's decode (kernel/triton_attention.py says why); decode with a GQA group of
+at most 2 runs a CUDA-core kernel over the pool's int32 words instead (`use_cc_decode`).
 """
 
 from __future__ import annotations

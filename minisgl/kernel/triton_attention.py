@@ -19,6 +19,9 @@ attend to keys `[0, position]` (causal with the cached-prefix offset), keys read
 
 An fp8_e4m3 pool (kv_cache_dtype) is stored through `to_kv_cache` (the pool's reference bytes) and
 widened exactly as tiles load: to the model dtype in extend, to fp16 in a bf16 model's decode.
+Decode over fp8 with a GQA group of at most CC_MAX_GROUP runs a CUDA-core kernel instead of stage
+1 (`_decode_cc_kernel`, same grid, same outputs): no tensor-core dot, whose operand layout change
+costs per-byte shared-memory loads on an 8-bit tile.
 
 All softmax arithmetic is float32 in base 2 (the scale is pre-multiplied by log2(e)). Float32
 inputs use IEEE dots (not TF32) so float32 models match the reference exactly enough for greedy
@@ -45,6 +48,52 @@ F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
 # How decode reads an fp8 pool in a bf16 model (the A/B in docs/PERFORMANCE.md): "f16" (default)
 # fp16 dots; MINISGL_FP8_DOT=bf16 widens to bf16 and keeps bf16 dots (9-25% slower kernel)
 FP8_DOT = os.environ.get("MINISGL_FP8_DOT", "f16")
+# Which decode kernel reads an fp8 pool in a 16-bit model: "auto" (default) the CUDA-core kernel
+# (_decode_cc_kernel) for GQA groups of at most CC_MAX_GROUP, the tensor-core kernel otherwise;
+# MINISGL_FP8_DECODE=dot always the tensor-core kernel (A/B), =cc always the CUDA-core kernel,
+# =words the tensor-core kernel reading the pool as int32 words (widened before the layout change).
+FP8_DECODE = os.environ.get("MINISGL_FP8_DECODE", "auto")
+# H200, batch 256 x ctx 1000 (docs/PERFORMANCE.md): CUDA-core 140 / 171 / 299 us against the
+# tensor-core kernel's 214 / 215 / 212 us at groups 1 / 2 / 4 (its arithmetic grows with the group,
+# the padded dot's does not)
+CC_MAX_GROUP = 2
+# the CUDA-core kernel's tile: (keys per tile, num_warps) and its page-table / K-V prefetch depth
+# (see _decode_cc_kernel), whatever the batch: a mixed step's decode rows and a graph replay take
+# the same tile. benchmark/kv_fp8_sweep.py sets them.
+CC_TILE = (64, 4)
+CC_PREFETCH = 2
+# Triton's interpreter runs no inline PTX: the CUDA-core kernel widens fp8 from the bits there
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _e4m3_words_to_f16(w, ASM: tl.constexpr):
+    """[N, W] int32 words of four e4m3 bytes -> the [N, 4W] fp16 tile (element 4j + i = byte i of
+    word j), widened in the load layout; the dot operand's layout change then moves 16-bit data."""
+    if ASM:
+        h0, h1, h2, h3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }""",
+            constraints="=h,=h,=h,=h,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        h0 = _e4m3_bits(w, 0).to(tl.float16)
+        h1 = _e4m3_bits(w, 8).to(tl.float16)
+        h2 = _e4m3_bits(w, 16).to(tl.float16)
+        h3 = _e4m3_bits(w, 24).to(tl.float16)
+    x = tl.join(tl.join(h0, h2), tl.join(h1, h3))  # [N, W, 2, 2]: element (j, a, b) = byte 2a + b
+    return tl.reshape(x, [w.shape[0], w.shape[1] * 4])
 
 
 @triton.jit
@@ -82,6 +131,8 @@ def _decode_partial_kernel(
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
+    WORDS: tl.constexpr = False,
+    ASM: tl.constexpr = True,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -130,15 +181,25 @@ def _decode_partial_kernel(
             mask_n = offs_n < end
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
+            if WORDS:  # K/V are the fp8 pool's int32 words: widened before any layout change
+                offs_w = tl.arange(0, BLOCK_D // 4)
+                w_mask = mask_n[:, None] & (offs_w[None, :] < HEAD_DIM // 4)
+                kw = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_w[None, :], mask=w_mask, other=0)
+                k = _e4m3_words_to_f16(kw, ASM)
+            else:
+                k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+                k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            v = v.to(kdt)
+            if WORDS:
+                vw = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_w[None, :], mask=w_mask, other=0)
+                v = _e4m3_words_to_f16(vw, ASM)
+            else:
+                v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+                v = v.to(kdt)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -154,6 +215,203 @@ def _decode_partial_kernel(
             o_ptr = MidO + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_d[None, :]
             tl.store(o_ptr, out, mask=mask_h[:, None] & mask_d[None, :])
             tl.store(MidLse + b.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _e4m3x4_to_f32(w, ASM: tl.constexpr):
+    """The four float32 values of int32 words of four e4m3 bytes (byte j is element 4i + j).
+
+    ASM (GPU): two `cvt.rn.f16x2.e4m3x2` per word, then fp16 -> fp32, on the word as loaded (Triton's
+    own fp8 cast unpacks the bytes and re-packs pairs: ~2x the instructions). Otherwise (Triton's
+    interpreter runs no PTX) the same exact values from the bits; an e4m3 NaN byte (never stored:
+    the pool saturates) would read as 480 there."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 lo, hi, a0, a1, b0, b1;
+            .reg .b32 a, b;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 a, lo;
+            cvt.rn.f16x2.e4m3x2 b, hi;
+            mov.b32 {a0, a1}, a;
+            mov.b32 {b0, b1}, b;
+            cvt.f32.f16 $0, a0;
+            cvt.f32.f16 $1, a1;
+            cvt.f32.f16 $2, b0;
+            cvt.f32.f16 $3, b1;
+            }""",
+            constraints="=f,=f,=f,=f,r",
+            args=[w],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        return _e4m3_bits(w, 0), _e4m3_bits(w, 8), _e4m3_bits(w, 16), _e4m3_bits(w, 24)
+
+
+@triton.jit
+def _e4m3_bits(w, shift: tl.constexpr):
+    byte = (w >> shift) & 255
+    e = (byte >> 3) & 15
+    m = (byte & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))  # subnormal: m * 2^-9
+    return tl.where(byte >= 128, -mag, mag)
+
+
+@triton.jit
+def _decode_cc_kernel(
+    Q,
+    K,
+    V,
+    PageTable,
+    Rows,
+    SeqLens,
+    NumSplits,
+    Order,
+    MidO,
+    MidLse,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_pt,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    KEYS: tl.constexpr,
+    STREAMS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    DIRECT: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 2,
+    ASM: tl.constexpr = True,
+):
+    """Decode over an fp8 pool on CUDA cores, for small GQA groups (no tl.dot: a group of 2 would
+    pad to 16 rows, and the dot operands' layout change costs per-byte shared-memory loads).
+
+    K/V are read as int32 words (4 e4m3 values; the pool viewed as int32, strides in words). A
+    tile is [heads, STREAMS, KEYS, words]: 8 lanes cover a key's D (4 words = 16 bytes each, one
+    16-byte load), 4 lanes x num_warps cover STREAMS, KEYS repeat in registers. Each stream keeps
+    its own online softmax (m, l, acc), so the max and the PV sum of a tile never leave the
+    thread; only q.k reduces over D (3 butterfly shuffles). D is kept as 4 interleaved parts
+    (element 4i + j in part j), q and the outputs likewise. The tile never changes layout: nothing
+    goes through shared memory in the loop. The streams are combined once at the end.
+    """
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    kvh = tl.program_id(0)
+    if HAS_ORDER:
+        b = tl.load(Order + tl.program_id(1)).to(tl.int32)
+    else:
+        b = tl.program_id(1)
+    split = tl.program_id(2)
+    n_split = tl.load(NumSplits + b).to(tl.int32)
+    if split < n_split:
+        seq_len = tl.load(SeqLens + b).to(tl.int32)
+        row = tl.load(Rows + b).to(tl.int64)
+        split_len = tl.cdiv(seq_len, n_split)
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+        BLOCK_N: tl.constexpr = KEYS * STREAMS
+
+        offs_h = tl.arange(0, BLOCK_H)[:, None, None, None]
+        heads = kvh * GROUP + offs_h
+        offs_w = tl.arange(0, BLOCK_W)[None, None, None, :]
+        mask_w = offs_w < HEAD_DIM // 4
+        # key n0 + r * STREAMS + s of a tile goes to stream s (dim 1), register r (dim 2)
+        offs_s = tl.arange(0, STREAMS)
+        offs_r = tl.arange(0, KEYS)
+        offs_t = offs_s[None, :, None, None] + offs_r[None, None, :, None] * STREAMS
+        offs_t3 = offs_s[None, :, None] + offs_r[None, None, :] * STREAMS
+        q_ptr = Q + b.to(tl.int64) * stride_qt + heads * stride_qh + 4 * offs_w
+        q_mask = (offs_h < GROUP) & mask_w
+        # the scale is folded into q: one multiply per q value, not per score
+        q0 = tl.load(q_ptr, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        q1 = tl.load(q_ptr + 1, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        q2 = tl.load(q_ptr + 2, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        q3 = tl.load(q_ptr + 3, mask=q_mask, other=0.0).to(tl.float32) * qk_scale
+        m_i = tl.full([BLOCK_H, STREAMS], -1.0e30, dtype=tl.float32)  # finite: an empty stream never NaNs
+        l_i = tl.zeros([BLOCK_H, STREAMS], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_H, STREAMS, 1, BLOCK_W], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_H, STREAMS, 1, BLOCK_W], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_H, STREAMS, 1, BLOCK_W], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, STREAMS, 1, BLOCK_W], dtype=tl.float32)
+        pt_row = PageTable + row * stride_pt
+        k_base = K + kvh * stride_kh + offs_w
+        v_base = V + kvh * stride_vh + offs_w
+
+        # PREFETCH 1: tile i + 1's K/V loads are issued before tile i's arithmetic; 2: and its page
+        # table entries one tile earlier still (the K/V addresses wait on them, in-order issue)
+        if PREFETCH >= 1:
+            slots = tl.load(pt_row + start + offs_t, mask=start + offs_t < end, other=0).to(tl.int64)
+            kw_nxt = tl.load(k_base + slots * stride_ks, mask=mask_w, other=0)
+            vw_nxt = tl.load(v_base + slots * stride_vs, mask=mask_w, other=0)
+            if PREFETCH == 2:
+                nxt = start + BLOCK_N + offs_t
+                slots = tl.load(pt_row + nxt, mask=nxt < end, other=0).to(tl.int64)
+        for n0 in range(start, end, BLOCK_N):
+            if PREFETCH >= 1:
+                kw = kw_nxt
+                vw = vw_nxt
+                nxt = n0 + BLOCK_N + offs_t
+                if PREFETCH == 1:
+                    slots = tl.load(pt_row + nxt, mask=nxt < end, other=0).to(tl.int64)
+                kw_nxt = tl.load(k_base + slots * stride_ks, mask=(nxt < end) & mask_w, other=0)
+                vw_nxt = tl.load(v_base + slots * stride_vs, mask=(nxt < end) & mask_w, other=0)
+                if PREFETCH == 2:
+                    nxt2 = nxt + BLOCK_N
+                    slots = tl.load(pt_row + nxt2, mask=nxt2 < end, other=0).to(tl.int64)
+            else:
+                cur = n0 + offs_t
+                slots = tl.load(pt_row + cur, mask=cur < end, other=0).to(tl.int64)
+                kw = tl.load(k_base + slots * stride_ks, mask=(cur < end) & mask_w, other=0)
+                vw = tl.load(v_base + slots * stride_vs, mask=(cur < end) & mask_w, other=0)
+            k0, k1, k2, k3 = _e4m3x4_to_f32(kw, ASM)
+            qk = tl.sum(q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3, axis=3)  # [H, STREAMS, KEYS]
+            qk = tl.where(n0 + offs_t3 < end, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=2))
+            p3 = tl.exp2(qk - m_new[:, :, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p3, axis=2)
+            p = p3[:, :, :, None]
+            m_i = m_new
+            a4 = alpha[:, :, None, None]
+            v0, v1, v2, v3 = _e4m3x4_to_f32(vw, ASM)
+            acc0 = acc0 * a4 + tl.sum(p * v0, axis=2, keep_dims=True)
+            acc1 = acc1 * a4 + tl.sum(p * v1, axis=2, keep_dims=True)
+            acc2 = acc2 * a4 + tl.sum(p * v2, axis=2, keep_dims=True)
+            acc3 = acc3 * a4 + tl.sum(p * v3, axis=2, keep_dims=True)
+
+        # combine the streams (once per program: the only cross-warp reduction)
+        m = tl.max(m_i, axis=1)  # [H]
+        wt = tl.exp2(m_i - m[:, None])
+        l_sum = tl.sum(l_i * wt, axis=1)
+        has = l_sum > 0.0  # an empty chunk (start >= seq_len) contributes weight 0, never NaN
+        safe_l = tl.where(has, l_sum, 1.0)
+        wt4 = (wt / safe_l[:, None])[:, :, None, None]
+        o_ptr = MidO + b.to(tl.int64) * stride_ob + heads * stride_oh + 4 * offs_w
+        if not DIRECT:
+            o_ptr += split * stride_os
+        odt = MidO.dtype.element_ty
+        tl.store(o_ptr, tl.sum(acc0 * wt4, axis=1, keep_dims=True).to(odt), mask=q_mask)
+        tl.store(o_ptr + 1, tl.sum(acc1 * wt4, axis=1, keep_dims=True).to(odt), mask=q_mask)
+        tl.store(o_ptr + 2, tl.sum(acc2 * wt4, axis=1, keep_dims=True).to(odt), mask=q_mask)
+        tl.store(o_ptr + 3, tl.sum(acc3 * wt4, axis=1, keep_dims=True).to(odt), mask=q_mask)
+        if not DIRECT:
+            lse = tl.where(has, m + tl.log2(safe_l), float("-inf"))
+            hh = kvh * GROUP + tl.arange(0, BLOCK_H)
+            tl.store(MidLse + b.to(tl.int64) * stride_lb + hh * stride_lh + split, lse, mask=tl.arange(0, BLOCK_H) < GROUP)
 
 
 @triton.jit
@@ -297,6 +555,53 @@ def decode_tile(batch_size: int, dtype: torch.dtype) -> int:
     return 64 if 16 < batch_size < 128 else 128
 
 
+def use_cc_decode(q_dtype: torch.dtype, kv_dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether decode runs the CUDA-core kernel (fp8 pool, 16-bit model, small GQA group)."""
+    if kv_dtype != torch.float8_e4m3fn or q_dtype not in (torch.bfloat16, torch.float16) or head_dim % 16:
+        return False
+    return FP8_DECODE == "cc" or (FP8_DECODE == "auto" and group <= CC_MAX_GROUP)
+
+
+def _decode_cc(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_splits: torch.Tensor,
+    order: torch.Tensor | None,
+    dst: torch.Tensor,
+    dst_strides: tuple[int, int, int],
+    mid_lse: torch.Tensor,
+    sm_scale: float,
+    pdl: bool,
+) -> None:
+    B, Hq, D = q.shape
+    Hk = k_cache.shape[1]
+    group = Hq // Hk
+    S = mid_lse.shape[2]
+    block_n, num_warps = CC_TILE
+    lanes_d = min(32, triton.next_power_of_2(D) // 16)  # 16 bytes (4 words) per lane across D
+    streams = 32 // lanes_d * num_warps
+    keys = max(1, block_n // streams)
+    # the pool as int32 words of 4 e4m3 values (slot and head strides in words); the interpreter
+    # keeps the fp8 view and widens from bits (the same int32 words, read through a bitcast)
+    kw, vw = k_cache.view(torch.int32), v_cache.view(torch.int32)
+    _decode_cc_kernel[(Hk, B, S)](
+        q, kw, vw, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
+        sm_scale * LOG2E,
+        q.stride(0), q.stride(1),
+        kw.stride(0), kw.stride(1), vw.stride(0), vw.stride(1),
+        page_table.stride(0),
+        *dst_strides,
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(group), KEYS=keys, STREAMS=streams,
+        BLOCK_W=triton.next_power_of_2(D) // 4, DIRECT=S == 1, HAS_ORDER=order is not None, USE_PDL=pdl,
+        PREFETCH=CC_PREFETCH, ASM=not _INTERPRET, num_warps=num_warps, num_stages=1, **launch_kwargs(pdl),
+    )  # fmt: skip
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -317,7 +622,9 @@ def decode_attention(
     """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
     order: [B] the batch rows in the order their programs should start (longest first), or None;
     mid_o: [B, Hq, S, D] float32, mid_lse: [B, Hq, S] float32 (S = the grid's split bound).
-    With S == 1 the first stage writes `out` directly and the scratch is not touched."""
+    With S == 1 the first stage writes `out` directly and the scratch is not touched.
+    block_n / num_warps / num_stages are the tensor-core kernel's; the CUDA-core one (an fp8 pool,
+    `use_cc_decode`) takes CC_TILE."""
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     group = Hq // Hk
@@ -331,20 +638,27 @@ def decode_attention(
     direct = S == 1
     pdl = pdl_for(B)
     f16_dot = FP8_DOT != "bf16" and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    words = FP8_DECODE == "words" and k_cache.dtype == torch.float8_e4m3fn and (f16_dot or q.dtype == torch.float16)
+    kp, vp = (k_cache.view(torch.int32), v_cache.view(torch.int32)) if words else (k_cache, v_cache)
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
-    _decode_partial_kernel[(Hk, B, S)](
-        q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
-        sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0),
-        *dst_strides,
-        mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
-        BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-        USE_PDL=pdl, F16_DOT=f16_dot, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
-    )  # fmt: skip
+    if use_cc_decode(q.dtype, k_cache.dtype, group, D):
+        _decode_cc(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, order, dst, dst_strides, mid_lse,
+                   sm_scale, pdl)  # fmt: skip
+    else:
+        _decode_partial_kernel[(Hk, B, S)](
+            q, kp, vp, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
+            sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
+            q.stride(0), q.stride(1),
+            kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+            page_table.stride(0),
+            *dst_strides,
+            mid_lse.stride(0), mid_lse.stride(1),
+            GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
+            BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
+            USE_PDL=pdl, F16_DOT=f16_dot, WORDS=words, ASM=not _INTERPRET, num_warps=num_warps, num_stages=num_stages,
+            **launch_kwargs(pdl),
+        )  # fmt: skip
     if direct:
         return
     _decode_reduce_kernel[(B, Hq)](
