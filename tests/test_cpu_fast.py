@@ -579,7 +579,9 @@ def test_amx_gemm_both_layouts(m, n, k):
             assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (3, 80, 64), (9, 48, 64), (64, 3072, 576), (500, 576, 1536), (700, 1008, 96), (2100, 80, 64)])
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 960, 576), (3, 80, 64), (9, 48, 64), (64, 3072, 576), (500, 576, 1536), (700, 1008, 96), (2100, 80, 64)]
+)
 def test_vnni_gemms_match_fp32_reference(m, n, k):
     """The GEMMs on weights in VNNI tiles (layers/quant.py vnni_pack; gemv.c's skinny one, amx.c's
     for any row count): within one bf16 rounding of the fp32 reference, as torch's bf16 linear is,
