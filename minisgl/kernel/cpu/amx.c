@@ -153,7 +153,7 @@ static int gemm_wa(const uint16_t *x, long ldx, long m, const uint16_t *xpad, co
     return 1;
 }
 
-/* The fused gate_up + SiLU product (gemm_amx_bf16_silu): w = [gate | up], inter rows each, and
+/* The fused gate_up + SiLU product (gemm_amx_vnni_silu_bf16): w = [gate | up], inter rows each, and
  * the output is act = silu(gate) * up, never the gate_up rows. Column pairs are visited as
  * couples, gate pair c then up pair half + c (`wb_pair`), so the up tiles of a 32 x 32 block are
  * rounded while the gate tiles of the same rows and columns wait, already rounded to bf16, in a
@@ -211,7 +211,9 @@ static void wb_store(const float *c, int two, long row0, long m, long col0, long
  * column pairs at a time (<= 1 MiB, L2; each pair packed on first use, next to its first
  * products), and each 32-row block of x (<= 96 KiB, L1/L2) passes every pair of the chunk while
  * its output rows are written whole. x is read once per chunk, the weight once in all. (Packing
- * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.) */
+ * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.)
+ * With vnni the weight already is B tiles (gemm_vnni): nothing is packed, the chunks only block
+ * for the caches; with inter > 0 the pairs come as gate/up couples and y is the SiLU product. */
 static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,
                    long k, const uint16_t *bias, uint16_t *y, long p0, long p1, long inter, int vnni) {
     const long mb = (m + 15) / 16, kb = k / 32, pair_sz = 2 * kb * 256, half = inter ? n / 64 : 0;
