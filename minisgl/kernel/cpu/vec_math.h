@@ -45,10 +45,16 @@ static inline __m512 exp512(__m512 x) {
 /* fp32 -> bf16 bits, 16 lanes, round to nearest even as f_to_bf16. With AVX512-BF16 that is one
  * VCVTNEPS2BF16, which differs from f_to_bf16 only on denormals (flushed to zero; below 1.2e-38,
  * not a value activations take); without it, the bit arithmetic of f_to_bf16. */
+static inline __m256i f32_to_bf16x16_exact(__m512 v);
 static inline __m256i f16_to_bf16x16(__m512 v) {
 #if defined(__AVX512BF16__)
     return (__m256i)_mm512_cvtneps_pbh(v);
 #endif
+    return f32_to_bf16x16_exact(v);
+}
+/* f_to_bf16 on 16 lanes, denormals included (round to nearest even, NaN kept quiet): where a
+ * result must be bitwise torch's rounding whatever the values */
+static inline __m256i f32_to_bf16x16_exact(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
                                  _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
