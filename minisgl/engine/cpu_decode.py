@@ -293,7 +293,7 @@ class CpuDecodeRunner:
 
     def _forward_kernels(self, batch: Batch, page_table: torch.Tensor) -> torch.Tensor:
         """The step on the fused C kernels: 9 calls per layer (4 GEMMs, 5 kernels), 8 where gate_up
-        and SiLU run as one pass (prefill-sized row counts)."""
+        and SiLU run as one pass (VNNI weights, the row counts the AMX GEMM takes)."""
         b = batch.input_ids.shape[0]  # tokens fed (one per request in decode)
         hq, hk, d, eps = self.hq, self.hk, self.d, self.eps
         table_row, kv_len, last = self._token_rows(batch)
