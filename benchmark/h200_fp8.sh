@@ -2,8 +2,8 @@
 # Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
 # parts: fisetup tests sweep offline fi latency peer offline14b cudatests engine fitests pages
-# pages: offline runs from RUNS, each backend:page_size[:split] (backend triton or fi; split = MINISGL_FLASHINFER_SPLIT),
-#   default "triton:1 fi:1 triton:16 fi:16", labels like fi_ps16 / fi_ps16_always.
+# pages: offline runs from RUNS, each backend:page_size (backend triton or fi), default "triton:1 fi:1 triton:16 fi:16",
+#   labels like fi_ps16.
 # STOP_AT=S: parts and offline runs that would start S seconds or more after the script began are skipped
 # (a device call has a fixed budget: what ran still comes back).
 # fisetup needs .whl-fi (flashinfer-python 0.7.0.post1 + apache-tvm-ffi 0.1.15.post2) one folder up or here;
@@ -52,9 +52,9 @@ for part in ${*:-tests sweep offline}; do
                -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
     fitests) MINISGL_TEST_DEVICE=cuda timeout ${FITESTS_TIMEOUT:-300} python3 -m pytest -q -s tests/test_flashinfer_cuda.py \
                -k "${FITESTS_K:-not fp8}" 2>&1 | grep -v Warn | tee "$OUT/tests_fi${FITESTS_TAG:-}.log" | tail -25 ;;
-    pages) for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps split <<< "$spec"
+    pages) for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps <<< "$spec"
              be=$b; [ "$b" = fi ] && be=flashinfer
-             MINISGL_FLASHINFER_SPLIT=${split:-auto} off "${b}_ps${ps}${split:+_$split}" --attention-backend $be --page-size "$ps"; done ;;
+             off "${b}_ps${ps}" --attention-backend $be --page-size "$ps"; done ;;
     engine) timeout ${ENGINE_TIMEOUT:-300} python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
   esac
 done

@@ -19,10 +19,10 @@ Decode runs FlashInfer's tensor-core kernel (`use_tensor_cores=True`, its prefil
 query row per request) for every GQA group: its CUDA-core kernel was 16% slower per call than
 triton's at Qwen3's group of 2 on the H200, and the tensor-core one is 4% faster offline
 (docs/PERFORMANCE.md). `MINISGL_FLASHINFER_TENSOR_CORES=0`
-restores the old rule (tensor cores from a group of 4). Decode batches too large for FlashInfer to
-split a request's KV are planned with `disable_split_kv` (`_no_split_from`: under CUDA graphs its
-planner would mark them split and run a merge for nothing); `MINISGL_FLASHINFER_SPLIT=always`
-keeps FlashInfer's own choice everywhere. An fp8_e4m3 pool is passed as FlashInfer's
+restores the old rule (tensor cores from a group of 4). `disable_split_kv` is not passed: with
+`use_cuda_graph` FlashInfer 0.7 pads the grid past the planned work units and masks the padding
+only in split plans, so unsplit graph plans run CTAs on stale indices (a CUDA error in
+tests/test_flashinfer_cuda.py's first version). An fp8_e4m3 pool is passed as FlashInfer's
 `kv_data_type` with unit scales (q stays in the model dtype).
 """
 
@@ -69,7 +69,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         group = self.num_qo_heads // self.num_kv_heads
         self.use_tensor_cores = group >= 4 if os.environ.get("MINISGL_FLASHINFER_TENSOR_CORES") == "0" else True
-        self.no_split_from = self._no_split_from(os.environ.get("MINISGL_FLASHINFER_SPLIT", "auto"))
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
@@ -93,22 +92,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
             from minisgl.kernel import store_kv as torch_store_kv
 
             self._store_kv = torch_store_kv
-
-    def _no_split_from(self, mode: str) -> int:
-        """The decode batch size from which plans pass `disable_split_kv` (tensor-core decode).
-        FlashInfer's planner splits a request's KV only while batch x KV heads is below 2 CTAs per
-        SM, but with `use_cuda_graph` it marks every plan split, so captured steps of larger
-        batches write partial outputs and run the merge kernel for nothing. From there on, "auto"
-        plans unsplit: the same work units, no merge. "always" keeps FlashInfer's choice, "never"
-        (tests) plans every batch unsplit."""
-        if mode not in ("auto", "always", "never"):
-            raise ValueError(f"MINISGL_FLASHINFER_SPLIT must be auto, always or never; got {mode!r}")
-        if not self.use_tensor_cores or mode == "always":
-            return 1 << 30
-        if mode == "never":
-            return 0
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, 2 * sms // self.num_kv_heads)  # the planner's max_batch_size_if_split
 
     # ---- metadata ------------------------------------------------------------------------------
     def _kv_indices(self, rows: List[int], lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,7 +124,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper.plan(
             indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
             q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
-            disable_split_kv=len(rows) >= self.no_split_from,
         )  # fmt: skip
 
     def prepare_metadata(self, batch: Batch) -> None:
