@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
-# parts: fisetup tests sweep offline fi latency peer offline14b cudatests engine
+# parts: fisetup tests sweep offline fi latency peer offline14b cudatests engine fitests pages
+# pages: offline runs from RUNS, each backend:page_size (backend triton or fi), default "triton:1 fi:1 triton:16 fi:16",
+#   labels like fi_ps16.
+# STOP_AT=S: parts and offline runs that would start S seconds or more after the script began are skipped
+# (a device call has a fixed budget: what ran still comes back).
 # fisetup needs .whl-fi (flashinfer-python 0.7.0.post1 + apache-tvm-ffi 0.1.15.post2) one folder up or here;
 # peer needs .peers (= ../shared/peers) and copies those wheels to .whl, where its run.sh looks.
 set -uo pipefail
@@ -10,14 +14,17 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fiws TVM_FFI_CACHE_DIR=/tmp/tvmffi
 # the device tool returns at most 8 files: logs go to $LOGS, packed into $OUT/logs.tgz at the end
 FINAL_OUT=${OUT:-/tmp/out}; OUT=${LOGS:-/tmp/fp8logs}; mkdir -p "$OUT" "$FINAL_OUT"
 RECIPE="--num-requests 256 --max-input 1024 --max-output 1024 --model benchmark/models/qwen3-0.6b --dummy-weights --peer none"
-T0=$(date +%s)
+T0=${T0:-$(date +%s)}  # export T0 to share one STOP_AT clock between invocations
+late() { [ -n "${STOP_AT:-}" ] && [ $(( $(date +%s) - T0 )) -ge "$STOP_AT" ]; }
 off() { # label, args...: one offline run, the headline line into $OUT/offline.tsv
   local label=$1; shift
+  if late; then echo -e "$label\tskipped (STOP_AT)" | tee -a "$OUT/offline.tsv"; return; fi
   timeout ${OFF_TIMEOUT:-240} python3 benchmark/offline.py $RECIPE "$@" > "$OUT/off_$label.log" 2>&1
   echo -e "$label\t$(grep -i "tok/s" "$OUT/off_$label.log" | grep -v Warn | tr '\n' ' ' | cut -c1-400)" | tee -a "$OUT/offline.tsv"
 }
 for part in ${*:-tests sweep offline}; do
   echo "=== $part $(date +%T) t=$(( $(date +%s) - T0 ))s"
+  if late; then echo "skipped (STOP_AT)"; continue; fi
   case $part in
     fisetup) W=$(ls -d .whl-fi ../.whl-fi 2>/dev/null | head -1); mkdir -p .whl && cp $W/*.whl .whl/
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
@@ -43,6 +50,11 @@ for part in ${*:-tests sweep offline}; do
     cudatests) MINISGL_TEST_DEVICE=cuda timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -x tests/test_models.py tests/test_engine.py \
                tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py tests/test_sampling_extras.py tests/test_kv_dtype.py \
                -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
+    fitests) MINISGL_TEST_DEVICE=cuda timeout ${FITESTS_TIMEOUT:-300} python3 -m pytest -q -s tests/test_flashinfer_cuda.py \
+               -k "${FITESTS_K:-not fp8}" 2>&1 | grep -v Warn | tee "$OUT/tests_fi${FITESTS_TAG:-}.log" | tail -25 ;;
+    pages) for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps <<< "$spec"
+             be=$b; [ "$b" = fi ] && be=flashinfer
+             off "${b}_ps${ps}" --attention-backend $be --page-size "$ps"; done ;;
     engine) timeout ${ENGINE_TIMEOUT:-300} python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
   esac
 done

@@ -1,19 +1,28 @@
 """FlashInfer attention over the paged pool (CUDA, optional: used when `flashinfer` imports).
 
-FlashInfer is told the pool has page size 1: its "page indices" are our per-token slots, read from
-the page table, so every page_size works unchanged. Each step is planned once, host side, in
-`prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
+FlashInfer sees the engine's real pages: the pool's [num_slots, Hk, D] K and V, viewed as
+[num_pages, page_size, Hk, D], are its NHD paged layout, and a request's page indices are
+`page_table[row, ::page_size] // page_size` (the scheduler maps whole pages, so entry j*ps of a
+row is the first slot of the row's page j), with `last_page_len = len - (npages - 1) * ps`. Its
+kernels load K/V page by page and its planner splits work in pages, so larger pages mean fewer
+indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer over real pages").
+Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
+side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
-fixed index buffers. Decode batches of a captured size are planned on that wrapper, in eager
-runs too, so a replayed step computes exactly what the eager step computes; planning rewrites
-the fixed buffers and the wrapper's plan in place, which is what the captured kernels read.
+fixed index buffers (sized in pages). Decode batches of a captured size are planned on that
+wrapper, in eager runs too, so a replayed step computes exactly what the eager step computes;
+planning rewrites the fixed buffers and the wrapper's plan in place, which is what the captured
+kernels read.
 
 Decode runs FlashInfer's tensor-core kernel (`use_tensor_cores=True`, its prefill kernel with one
 query row per request) for every GQA group: its CUDA-core kernel was 16% slower per call than
 triton's at Qwen3's group of 2 on the H200, and the tensor-core one is 4% faster offline
 (docs/PERFORMANCE.md). `MINISGL_FLASHINFER_TENSOR_CORES=0`
-restores the old rule (tensor cores from a group of 4). An fp8_e4m3 pool is passed as FlashInfer's
+restores the old rule (tensor cores from a group of 4). `disable_split_kv` is not passed: with
+`use_cuda_graph` FlashInfer 0.7 pads the grid past the planned work units and masks the padding
+only in split plans, so unsplit graph plans run CTAs on stale indices (a CUDA error in
+tests/test_flashinfer_cuda.py's first version). An fp8_e4m3 pool is passed as FlashInfer's
 `kv_data_type` with unit scales (q stays in the model dtype).
 """
 
@@ -65,6 +74,15 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: Dict[int, Any] = {}
         self._ones: torch.Tensor = torch.ones(0, dtype=torch.int32)
+        ps, kv = self.page_size, self.kv_cache
+        # entry j of this view is the first slot of a row's page j (pages are whole, see above)
+        self._page_starts = self.page_table[:, ::ps]
+        # per layer, K and V as FlashInfer's NHD pages [num_pages, ps, Hk, D]: views, made once
+        # rather than per layer per step (host time)
+        self._paged_kv: List[Tuple[torch.Tensor, torch.Tensor]] = [
+            (kv.k_cache(i).view(-1, ps, *kv.k_cache(i).shape[1:]), kv.v_cache(i).view(-1, ps, *kv.v_cache(i).shape[1:]))
+            for i in range(kv.num_layers)
+        ]
         self._plan_done: Any = None
         try:  # one launch for K and V instead of three
             from minisgl.kernel.triton_attention import store_kv
@@ -76,29 +94,35 @@ class FlashInferAttnBackend(BaseAttnBackend):
             self._store_kv = torch_store_kv
 
     # ---- metadata ------------------------------------------------------------------------------
-    def _kv_indices(self, rows: List[int], lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(indptr on the host, slot indices on the device) for the requests' first `lens` tokens."""
-        lens_h = torch.tensor(lens, dtype=torch.int32)
+    def _kv_indices(self, rows: List[int], lens: List[int]) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(page indptr on the host, page indices on the device, last_page_len on the host) for
+        the requests' first `lens` tokens."""
+        ps = self.page_size
+        npages = [-(-n // ps) for n in lens]
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        torch.cumsum(lens_h, 0, out=indptr[1:])
+        torch.cumsum(torch.tensor(npages, dtype=torch.int32), 0, out=indptr[1:])
         total = int(indptr[-1])
         dev = self.device
-        packed = torch.tensor([rows, lens, indptr[:-1].tolist()], dtype=torch.int64, pin_memory=True)
+        packed = torch.tensor([rows, npages, indptr[:-1].tolist()], dtype=torch.int64, pin_memory=True)
         packed = packed.to(dev, non_blocking=True)
         row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)
         start_of = torch.repeat_interleave(packed[2], packed[1], output_size=total)
         pos = torch.arange(total, device=dev) - start_of
-        return indptr, self.page_table[row_of, pos]
+        if ps == 1:  # a page is a slot
+            return indptr, self.page_table[row_of, pos], self._ones_of(len(lens))
+        pages = self._page_starts[row_of, pos] // ps
+        last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32)
+        return indptr, pages, last
 
-    def _last_page_len(self, bs: int) -> torch.Tensor:
+    def _ones_of(self, bs: int) -> torch.Tensor:
         if self._ones.numel() < bs:
             self._ones = torch.ones(max(bs, 2 * self._ones.numel()), dtype=torch.int32)
         return self._ones[:bs]
 
     def _plan_decode(self, wrapper: Any, rows: List[int], lens: List[int]) -> None:
-        indptr, indices = self._kv_indices(rows, lens)
+        indptr, indices, last = self._kv_indices(rows, lens)
         wrapper.plan(
-            indptr, indices, self._last_page_len(len(rows)), self.num_qo_heads, self.num_kv_heads, self.head_dim, 1,
+            indptr, indices, last, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
             q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
 
@@ -126,10 +150,10 @@ class FlashInferAttnBackend(BaseAttnBackend):
         ext = [r.extend_len for r in reqs]
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo_indptr[1:])
-        kv_indptr, indices = self._kv_indices(rows, lens)
+        kv_indptr, indices, last_page_len = self._kv_indices(rows, lens)
         self.prefill_wrapper.plan(
-            qo_indptr, kv_indptr, indices, self._last_page_len(bs), self.num_qo_heads, self.num_kv_heads,
-            self.head_dim, 1, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
+            qo_indptr, kv_indptr, indices, last_page_len, self.num_qo_heads, self.num_kv_heads,
+            self.head_dim, self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
         last = (qo_indptr[1:].long() - 1).pin_memory().to(self.device, non_blocking=True)
         batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper)
@@ -139,18 +163,17 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self._store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
-        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        k_cache, v_cache = k_cache.unsqueeze(1), v_cache.unsqueeze(1)  # [slots, page=1, Hk, D]
         meta: FlashInferAttnMetadata = batch.attn_metadata
         q = q.contiguous().to(self.dtype)
-        return meta.wrapper.run(q, (k_cache, v_cache))
+        return meta.wrapper.run(q, self._paged_kv[layer_id])
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
         max_bs = max(bs_list)
         dev = self.device
-        # one indices buffer shared by every graph wrapper: one step runs at a time
-        self._graph_indices = torch.zeros(max_bs * max_seq_len, dtype=torch.int32, device=dev)
+        # one page-indices buffer shared by every graph wrapper: one step runs at a time
+        max_pages = -(-max_seq_len // self.page_size)
+        self._graph_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=dev)
         for bs in bs_list:
             self.graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
