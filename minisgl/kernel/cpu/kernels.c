@@ -211,7 +211,11 @@ DEFINE_FAST_ATTN(bf16, uint16_t, 128)
 #define FAST_ATTN(SUF)                                                                           \
     if (d == 64 || d == 128) {                                                                   \
         int nt = (work * hk * d < 65536) ? 1 : nthreads;                                         \
-        _Pragma("omp parallel for num_threads(nt) schedule(dynamic, 1)")                         \
+        /* a request's KV heads on one thread, one after another: the first one's key and value  \
+         * streams bring the others' rows (adjacent in each slot) into L2 (64 rows x 250 keys:   \
+         * step 44.4-45.5 -> 41.7-43.0 ms) */                                                    \
+        long chunk_ = rows >= 2 * nt ? hk : 1; /* (a batch of one keeps a head per thread) */    \
+        _Pragma("omp parallel for num_threads(nt) schedule(dynamic, chunk_)")                    \
         for (long task = 0; task < rows * hk; task++) {                                          \
             long t = task / hk, kh = task % hk;                                                  \
             const int32_t *slots = page_table + table_row[t] * pt_stride;                        \
