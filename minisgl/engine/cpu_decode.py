@@ -403,10 +403,7 @@ class CpuDecodeRunner:
         """q [B, Hq, D] over the pool rows `slots` [B, S]; returns [B, Hq * D]."""
         b, s = slots.shape
         g = self.hq // self.hk
-        if self.kv.quantized:
-            k, v = self.kv.gather(layer_id, slots, q.dtype)
-        else:  # [B, S, Hk, D] in the pool dtype, no copy of a cast
-            k, v = self.kv.k_cache(layer_id)[slots], self.kv.v_cache(layer_id)[slots]
+        k, v = self.kv.gather(layer_id, slots, q.dtype)  # [B, S, Hk, D] (no cast for a model-dtype pool)
         qg = q.view(b, self.hk, g, self.d)
         # [B, Hk, G, D] x [B, Hk, D, S] -> [B, Hk, G, S], fp32 accumulate
         scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * self.scale

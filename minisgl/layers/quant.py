@@ -298,8 +298,6 @@ class QuantLinear:
         self.qgemv = quant.c_kernel() if quant is not None and ok else None
         self._bias_ptr = bias.data_ptr() if bias is not None else None
         self._n, self._k = (dense.shape[0] * 16, dense.shape[1] * 32) if self.vnni else dense.shape
-        # the AMX GEMM on a plain weight declines above AMX_MAX_ROWS; on VNNI tiles it takes any
-        self._amx_rows = 1 << 62 if self.vnni else AMX_MAX_ROWS
 
     @property
     def out_features(self) -> int:
@@ -325,7 +323,8 @@ class QuantLinear:
         dense_rows = range(q_rows + 1, rows + 1)  # the row counts the dense weight serves
         gemv_rows = self.gemv_max_rows if self.gemv is not None else 0
         if any(r > gemv_rows for r in dense_rows):  # those take AMX: it must take the shape
-            if self.amx is None or self._n % 16 or self._k % 32 or rows > self._amx_rows:
+            # (on a plain weight the AMX GEMM declines above AMX_MAX_ROWS; on VNNI tiles it takes any)
+            if self.amx is None or self._n % 16 or self._k % 32 or (rows > AMX_MAX_ROWS and not self.vnni):
                 return None
         return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr, int(self.vnni)
 

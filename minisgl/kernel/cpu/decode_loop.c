@@ -43,6 +43,8 @@ int gemv_vnni_bf16(const uint16_t *x, long ldx, long m, const uint32_t *w, long 
                    uint16_t *y, int nthreads);
 int gemm_amx_vnni_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
                        uint16_t *y, int nthreads);
+int gemm_amx_vnni_silu_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long inter, long k, uint16_t *act,
+                            int nthreads);
 
 /* One projection, dispatched by the batch's rows as QuantLinear does: the quantized records for
  * <= q_rows rows (q_bits 4 or 8; 0: none), else the bf16 skinny GEMM for <= gemv_rows rows, else
@@ -82,6 +84,18 @@ static int run_gemm(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *y,
     return gemm_amx_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
 }
 
+/* act = silu(gate) * up of the MLP input x, as the per-call loop's _mlp_act: one pass over the
+ * VNNI tiles where the AMX GEMM runs (the same bits as the GEMM then silu_mul), else the two. */
+static int run_gate_up_act(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *gu, uint16_t *act, long inter,
+                           int nt) {
+    const int dense = !g->q_bits || m > g->q_rows;
+    if (g->vnni && dense && m > g->gemv_rows && !g->bias && gemm_amx_vnni_silu_bf16(x, g->k, m, g->w, inter, g->k, act, nt))
+        return 1;
+    if (!run_gemm(g, x, m, gu, nt)) return 0;
+    silu_mul_bf16(gu, act, m, inter);
+    return 1;
+}
+
 /* s->h holds layer 0's normed input and s->res its residual (the caller's first add_rms_norm);
  * on return s->h is the final norm's output. Returns 0 only on a malformed table. */
 int decode_layers_bf16(const DecodeLayer *layers, long nlayers, const DecodeStep *s) {
@@ -103,8 +117,7 @@ int decode_layers_bf16(const DecodeLayer *layers, long nlayers, const DecodeStep
         }
         if (!run_gemm(&L->o, s->attn, b, s->a, nt)) return 0;
         add_rms_norm_bf16(s->a, s->res, L->ln2, s->h, b, s->hidden, s->eps, 1);
-        if (!run_gemm(&L->gate_up, s->h, b, s->gu, nt)) return 0;
-        silu_mul_bf16(s->gu, s->act, b, s->inter);
+        if (!run_gate_up_act(&L->gate_up, s->h, b, s->gu, s->act, s->inter, nt)) return 0;
         if (!run_gemm(&L->down, s->act, b, s->m, nt)) return 0;
         add_rms_norm_bf16(s->m, s->res, i + 1 < nlayers ? layers[i + 1].ln1 : s->final_norm, s->h, b, s->hidden, s->eps, 1);
     }

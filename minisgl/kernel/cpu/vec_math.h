@@ -42,16 +42,6 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n); /* p * 2^n, exact (n in [-126, 127] after the clamp) */
 }
-/* fp32 -> bf16 bits, 16 lanes, round to nearest even as f_to_bf16. With AVX512-BF16 that is one
- * VCVTNEPS2BF16, which differs from f_to_bf16 only on denormals (flushed to zero; below 1.2e-38,
- * not a value activations take); without it, the bit arithmetic of f_to_bf16. */
-static inline __m256i f32_to_bf16x16_exact(__m512 v);
-static inline __m256i f16_to_bf16x16(__m512 v) {
-#if defined(__AVX512BF16__)
-    return (__m256i)_mm512_cvtneps_pbh(v);
-#endif
-    return f32_to_bf16x16_exact(v);
-}
 /* f_to_bf16 on 16 lanes, denormals included (round to nearest even, NaN kept quiet): where a
  * result must be bitwise torch's rounding whatever the values */
 static inline __m256i f32_to_bf16x16_exact(__m512 v) {
@@ -61,6 +51,15 @@ static inline __m256i f32_to_bf16x16_exact(__m512 v) {
     __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+/* fp32 -> bf16 bits, 16 lanes, round to nearest even as f_to_bf16. With AVX512-BF16 that is one
+ * VCVTNEPS2BF16, which differs from f_to_bf16 only on denormals (flushed to zero; below 1.2e-38,
+ * not a value activations take); without it, the bit arithmetic of f_to_bf16. */
+static inline __m256i f16_to_bf16x16(__m512 v) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    return f32_to_bf16x16_exact(v);
 }
 static inline __m512 bf16x16_to_f(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 static inline __m512 rnd16_bf16(__m512 v) { return bf16x16_to_f(f16_to_bf16x16(v)); }
