@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
-# parts: fisetup tests sweep offline fi latency peer offline14b cudatests engine fitests pages
-# pages: offline runs from RUNS, each backend:page_size (backend triton or fi), default "triton:1 fi:1 triton:16 fi:16",
-#   labels like fi_ps16.
+# parts: fisetup jitsave jitload tests sweep offline fi latency peer offline14b cudatests engine fitests pages
+# pages: offline runs from RUNS, each backend:page_size[:NAME=VALUE] (backend triton or fi; the optional environment
+#   variable is set for that run), default "triton:1 fi:1 triton:16 fi:16", labels like fi_ps16_2 (the run's number).
 # STOP_AT=S: parts and offline runs that would start S seconds or more after the script began are skipped
 # (a device call has a fixed budget: what ran still comes back).
 # fisetup needs .whl-fi (flashinfer-python 0.7.0.post1 + apache-tvm-ffi 0.1.15.post2) one folder up or here;
@@ -29,6 +29,10 @@ for part in ${*:-tests sweep offline}; do
     fisetup) W=$(ls -d .whl-fi ../.whl-fi 2>/dev/null | head -1); mkdir -p .whl && cp $W/*.whl .whl/
              python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
              export PYTHONPATH=$PYTHONPATH:/tmp/site ;;
+    jitsave) du -sh /tmp/fiws /tmp/tvmffi 2>/dev/null  # FlashInfer's JIT builds, for a later call's jitload (if < 15 MB packed)
+             tar czf /tmp/fijit.tgz -C / tmp/fiws tmp/tvmffi 2>/dev/null; ls -l /tmp/fijit.tgz
+             [ "$(stat -c %s /tmp/fijit.tgz)" -lt 15000000 ] && cp /tmp/fijit.tgz "$FINAL_OUT"/ ;;
+    jitload) J=$(ls .fijit/fijit.tgz 2>/dev/null) && tar xzf "$J" -C / && du -sh /tmp/fiws ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
     sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
     offline) NOFF=$(( ${NOFF:-0} + 1 ))  # a second "offline" part in one call gets its own labels
@@ -52,9 +56,9 @@ for part in ${*:-tests sweep offline}; do
                -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
     fitests) MINISGL_TEST_DEVICE=cuda timeout ${FITESTS_TIMEOUT:-300} python3 -m pytest -q -s tests/test_flashinfer_cuda.py \
                -k "${FITESTS_K:-not fp8}" 2>&1 | grep -v Warn | tee "$OUT/tests_fi${FITESTS_TAG:-}.log" | tail -25 ;;
-    pages) for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps <<< "$spec"
-             be=$b; [ "$b" = fi ] && be=flashinfer
-             off "${b}_ps${ps}" --attention-backend $be --page-size "$ps"; done ;;
+    pages) n=0; for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps env <<< "$spec"
+             be=$b; [ "$b" = fi ] && be=flashinfer; n=$((n + 1))
+             ( [ -n "$env" ] && export "$env"; off "${b}_ps${ps}${env:+_${env%%=*}${env##*=}}_$n" --attention-backend $be --page-size "$ps" ); done ;;
     engine) timeout ${ENGINE_TIMEOUT:-300} python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
   esac
 done

@@ -8,6 +8,9 @@ kernels load K/V page by page and its planner splits work in pages, so larger pa
 indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer over real pages").
 Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
 side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
+Decode rows come longest first (`decode_longest_first`, the scheduler sorts them): FlashInfer's
+CTAs take (request, KV head) units in row order, so a long request late in the batch would run
+alone at the end of every call. `MINISGL_FLASHINFER_LONGEST_FIRST=0` keeps arrival order.
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed index buffers (sized in pages). Decode batches of a captured size are planned on that
@@ -69,6 +72,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         group = self.num_qo_heads // self.num_kv_heads
         self.use_tensor_cores = group >= 4 if os.environ.get("MINISGL_FLASHINFER_TENSOR_CORES") == "0" else True
+        # its planner lays out (request, KV head) work units in batch order (see base.py)
+        self.decode_longest_first = os.environ.get("MINISGL_FLASHINFER_LONGEST_FIRST") != "0"
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
