@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
-# parts: fisetup jitsave jitload tests sweep offline fi latency peer offline14b cudatests engine fitests pages
+# parts: fisetup jitsave jitload trace tests sweep offline fi latency peer offline14b cudatests engine fitests pages
 # pages: offline runs from RUNS, each backend:page_size[:NAME=VALUE] (backend triton or fi; the optional environment
 #   variable is set for that run), default "triton:1 fi:1 triton:16 fi:16", labels like fi_ps16_2 (the run's number).
 # STOP_AT=S: parts and offline runs that would start S seconds or more after the script began are skipped
@@ -32,7 +32,8 @@ for part in ${*:-tests sweep offline}; do
     jitsave) du -sh /tmp/fiws /tmp/tvmffi 2>/dev/null  # FlashInfer's JIT builds, for a later call's jitload (if < 15 MB packed)
              tar czf /tmp/fijit.tgz -C / tmp/fiws tmp/tvmffi 2>/dev/null; ls -l /tmp/fijit.tgz
              [ "$(stat -c %s /tmp/fijit.tgz)" -lt 15000000 ] && cp /tmp/fijit.tgz "$FINAL_OUT"/ ;;
-    jitload) J=$(ls .fijit/fijit.tgz 2>/dev/null) && tar xzf "$J" -C / && du -sh /tmp/fiws ;;
+    jitload) # after fisetup: the builds must be newer than the headers pip just wrote, or ninja builds them again
+             J=$(ls .fijit/fijit.tgz 2>/dev/null) && tar xzf "$J" -C / && find /tmp/fiws /tmp/tvmffi -exec touch {} + && du -sh /tmp/fiws ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
     sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
     offline) NOFF=$(( ${NOFF:-0} + 1 ))  # a second "offline" part in one call gets its own labels
@@ -56,6 +57,8 @@ for part in ${*:-tests sweep offline}; do
                -k "not embedded" 2>&1 | tail -15 | tee "$OUT/tests_cuda.log" ;;
     fitests) MINISGL_TEST_DEVICE=cuda timeout ${FITESTS_TIMEOUT:-300} python3 -m pytest -q -s tests/test_flashinfer_cuda.py \
                -k "${FITESTS_K:-not fp8}" 2>&1 | grep -v Warn | tee "$OUT/tests_fi${FITESTS_TAG:-}.log" | tail -25 ;;
+    trace) for b in ${TRACE_BACKENDS:-flashinfer triton}; do off "trace_${b}_ps${TRACE_PS:-16}" --attention-backend $b --page-size ${TRACE_PS:-16} --trace
+             grep -A24 "device timeline" "$OUT/off_trace_${b}_ps${TRACE_PS:-16}.log" ; done ;;
     pages) n=0; for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps env <<< "$spec"
              be=$b; [ "$b" = fi ] && be=flashinfer; n=$((n + 1))
              ( [ -n "$env" ] && export "$env"; off "${b}_ps${ps}${env:+_${env%%=*}${env##*=}}_$n" --attention-backend $be --page-size "$ps" ); done ;;
