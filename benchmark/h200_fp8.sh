@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
-# parts: fisetup jitsave jitload trace tests sweep offline fi latency peer offline14b cudatests engine fitests pages
+# parts: fisetup jitsave jitload trace hostprof tests sweep offline fi latency peer offline14b cudatests engine fitests pages
 # pages: offline runs from RUNS, each backend:page_size[:NAME=VALUE] (backend triton or fi; the optional environment
 #   variable is set for that run), default "triton:1 fi:1 triton:16 fi:16", labels like fi_ps16_2 (the run's number).
 # STOP_AT=S: parts and offline runs that would start S seconds or more after the script began are skipped
@@ -59,6 +59,8 @@ for part in ${*:-tests sweep offline}; do
                -k "${FITESTS_K:-not fp8}" 2>&1 | grep -v Warn | tee "$OUT/tests_fi${FITESTS_TAG:-}.log" | tail -25 ;;
     trace) for b in ${TRACE_BACKENDS:-flashinfer triton}; do off "trace_${b}_ps${TRACE_PS:-16}" --attention-backend $b --page-size ${TRACE_PS:-16} --trace
              grep -A24 "device timeline" "$OUT/off_trace_${b}_ps${TRACE_PS:-16}.log" ; done ;;
+    hostprof) for b in ${TRACE_BACKENDS:-flashinfer triton}; do  # the host's time under cProfile (slowed down)
+               off "prof_${b}_ps${TRACE_PS:-16}" --attention-backend $b --page-size ${TRACE_PS:-16} --profile; done ;;
     pages) n=0; for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps env <<< "$spec"
              be=$b; [ "$b" = fi ] && be=flashinfer; n=$((n + 1))
              ( [ -n "$env" ] && export "$env"; off "${b}_ps${ps}${env:+_${env%%=*}${env##*=}}_$n" --attention-backend $be --page-size "$ps" ); done ;;

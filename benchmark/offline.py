@@ -110,6 +110,7 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
             prof = cProfile.Profile()
             results = prof.runcall(llm.generate, prompts, params, use_tqdm=False)
             pstats.Stats(prof).sort_stats("tottime").print_stats(35)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
         else:
             results = llm.generate(prompts, params, use_tqdm=False)
         synchronize(device)
