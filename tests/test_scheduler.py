@@ -229,37 +229,6 @@ def test_decode_not_starved_by_chunked_prefill(tiny_dir, refs, overlap, mixed):
         assert sum(phase == "prefill" for phase, _, _ in window) >= 5  # prefills did proceed meanwhile
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_decode_rows_longest_first_for_backends_that_ask(tiny_dir, refs, mixed):
-    """A backend with `decode_longest_first` (FlashInfer) gets every step's decode rows sorted by
-    length, longest first, and the outputs are still the references: the order is a schedule,
-    not a change of result. Without the flag the rows keep arrival order."""
-    prompts = [PROMPTS[i][: 4 + 5 * i] for i in range(6)]  # distinct lengths, the shortest first
-    max_tokens = [12 - i for i in range(6)]
-    for flag in (True, False):
-        with running_scheduler(tiny_dir, mixed_batches=mixed) as sched:
-            sched.engine.attn_backend.decode_longest_first = flag
-            orders: List[List[int]] = []
-            forward = sched.engine.forward_batch
-
-            def spy(batch, args):
-                decode_rows = batch.reqs if batch.is_decode else batch.reqs[: batch.num_decode_rows]
-                orders.append([r.device_len for r in decode_rows])
-                return forward(batch, args)
-
-            sched.engine.forward_batch = spy  # type: ignore[method-assign]
-            uids = submit(sched, prompts, max_tokens)
-            col = Collector()
-            drive(sched, col)
-            check_against_refs(col, uids, prompts, max_tokens, refs, f"longest_first={flag}")
-        multi = [o for o in orders if len(o) > 1]
-        assert multi, "no step decoded several requests"
-        if flag:
-            assert all(o == sorted(o, reverse=True) for o in multi), orders
-        else:  # arrival order: the shortest prompt came first
-            assert any(o != sorted(o, reverse=True) for o in multi), orders
-
-
 def test_validation_rejects_without_side_effects(tiny_dir, refs):
     with running_scheduler(tiny_dir) as sched:
         sched.add_request(UserRequest(1, [1, 2, 3], greedy(2)))

@@ -30,10 +30,6 @@ class BaseAttnMetadata:
 class BaseAttnBackend(ABC):
     # the pool formats (kvcache/pool.py KV_CACHE_DTYPES) this backend's kernels read and write
     kv_cache_dtypes: Tuple[str, ...] = ("auto",)
-    # The scheduler hands this backend decode rows longest first. For kernels that start their
-    # work units in batch-row order (FlashInfer): a long request that starts last keeps the GPU
-    # waiting at the end of every attention call. Triton sorts inside its own metadata instead.
-    decode_longest_first: bool = False
 
     def __init__(self, model_config: ModelConfig) -> None:
         ctx = get_global_ctx()

@@ -8,9 +8,6 @@ kernels load K/V page by page and its planner splits work in pages, so larger pa
 indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer over real pages").
 Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
 side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
-Decode rows come longest first (`decode_longest_first`, the scheduler sorts them): FlashInfer's
-CTAs take (request, KV head) units in row order, so a long request late in the batch would run
-alone at the end of every call. `MINISGL_FLASHINFER_LONGEST_FIRST=0` keeps arrival order.
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed index buffers (sized in pages). Decode batches of a captured size are planned on that
@@ -27,11 +24,6 @@ restores the old rule (tensor cores from a group of 4). `disable_split_kv` is no
 only in split plans, so unsplit graph plans run CTAs on stale indices (a CUDA error in
 tests/test_flashinfer_cuda.py's first version). An fp8_e4m3 pool is passed as FlashInfer's
 `kv_data_type` with unit scales (q stays in the model dtype).
-
-PDL: FlashInfer launches with programmatic dependent launch on sm_90+ unless told otherwise; we
-pass kernel/pdl.py's rule instead (on for launches of at most 4 rows), which measured better for
-triton's decode kernels at batch 8-32. `MINISGL_FLASHINFER_PDL=default` gives FlashInfer's choice,
-`MINISGL_FLASHINFER_DECODE_BACKEND=fa3` its Hopper kernels for decode (A/B knobs).
 """
 
 from __future__ import annotations
@@ -47,7 +39,6 @@ import torch
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
-from minisgl.kernel.pdl import pdl_for
 from minisgl.models.config import ModelConfig
 from minisgl.utils.misc import div_even
 
@@ -57,7 +48,6 @@ WORKSPACE_BYTES = 128 << 20
 @dataclass
 class FlashInferAttnMetadata(BaseAttnMetadata):
     wrapper: Any  # the planned prefill or decode wrapper
-    pdl: bool | None  # PDL for its kernels (kernel/pdl.py's rule; None: FlashInfer's own default)
 
 
 class FlashInferAttnBackend(BaseAttnBackend):
@@ -79,16 +69,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         group = self.num_qo_heads // self.num_kv_heads
         self.use_tensor_cores = group >= 4 if os.environ.get("MINISGL_FLASHINFER_TENSOR_CORES") == "0" else True
-        # "fa2" is what FlashInfer's "auto" picks for a bf16 tensor-core decode; "fa3" (Hopper) is the A/B
-        self.decode_backend = os.environ.get("MINISGL_FLASHINFER_DECODE_BACKEND", "auto")
-        self.flashinfer_pdl = os.environ.get("MINISGL_FLASHINFER_PDL", "rule")  # or "default": FlashInfer's own
-        # its planner lays out (request, KV head) work units in batch order (see base.py)
-        self.decode_longest_first = os.environ.get("MINISGL_FLASHINFER_LONGEST_FIRST") != "0"
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=self.decode_backend
-        )
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self.graph_wrappers: Dict[int, Any] = {}
         self._ones: torch.Tensor = torch.ones(0, dtype=torch.int32)
         ps, kv = self.page_size, self.kv_cache
@@ -162,7 +145,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
             wrapper = self.graph_wrappers.get(bs, self.decode_wrapper)
             self._plan_decode(wrapper, rows, lens)
             last = torch.arange(bs, device=self.device)
-            batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper, pdl=self._pdl(bs))
+            batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper)
             return
         ext = [r.extend_len for r in reqs]
         qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
@@ -173,13 +156,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
             self.head_dim, self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
         last = (qo_indptr[1:].long() - 1).pin_memory().to(self.device, non_blocking=True)
-        batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper, pdl=self._pdl(int(qo_indptr[-1])))
-
-    def _pdl(self, rows: int) -> bool | None:
-        """FlashInfer turns PDL on for every launch on sm_90+ when asked nothing; our rule keeps it
-        for launches of at most PDL_MAX_ROWS rows, where the step is launch-bound: at batch 8-32
-        a dependent launched early only holds SM slots (docs/PERFORMANCE.md, PDL A/B)."""
-        return None if self.flashinfer_pdl == "default" else pdl_for(rows)
+        batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper)
 
     # ---- compute -------------------------------------------------------------------------------
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
@@ -188,7 +165,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         meta: FlashInferAttnMetadata = batch.attn_metadata
         q = q.contiguous().to(self.dtype)
-        return meta.wrapper.run(q, self._paged_kv[layer_id], enable_pdl=meta.pdl)
+        return meta.wrapper.run(q, self._paged_kv[layer_id])
 
     # ---- CUDA graphs (decode) ------------------------------------------------------------------
     def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
@@ -199,7 +176,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self._graph_indices = torch.zeros(max_bs * max_pages, dtype=torch.int32, device=dev)
         for bs in bs_list:
             self.graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores, backend=self.decode_backend,
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(bs + 1, dtype=torch.int32, device=dev),
                 paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=torch.ones(bs, dtype=torch.int32, device=dev),
@@ -210,7 +187,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         wrapper = self.graph_wrappers[bs]
         self._plan_decode(wrapper, [r.table_idx for r in batch.padded_reqs], [1] * bs)  # the dummy: one token
         last = torch.arange(bs, device=self.device)
-        batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper, pdl=self._pdl(bs))
+        batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper)
 
     def prepare_for_replay(self, batch: Batch) -> None:
         meta: FlashInferAttnMetadata = batch.attn_metadata

@@ -306,8 +306,6 @@ class Scheduler:
         """The requests that can decode next, and the pages that step needs beyond theirs
         (0 under worst-case admission: their reservations cover it)."""
         decodable = [r for r in self.running if r.can_decode]
-        if self.engine.attn_backend.decode_longest_first:
-            decodable.sort(key=_device_len, reverse=True)
         need = self._decode_page_need(decodable) if self.config.admission == "optimistic" else 0
         return decodable, need
 
@@ -782,10 +780,6 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
-
-
-def _device_len(req: SchedReq) -> int:
-    return req.device_len
 
 
 def _urgency(req: SchedReq) -> tuple[int, int]:
