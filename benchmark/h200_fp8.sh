@@ -33,7 +33,7 @@ for part in ${*:-tests sweep offline}; do
              tar czf /tmp/fijit.tgz -C / tmp/fiws tmp/tvmffi 2>/dev/null; ls -l /tmp/fijit.tgz
              [ "$(stat -c %s /tmp/fijit.tgz)" -lt 15000000 ] && cp /tmp/fijit.tgz "$FINAL_OUT"/ ;;
     jitload) # after fisetup: the builds must be newer than the headers pip just wrote, or ninja builds them again
-             J=$(ls .fijit/fijit.tgz 2>/dev/null) && tar xzf "$J" -C / && find /tmp/fiws /tmp/tvmffi -exec touch {} + && du -sh /tmp/fiws ;;
+             J=$(ls .fijit/fijit.tgz 2>/dev/null) && tar xzf "$J" -C / && find /tmp/fiws $(ls -d /tmp/tvmffi 2>/dev/null) -exec touch {} + && du -sh /tmp/fiws ;;
     tests) MINISGL_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x -s tests/test_kv_fp8_cuda.py 2>&1 | grep -v Warn | tee "$OUT/tests_fp8.log" | tail -25 ;;
     sweep) timeout 300 python3 benchmark/kv_fp8_sweep.py ${SWEEP_ARGS:-} --out "$OUT/sweep.json" 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
     offline) NOFF=$(( ${NOFF:-0} + 1 ))  # a second "offline" part in one call gets its own labels
