@@ -277,24 +277,56 @@ def _alive(pid: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_rank_that_never_joins_times_out(qwen3_dir):
+@pytest.mark.parametrize("hosted", [False, True])
+def test_rank_that_never_joins_times_out(qwen3_dir, hosted):
+    """Rank 0 serving the store at a port found free, or this process serving it (as LLM(tp=N) and
+    the server launcher do): either way a missing rank is a clear error within the timeout."""
+    from minisgl.distributed import host_rendezvous
     from minisgl.engine import Engine, EngineConfig
-    from minisgl.scheduler.tp import free_port
+    from minisgl.server.process_utils import free_port
 
+    store, addr = host_rendezvous() if hosted else (None, f"127.0.0.1:{free_port()}")
     config = EngineConfig(
         model_path=qwen3_dir, tp_info=DistributedInfo(0, 2), dtype=torch.float32, device="cpu",
-        distributed_timeout=2, distributed_port=free_port(), num_page_override=16, max_seq_len_override=64,
-        max_running_req=2,
+        distributed_timeout=2, dist_init_addr=addr, dist_store_hosted=hosted, num_page_override=16,
+        max_seq_len_override=64, max_running_req=2,
     )  # fmt: skip
     start = time.monotonic()
     with pytest.raises(DistributedInitError, match=r"rank 0 of 2.*did not all join.*distributed_timeout=2"):
         Engine(config)
     assert time.monotonic() - start < 20
+    del store
     import torch.distributed as dist
 
     import minisgl.core
 
     assert minisgl.core._GLOBAL_CTX is None and not dist.is_initialized()
+
+
+def test_llm_tp_rendezvous_port_is_held_from_before_the_ranks_start(qwen3_dir, monkeypatch):
+    """LLM(tp=2) serves its ranks' store itself on a port it bound first: another process cannot
+    take it between the choice and rank 0's listen (the EADDRINUSE race of a port found free).
+    A would-be thief tries the port just before the worker ranks are spawned, and again later."""
+    import socket
+
+    import minisgl.llm.llm as llm_module
+
+    def try_to_take(config: Any) -> None:
+        host, _, port = config.dist_init_addr.rpartition(":")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as thief:
+            with pytest.raises(OSError, match="in use"):
+                thief.bind((host, int(port)))
+
+    real_workers = llm_module.WorkerRanks
+
+    def spawn(config: Any) -> Any:
+        try_to_take(config)
+        return real_workers(config)
+
+    monkeypatch.setattr(llm_module, "WorkerRanks", spawn)
+    with LLM(qwen3_dir, tp=2, **_kwargs()) as llm:
+        try_to_take(llm.scheduler.config)
+        assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=3))[0].completion_tokens == 3
 
 
 def test_bad_tp_value(qwen3_dir):
@@ -309,7 +341,7 @@ def test_bad_tp_value(qwen3_dir):
 _LOGIT_PROMPTS = [[3, 17, 99, 250, 4, 8, 15, 16, 23, 42], [200, 1, 2], list(range(40, 75))]
 
 
-def _engine_logits(rank: int, size: int, paths: List[str], ports: List[int], queue: Any) -> None:
+def _engine_logits(rank: int, size: int, paths: List[str], addrs: List[str | None], queue: Any) -> None:
     """Prefill logits of each model at tp=size on this rank (a spawned process per rank)."""
     try:
         import dataclasses
@@ -319,8 +351,8 @@ def _engine_logits(rank: int, size: int, paths: List[str], ports: List[int], que
         from minisgl.engine import Engine
 
         out = []
-        for path, port in zip(paths, ports):
-            cfg = engine_config(path, max_running_req=4, distributed_port=port)
+        for path, addr in zip(paths, addrs):
+            cfg = engine_config(path, max_running_req=4, dist_init_addr=addr, dist_store_hosted=addr is not None)
             engine = Engine(dataclasses.replace(cfg, tp_info=DistributedInfo(rank, size)))
             try:
                 alloc = PageAllocator(engine)
@@ -339,30 +371,27 @@ def _engine_logits(rank: int, size: int, paths: List[str], ports: List[int], que
 
 
 def _tp2_logits(paths: List[str]) -> Tuple[Any, Dict[int, Any]]:
-    """(tp=1 logits computed here, {rank: tp=2 logits or the error text}) for `paths`. A port
-    picked free can be taken by another process before rank 0 listens on it (EADDRINUSE, seen
-    on a shared machine): then the ranks start again on new ports, up to 3 times."""
+    """(tp=1 logits computed here, {rank: tp=2 logits or the error text}) for `paths`. This
+    process serves each model's rendezvous store (`host_rendezvous`), as LLM(tp=N) does: a port
+    merely found free was once taken by another process before rank 0 listened (EADDRINUSE)."""
     import multiprocessing as mp
 
-    from minisgl.server.process_utils import free_port
+    from minisgl.distributed import host_rendezvous
 
     ctx = mp.get_context("spawn")
     ref_q = ctx.Queue()
-    _engine_logits(0, 1, paths, [0] * len(paths), ref_q)  # tp=1: no rendezvous, no port
+    _engine_logits(0, 1, paths, [None] * len(paths), ref_q)  # tp=1: no rendezvous
     _, ref = ref_q.get(timeout=5)
-    for attempt in range(3):
-        queue = ctx.Queue()
-        ports = [free_port() for _ in paths]
-        procs = [ctx.Process(target=_engine_logits, args=(r, 2, paths, ports, queue), daemon=True) for r in range(2)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=240) for _ in procs)
-        for p in procs:
-            p.join(30)
-        errors = [r for r in results.values() if isinstance(r, str)]
-        if not any("EADDRINUSE" in e for e in errors) or attempt == 2:
-            return ref, results
-    raise AssertionError("unreachable")
+    stores, addrs = zip(*(host_rendezvous() for _ in paths))
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_engine_logits, args=(r, 2, paths, list(addrs), queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(30)
+    del stores  # kept until every rank is done
+    return ref, results
 
 
 def test_tp2_prefill_logits_within_1e4(tp_model_dir):
@@ -456,7 +485,7 @@ def test_tp_works_after_a_failed_rendezvous_in_the_same_process(qwen3_dir):
     """A timed-out init leaves torch's group counter behind; the next LLM(tp=2) here must still
     meet its fresh worker (it waited for keys nobody wrote before destroy_process_group reset it)."""
     from minisgl.engine import Engine, EngineConfig
-    from minisgl.scheduler.tp import free_port
+    from minisgl.server.process_utils import free_port
 
     config = EngineConfig(
         model_path=qwen3_dir, tp_info=DistributedInfo(0, 2), dtype=torch.float32, device="cpu",

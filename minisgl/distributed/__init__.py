@@ -9,6 +9,7 @@ from minisgl.distributed.comm import (
     broadcast_message,
     destroy_process_group,
     get_cpu_group,
+    host_rendezvous,
     init_process_group,
 )
 from minisgl.distributed.info import DistributedInfo, get_tp_info, set_tp_info, try_get_tp_info
@@ -25,6 +26,7 @@ __all__ = [
     "broadcast",
     "broadcast_message",
     "get_cpu_group",
+    "host_rendezvous",
     "init_process_group",
     "destroy_process_group",
 ]

@@ -32,9 +32,23 @@ class DistributedInitError(RuntimeError):
     """The ranks could not meet (a rank never joined, the address is wrong or in use)."""
 
 
-def init_process_group(addr: str, rank: int, size: int, device: torch.device, timeout_s: float) -> Any:
+def host_rendezvous(host: str = "127.0.0.1") -> Tuple[Any, str]:
+    """Serve the TP ranks' rendezvous store from this process, on a port the OS picks.
+
+    For ranks on this machine started by this process (`LLM(tp=N)`, the server launcher). A port
+    merely found free can be taken by another process before rank 0 listens on it (EADDRINUSE,
+    seen on a shared machine); this one is bound before any rank starts. Returns the store, which
+    must outlive the ranks' start-up (keep it while they run), and its "HOST:PORT"; every rank
+    then joins with `store_hosted=True` (EngineConfig.dist_store_hosted)."""
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    return store, f"{host}:{store.port}"
+
+
+def init_process_group(addr: str, rank: int, size: int, device: torch.device, timeout_s: float, store_hosted: bool = False) -> Any:
     """Join the TP ranks at `addr` (tcp://host:port). Returns the gloo CPU group.
 
+    Rank 0 serves the rendezvous store at `addr`, unless `store_hosted`: then the process that
+    started the ranks serves it (`host_rendezvous`) and every rank joins it as a client.
     Every rank must call this; one that has not joined within `timeout_s` seconds makes the
     others fail with a DistributedInitError that says so, instead of hanging."""
     global _CPU_GROUP
@@ -42,15 +56,14 @@ def init_process_group(addr: str, rank: int, size: int, device: torch.device, ti
     kwargs: dict = {}
     if device.type == "cuda":
         kwargs["device_id"] = device  # eager NCCL init: a bad GPU setup fails here, not mid-forward
+    timeout = timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend=backend,
-            init_method=addr,
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=timeout_s),
-            **kwargs,
-        )
+        if store_hosted:
+            host, _, port = addr.removeprefix("tcp://").rpartition(":")
+            kwargs["store"] = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+        else:
+            kwargs["init_method"] = addr
+        dist.init_process_group(backend=backend, rank=rank, world_size=size, timeout=timeout, **kwargs)
         # Rendezvous and connection set-up of every peer happen in new_group / the first
         # collective, so a missing rank is detected (and timed out) inside this try.
         _CPU_GROUP = dist.new_group(backend="gloo", timeout=CPU_GROUP_TIMEOUT)

@@ -41,6 +41,9 @@ class EngineConfig:
     # "HOST:PORT" of rank 0's rendezvous for several machines (--dist-init-addr); None: this
     # machine, at distributed_port (the seed's distributed_addr)
     dist_init_addr: str | None = None
+    # The rendezvous store at that address is served by the process that started the ranks
+    # (distributed.host_rendezvous: LLM(tp=N), the server on one machine), not by rank 0
+    dist_store_hosted: bool = False
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
     # GEMMs (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), and the flat
     # decode step on fused C kernels (False: the module path, as on CUDA).

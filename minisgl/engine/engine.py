@@ -314,8 +314,9 @@ class Engine:
         if config.tp_info.size == 1:
             return None
         return init_process_group(
-            config.distributed_addr, config.tp_info.rank, config.tp_info.size, self.device, config.distributed_timeout
-        )
+            config.distributed_addr, config.tp_info.rank, config.tp_info.size, self.device, config.distributed_timeout,
+            store_hosted=config.dist_store_hosted,
+        )  # fmt: skip
 
     def _sync_get_memory(self) -> Tuple[int, int]:
         """(total, free) bytes on this device; `free` is the minimum over TP ranks, so every

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.distributed import DistributedInfo
+from minisgl.distributed import DistributedInfo, host_rendezvous
 from minisgl.engine.engine import check_tp_size
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
-from minisgl.scheduler.tp import LeaderScheduler, WorkerRanks, free_port
+from minisgl.scheduler.tp import LeaderScheduler, WorkerRanks
 from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_model_path
 from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
@@ -76,8 +76,12 @@ class LLM:
         config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS if target.type == "cuda" else CPU_OFFLINE_MAX_EXTEND_TOKENS)
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
+        # Ranks on this machine meet at a store this process serves, on a port bound before they
+        # start: never another LLM's, and no other process can take it in between.
+        self._rendezvous: Any = None
         if tp > 1 and "distributed_port" not in config and "dist_init_addr" not in config:
-            config["distributed_port"] = free_port()  # never collide with another LLM's ranks
+            self._rendezvous, config["dist_init_addr"] = host_rendezvous()
+            config["dist_store_hosted"] = True
         sched_config = SchedulerConfig(model_path=path, tp_info=DistributedInfo(0, tp), dtype=resolved, device=device, **config)
         self._workers: WorkerRanks | None = None
         if tp == 1:
@@ -237,6 +241,7 @@ class LLM:
                 self._workers.shutdown()
                 self._workers = None
                 self._finalizer.detach()
+            self._rendezvous = None  # the store goes once no rank is left to use it
 
     def __enter__(self) -> "LLM":
         return self

@@ -33,7 +33,6 @@ from minisgl.distributed import DistributedInfo, broadcast_message
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import TokenOutput, UserRequest
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.server.process_utils import free_port  # noqa: F401  (LLM(tp=N) picks its rendezvous port)
 from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
 

@@ -29,6 +29,7 @@ class ServerArgs:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None  # HOST:PORT of rank 0's rendezvous (set by launch on one node)
+    dist_store_hosted: bool = False  # set by launch on one node: it serves the rendezvous store (no flag)
     dist_timeout: float = 60.0
     attention_backend: str = "auto"
     cache: str = "radix"
@@ -146,6 +147,7 @@ class ServerArgs:
             quantization=self.quantization,
             kv_cache_dtype=self.kv_cache_dtype,
             dist_init_addr=self.dist_init_addr,
+            dist_store_hosted=self.dist_store_hosted,
             distributed_timeout=self.dist_timeout,
             use_dummy_weight=self.load_format == "dummy",
             **kwargs,

@@ -349,10 +349,12 @@ def launch(args: ServerArgs) -> int:
     if problem is not None:
         logger.error("%s", problem)
         return EXIT_USAGE
+    rendezvous: Any = None  # held until the server stops: the ranks' store (see host_rendezvous)
     if args.tp > 1 and args.dist_init_addr is None:
-        from minisgl.server.process_utils import free_port
+        from minisgl.distributed import host_rendezvous
 
-        args.dist_init_addr = f"127.0.0.1:{free_port()}"
+        rendezvous, args.dist_init_addr = host_rendezvous()
+        args.dist_store_hosted = True
     listener: socket.socket | None = None
     if not args.shell and args.node_rank == 0:  # follower nodes serve no HTTP
         try:
@@ -402,6 +404,7 @@ def launch(args: ServerArgs) -> int:
         if args.tp > 1 and children and children[0].name == "scheduler":
             stop_children(children[:1])  # TP rank 0 first: it tells the other ranks (other nodes too) to exit
         stop_children(children)
+        del rendezvous  # only now: the store outlives every rank
         shutil.rmtree(ipc_dir, ignore_errors=True)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)
