@@ -487,3 +487,25 @@ def test_mixed_graph_token_buckets():
     assert all(hi <= 1.25 * lo for lo, hi in zip(b, b[1:]) if lo >= 256)
     assert token_buckets(100) == [32, 64, 100] and token_buckets(0) == []
     assert default_max_tokens(80 << 30) == 2048 and default_max_tokens(8 << 30) == 512
+
+
+def test_auto_attention_backend_prefers_triton_then_flashinfer(monkeypatch):
+    """'auto' on CUDA: triton when it imports (the faster backend measured on the H200), else
+    FlashInfer, else the torch reference; on a CPU always torch. Explicit names are validated."""
+    import sys
+    import types
+
+    from minisgl.attention.base import resolve_attention_backend
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    assert resolve_attention_backend("auto", cuda) == "triton"
+    assert resolve_attention_backend("auto", cpu) == "torch"
+    assert resolve_attention_backend("flashinfer", cuda) == "flashinfer"
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
+    assert resolve_attention_backend("auto", cuda) == "flashinfer"
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    assert resolve_attention_backend("auto", cuda) == "torch"
+    with pytest.raises(ValueError, match="unknown attention backend .flashinfr."):
+        resolve_attention_backend("flashinfr", cuda)

@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--attention-backend",
         default="auto",
-        help="attention kernels: auto, torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
+        help="attention kernels: auto (CUDA: triton, else flashinfer; CPU: torch), torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
     )
 
     model.add_argument(
