@@ -109,8 +109,10 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
 
             prof = cProfile.Profile()
             results = prof.runcall(llm.generate, prompts, params, use_tqdm=False)
-            pstats.Stats(prof).sort_stats("tottime").print_stats(35)
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+            stats = pstats.Stats(prof)
+            stats.sort_stats("tottime").print_stats(35)
+            stats.sort_stats("cumulative").print_stats(80)
+            stats.print_callees("replay|prepare_metadata|_launch")  # where the per-step host time goes
         else:
             results = llm.generate(prompts, params, use_tqdm=False)
         synchronize(device)
