@@ -8,6 +8,11 @@ kernels load K/V page by page and its planner splits work in pages, so larger pa
 indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer over real pages").
 Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
 side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
+Host time per step matters here: once the batch shrinks, FlashInfer's planning no longer hides
+behind the device (docs/PERFORMANCE.md, "FlashInfer, round three"). So the page indices are one
+copy and one Triton launch (kernel/triton_paging.py; MINISGL_FLASHINFER_PAGE_INDICES=torch for
+the torch ops it replaces), and FlashInfer's plan() gets a `max` that reduces a tensor in one op
+(attention/flashinfer_patches.py; MINISGL_FLASHINFER_FAST_MAX=0 leaves FlashInfer as it is).
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed index buffers (sized in pages). Decode batches of a captured size are planned on that
@@ -28,17 +33,22 @@ tests/test_flashinfer_cuda.py's first version). An fp8_e4m3 pool is passed as Fl
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 import flashinfer  # ImportError here: the backend is unavailable (resolve_attention_backend picks another)
+import flashinfer.decode
+import flashinfer.prefill
 import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.flashinfer_patches import patch_tensor_max
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
+from minisgl.kernel.triton_paging import page_indices
 from minisgl.models.config import ModelConfig
 from minisgl.utils.misc import div_even
 
@@ -84,6 +94,9 @@ class FlashInferAttnBackend(BaseAttnBackend):
             for i in range(kv.num_layers)
         ]
         self._plan_done: Any = None
+        self._index_kernel = os.environ.get("MINISGL_FLASHINFER_PAGE_INDICES", "triton") != "torch"
+        if os.environ.get("MINISGL_FLASHINFER_FAST_MAX") != "0":
+            patch_tensor_max(flashinfer.decode, flashinfer.prefill)
         try:  # one launch for K and V instead of three
             from minisgl.kernel.triton_attention import store_kv
 
@@ -99,20 +112,24 @@ class FlashInferAttnBackend(BaseAttnBackend):
         the requests' first `lens` tokens."""
         ps = self.page_size
         npages = [-(-n // ps) for n in lens]
-        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(npages, dtype=torch.int32), 0, out=indptr[1:])
-        total = int(indptr[-1])
-        dev = self.device
-        packed = torch.tensor([rows, npages, indptr[:-1].tolist()], dtype=torch.int64, pin_memory=True)
-        packed = packed.to(dev, non_blocking=True)
-        row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)
-        start_of = torch.repeat_interleave(packed[2], packed[1], output_size=total)
-        pos = torch.arange(total, device=dev) - start_of
-        if ps == 1:  # a page is a slot
-            return indptr, self.page_table[row_of, pos], self._ones_of(len(lens))
-        pages = self._page_starts[row_of, pos] // ps
+        starts = list(itertools.accumulate(npages, initial=0))
+        indptr = torch.tensor(starts, dtype=torch.int32)
+        if self._index_kernel:  # one copy and one launch (kernel/triton_paging.py)
+            indices = page_indices(self.page_table, rows, npages, starts[:-1], ps)
+        else:
+            indices = self._page_indices_torch(rows, npages, starts)
+        if ps == 1:
+            return indptr, indices, self._ones_of(len(lens))
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32)
-        return indptr, pages, last
+        return indptr, indices, last
+
+    def _page_indices_torch(self, rows: List[int], npages: List[int], starts: List[int]) -> torch.Tensor:
+        """The same page ids through torch ops (MINISGL_FLASHINFER_PAGE_INDICES=torch, the A/B)."""
+        total, dev = starts[-1], self.device
+        packed = torch.tensor([rows, npages, starts[:-1]], dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+        row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)
+        pos = torch.arange(total, device=dev) - torch.repeat_interleave(packed[2], packed[1], output_size=total)
+        return (self._page_starts[row_of, pos] // self.page_size).to(torch.int32)
 
     def _ones_of(self, bs: int) -> torch.Tensor:
         if self._ones.numel() < bs:
