@@ -403,3 +403,26 @@ def test_port_in_use_fails_fast_with_status_2(tmp_path: Path) -> None:
     assert "cannot listen" in proc.stderr + proc.stdout
     assert time.monotonic() - t0 < 30
     assert free_port() > 0
+
+
+def test_harness_starts_a_server_again_when_its_port_was_taken(tiny_chat_model: str, tmp_path: Path, monkeypatch) -> None:  # noqa: F811
+    """The test harness itself (ServerProcess): a port picked free but taken before the server
+    binds it makes the server exit with status 2 ("choose another --port"); the harness then
+    starts it again on a new port instead of failing the test that asked for a server."""
+    import test_server
+
+    real_free_port = test_server.free_port
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", 0))
+        thief.listen(1)
+        taken = thief.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(test_server, "free_port", lambda: next(picks, None) or real_free_port())
+        srv = ServerProcess(tiny_chat_model, "--dtype", "float32", "--max-seq-len", "128", log_path=tmp_path / "server.log")
+        try:
+            srv.wait_ready()
+            assert srv.port != taken
+            assert "choose another --port" in srv.log()
+            assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
+        finally:
+            srv.stop()

@@ -59,6 +59,9 @@ def test_sigterm_ends_every_process(two_servers: List[ServerProcess]) -> None:
     assert len(pids) >= 3, pids  # API server, scheduler, tokenizer worker (+ multiprocessing's tracker)
     _child_named(srv, "minisgl-sched")
     _child_named(srv, "minisgl-tokeniz")
+    deadline = time.monotonic() + 10  # the banner follows the first /health answer by a poll or two
+    while "minisgl ready" not in srv.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "minisgl ready" in srv.log()
     # a stream in flight does not hold the shutdown up
     events: List[str] = []
