@@ -180,7 +180,7 @@ class ServerProcess:
             time.sleep(0.1)
         raise AssertionError(f"server not idle after {timeout} s: {m}")
 
-    def wait_metric(self, name: str, value: float, timeout: float = 30.0) -> Dict[str, float]:
+    def wait_metric(self, name: str, value: float, timeout: float = 30.0, poll: float = 0.1) -> Dict[str, float]:
         """Poll /metrics until `name` reaches `value` (scheduler numbers arrive asynchronously)."""
         deadline = time.monotonic() + timeout
         m: Dict[str, float] = {}
@@ -188,7 +188,7 @@ class ServerProcess:
             m = self.metrics()
             if m.get(name, 0.0) >= value:
                 return m
-            time.sleep(0.1)
+            time.sleep(poll)
         raise AssertionError(f"{name} did not reach {value} after {timeout} s: {m.get(name)}")
 
 
@@ -713,15 +713,22 @@ def test_client_disconnect_aborts_request(server: ServerProcess) -> None:
     assert m["minisgl_kv_cache_usage"] == 0.0
     assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"]
 
-    # a non-streaming client that gives up is aborted too. Only the wait for the answer times
-    # out: on a loaded machine a 0.5 s budget for connecting and sending as well could give up
-    # before the server ever had the request (seen once: nothing to abort).
+    # a non-streaming client that gives up is aborted too: it sends the whole request, waits
+    # until the request runs, and hangs up without the answer. (A client timeout raced the 480
+    # tokens: on a quiet machine they could finish first, on a loaded one the request might not
+    # even be sent; a client that hangs up at once leaves nothing running to abort.)
     def give_up() -> None:
-        try:
-            wait = httpx.Timeout(10.0, read=0.5)
-            httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False}, headers=server.headers(), timeout=wait)
-        except httpx.TimeoutException:
-            pass
+        payload = json.dumps({**body, "stream": False}).encode()
+        fields = {
+            "Host": f"127.0.0.1:{server.port}",
+            "Content-Type": "application/json",
+            "Content-Length": str(len(payload)),
+            **server.headers(),
+        }
+        head = "POST /v1/completions HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in fields.items()) + "\r\n"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head.encode() + payload)
+            server.wait_metric("minisgl_num_running_requests", 1, timeout=10, poll=0.01)
 
     t = threading.Thread(target=give_up)
     t.start()
