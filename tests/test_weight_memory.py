@@ -118,10 +118,11 @@ def test_bf16_load_peak_rss(bf16_checkpoint, tiny_model_dir):
         assert m["rss_after"] - m["rss_before"] > 0.9 * weight_bytes
 
 
-_MEASURE_TP = _MEASURE.replace("big, tiny, device = sys.argv[1:4]", "big, tiny, device, rank, size, port0, port1 = sys.argv[1:8]").replace(
+# the ranks join stores the test process serves (distributed.host_rendezvous), one per model
+_MEASURE_TP = _MEASURE.replace("big, tiny, device = sys.argv[1:4]", "big, tiny, device, rank, size, addr0, addr1 = sys.argv[1:8]").replace(
     "def config(path):\n    return EngineConfig(model_path=path, tp_info=DistributedInfo(0, 1),",
-    "def config(path):\n    port = int(port0 if path == tiny else port1)\n"
-    "    return EngineConfig(model_path=path, tp_info=DistributedInfo(int(rank), int(size)), distributed_port=port,",
+    "def config(path):\n    addr = addr0 if path == tiny else addr1\n"
+    "    return EngineConfig(model_path=path, tp_info=DistributedInfo(int(rank), int(size)), dist_init_addr=addr, dist_store_hosted=True,",
 )
 
 
@@ -144,15 +145,16 @@ def _added(m: dict) -> int:
 def test_tp2_load_peak_rss_is_about_half(bf16_checkpoint, tiny_model_dir):
     """Each of two TP ranks reads only its shard of every sharded tensor from the file, so its
     peak RSS while loading is about half of a single rank's (124 MB of bf16 weights)."""
-    from minisgl.server.process_utils import free_port
+    from minisgl.distributed import host_rendezvous
 
     path, weight_bytes = bf16_checkpoint
     tiny = str(tiny_model_dir("llama"))
-    assert "distributed_port=port" in _MEASURE_TP  # the replacements above took
+    assert "dist_store_hosted=True" in _MEASURE_TP  # the replacements above took
     single = _result(_measure(_MEASURE, str(path), tiny, "cpu"))
-    ports = (str(free_port()), str(free_port()))
-    ranks = [_measure(_MEASURE_TP, str(path), tiny, "cpu", str(r), "2", *ports) for r in range(2)]
+    stores, addrs = zip(*(host_rendezvous() for _ in range(2)))
+    ranks = [_measure(_MEASURE_TP, str(path), tiny, "cpu", str(r), "2", *addrs) for r in range(2)]
     per_rank = [_result(p) for p in ranks]
+    del stores  # kept until both ranks are done
     assert all(m["param_bytes"] < 0.55 * weight_bytes for m in per_rank), per_rank  # half, plus the norms
     added_tp1 = _added(single)
     added_tp2 = max(_added(m) for m in per_rank)
