@@ -272,6 +272,12 @@ def test_env_is_read_in_one_typed_place(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("MINISGL_FUSED_OPS", "maybe")
     with pytest.raises(ValueError, match="MINISGL_FUSED_OPS"):
         read_env()
+    monkeypatch.delenv("MINISGL_FUSED_OPS")
+    monkeypatch.setenv("MINISGL_FP8_DECODE", "CC")  # the A/B choices: case-insensitive, validated
+    assert read_env().fp8_decode == "cc"
+    monkeypatch.setenv("MINISGL_FP8_DECODE", "fast")
+    with pytest.raises(ValueError, match="MINISGL_FP8_DECODE"):
+        read_env()
 
 
 def test_request_limits_and_sampling_bounds() -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -50,6 +49,7 @@ from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.kernel.triton_paging import page_indices
 from minisgl.models.config import ModelConfig
+from minisgl.utils.env import read_env
 from minisgl.utils.misc import div_even
 
 WORKSPACE_BYTES = 128 << 20
@@ -78,7 +78,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.kv_dtype = self.kv_cache.dtype  # the pool's: the model dtype or float8_e4m3fn
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
         group = self.num_qo_heads // self.num_kv_heads
-        self.use_tensor_cores = group >= 4 if os.environ.get("MINISGL_FLASHINFER_TENSOR_CORES") == "0" else True
+        env = read_env()
+        self.use_tensor_cores = env.flashinfer_tensor_cores or group >= 4
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
@@ -94,8 +95,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
             for i in range(kv.num_layers)
         ]
         self._plan_done: Any = None
-        self._index_kernel = os.environ.get("MINISGL_FLASHINFER_PAGE_INDICES", "triton") != "torch"
-        if os.environ.get("MINISGL_FLASHINFER_FAST_MAX") != "0":
+        self._index_kernel = env.flashinfer_page_indices == "triton"
+        if env.flashinfer_fast_max:
             patch_tensor_max(flashinfer.decode, flashinfer.prefill)
         try:  # one launch for K and V instead of three
             from minisgl.kernel.triton_attention import store_kv

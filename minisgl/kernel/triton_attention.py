@@ -30,13 +30,12 @@ comparisons.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from minisgl.kernel.pdl import launch_kwargs, pdl_for
+from minisgl.utils.env import read_env
 
 LOG2E = 1.4426950408889634
 # Extends longer than this take 128-row query tiles (a 32k prompt in 8k chunks: 357 against 306
@@ -47,12 +46,12 @@ LONG_EXTEND = 2048
 F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
 # How decode reads an fp8 pool in a bf16 model (the A/B in docs/PERFORMANCE.md): "f16" (default)
 # fp16 dots; MINISGL_FP8_DOT=bf16 widens to bf16 and keeps bf16 dots (9-25% slower kernel)
-FP8_DOT = os.environ.get("MINISGL_FP8_DOT", "f16")
+FP8_DOT = read_env().fp8_dot
 # Which decode kernel reads an fp8 pool in a 16-bit model: "auto" (default) the CUDA-core kernel
 # (_decode_cc_kernel) for GQA groups of at most CC_MAX_GROUP, the tensor-core kernel otherwise;
 # MINISGL_FP8_DECODE=dot always the tensor-core kernel (A/B), =cc always the CUDA-core kernel,
 # =words the tensor-core kernel reading the pool as int32 words (widened before the layout change).
-FP8_DECODE = os.environ.get("MINISGL_FP8_DECODE", "auto")
+FP8_DECODE = read_env().fp8_decode
 # H200, batch 256 x ctx 1000 (docs/PERFORMANCE.md): CUDA-core 140 / 171 / 299 us against the
 # tensor-core kernel's 214 / 215 / 212 us at groups 1 / 2 / 4 (its arithmetic grows with the group,
 # the padded dot's does not)
@@ -63,7 +62,7 @@ CC_MAX_GROUP = 2
 CC_TILE = (64, 4)
 CC_PREFETCH = 2
 # Triton's interpreter runs no inline PTX: the CUDA-core kernel widens fp8 from the bits there
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = read_env().triton_interpret
 
 
 @triton.jit

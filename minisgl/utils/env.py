@@ -19,6 +19,15 @@ option or a config field; these are the few process-wide switches.
 | CC | str | cc, gcc on PATH | the C compiler of the CPU kernels |
 | MINISGL_CPU_PACKED | bool | false | CPU: bf16 GEMM weights packed once for oneDNN (faster, twice the weight memory) |
 | MINISGL_CPU_AMX | bool | true | CPU: bf16 GEMMs of > 8 rows on the C AMX kernel (false: oneDNN through torch) |
+| MINISGL_CPU_VNNI | bool | true | CPU: projection weights stored in the AMX tile layout, read in place (false: plain weights) |
+| MINISGL_FP8_DOT | f16, bf16 | f16 | CUDA: the dots of the tensor-core decode over an fp8 pool in a bf16 model |
+| MINISGL_FP8_DECODE | auto, dot, cc, words | auto | CUDA: the decode kernel over an fp8 pool (auto: CUDA-core for GQA groups <= 2) |
+| MINISGL_FLASHINFER_TENSOR_CORES | bool | true | FlashInfer decode on its tensor-core kernel for every GQA group (false: from a group of 4) |
+| MINISGL_FLASHINFER_PAGE_INDICES | triton, torch | triton | FlashInfer: how the per-step page ids are built |
+| MINISGL_FLASHINFER_FAST_MAX | bool | true | FlashInfer: its plan() gets a `max` that reduces a tensor in one op |
+
+The A/B switches (the last five, MINISGL_CPU_VNNI, MINISGL_PDL, MINISGL_SKINNY_GEMM) keep the
+alternative a measurement chose against; docs/PERFORMANCE.md has the figures.
 """
 
 from __future__ import annotations
@@ -43,6 +52,13 @@ def _flag(name: str, default: bool) -> bool:
     raise ValueError(f"environment variable {name}={value!r}: expected one of {_TRUE + _FALSE}")
 
 
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = (os.environ.get(name) or "").strip().lower() or default
+    if value not in allowed:
+        raise ValueError(f"environment variable {name}={os.environ.get(name)!r}: expected one of {allowed}")
+    return value
+
+
 @dataclass(frozen=True)
 class Env:
     api_key: str | None
@@ -58,6 +74,11 @@ class Env:
     cpu_packed: bool
     cpu_amx: bool
     cpu_vnni: bool
+    fp8_dot: str
+    fp8_decode: str
+    flashinfer_tensor_cores: bool
+    flashinfer_page_indices: str
+    flashinfer_fast_max: bool
     cc: str | None
 
 
@@ -76,5 +97,10 @@ def read_env() -> Env:
         cpu_packed=_flag("MINISGL_CPU_PACKED", False),
         cpu_amx=_flag("MINISGL_CPU_AMX", True),
         cpu_vnni=_flag("MINISGL_CPU_VNNI", True),
+        fp8_dot=_choice("MINISGL_FP8_DOT", "f16", ("f16", "bf16")),
+        fp8_decode=_choice("MINISGL_FP8_DECODE", "auto", ("auto", "dot", "cc", "words")),
+        flashinfer_tensor_cores=_flag("MINISGL_FLASHINFER_TENSOR_CORES", True),
+        flashinfer_page_indices=_choice("MINISGL_FLASHINFER_PAGE_INDICES", "triton", ("triton", "torch")),
+        flashinfer_fast_max=_flag("MINISGL_FLASHINFER_FAST_MAX", True),
         cc=os.environ.get("CC") or None,
     )
