@@ -49,6 +49,7 @@ from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.kernel.triton_paging import page_indices
 from minisgl.models.config import ModelConfig
+from minisgl.utils.device import make_device_tensor
 from minisgl.utils.env import read_env
 from minisgl.utils.misc import div_even
 
@@ -127,7 +128,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def _page_indices_torch(self, rows: List[int], npages: List[int], starts: List[int]) -> torch.Tensor:
         """The same page ids through torch ops (MINISGL_FLASHINFER_PAGE_INDICES=torch, the A/B)."""
         total, dev = starts[-1], self.device
-        packed = torch.tensor([rows, npages, starts[:-1]], dtype=torch.int64, pin_memory=True).to(dev, non_blocking=True)
+        packed = make_device_tensor([rows, npages, starts[:-1]], torch.int64, dev)
         row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)
         pos = torch.arange(total, device=dev) - torch.repeat_interleave(packed[2], packed[1], output_size=total)
         return (self._page_starts[row_of, pos] // self.page_size).to(torch.int32)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.utils.device import make_device_tensor
+
 BLOCK = 128  # page ids per program
 
 
@@ -44,9 +46,7 @@ def page_indices(page_table: torch.Tensor, rows: List[int], npages: List[int], s
     out = torch.empty(total, dtype=torch.int32, device=page_table.device)
     if total == 0:
         return out
-    meta = torch.tensor([rows, npages, starts], dtype=torch.int64).flatten()
-    if page_table.is_cuda:
-        meta = meta.pin_memory().to(page_table.device, non_blocking=True)
+    meta = make_device_tensor([rows, npages, starts], torch.int64, page_table.device)  # [3, bs], contiguous
     grid = (bs, triton.cdiv(max(npages), BLOCK))
     _page_indices_kernel[grid](page_table, page_table.stride(0), meta, out, bs, PAGE_SIZE=page_size, BLOCK=BLOCK)
     return out

@@ -18,6 +18,8 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #include <omp.h>
+
+#include "vec_math.h"
 /* Prefetch distances in tiles (R weight rows each): the next tile into L1, the one PF_L2 ahead
  * into L2. A batch-1 bf16 decode step of the embedded model (2 threads, context 500, min of 8):
  * L1 at 2 tiles alone 10.8-11.1 ms; adding L2 at 8: 9.1; L1 at 1 and L2 at 2-6: 8.4-8.8. */
@@ -146,8 +148,7 @@ static inline __attribute__((always_inline)) void gemv_vnni_tile(
     }
     for (int j = 0; j < JB; j++) {
         long n0 = (jb0 + j) * 16;
-        __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + n0))), 16))
-                        : _mm512_setzero_ps();
+        __m512 b = bias ? bf16x16_to_f(_mm256_loadu_si256((const __m256i *)(bias + n0))) : _mm512_setzero_ps();
         for (int m = 0; m < M; m++)
             _mm256_storeu_si256((__m256i *)(y + m * ldy + n0), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[j][m], b)));
     }
