@@ -6,8 +6,8 @@ timed as a CUDA graph of 8 calls over 4 layers' pools in turn (KV several times 
 keeps small cases from timing the Python launch), lengths uniform in [ctx/2, 3ctx/2], scattered
 slots, longest-first order. Checked first: every fp8 kernel and config against float32 attention
 over the fp8 values (poisoned output and scratch, max error relative to the largest output).
-Timed: bf16 KV and fp8 through the tensor-core kernel (fp16 dots; over bytes and over int32
-words), and the CUDA-core kernel's configs.
+Timed: bf16 KV and fp8 through the tensor-core kernel (fp16 dots), and the CUDA-core kernel's
+configs. (The tensor-core kernel over int32 words, timed in docs/PERFORMANCE.md, is gone.)
     python3 benchmark/kv_fp8_sweep.py --cases 256x1000,64x600,8x1000 --out sweep.json
     python3 benchmark/kv_fp8_sweep.py --heads 40x8 --cases 256x1000 --quick   # Qwen3-14B's group of 5
 """
@@ -30,7 +30,6 @@ MAX_SPLITS, MIN_SPLIT_LEN = 64, 64  # attention/triton_backend.py
 # (label, FP8_DECODE mode, block_n, num_stages, num_warps, CC_PREFETCH)
 Config = Tuple[str, str, int, int, int, int]
 DOT = [("dot", "dot", bn, st, 4, 0) for bn in (64, 128) for st in (1, 3)]
-WORDS = [("words", "words", bn, st, 4, 0) for bn, st in ((64, 2), (64, 3), (128, 2))]
 CC = [("cc", "cc", keys * 4 * w, 1, w, pf) for keys in (2, 4, 8) for w in (4, 8) for pf in (2,)]
 CC += [("cc", "cc", 64, 1, 4, 1), ("cc", "cc", 64, 1, 4, 0), ("cc", "cc", 32, 1, 2, 2), ("cc", "cc", 64, 1, 2, 2)]
 
@@ -108,16 +107,15 @@ def main() -> None:
                              D**-0.5, block_n=bn, num_warps=w, num_stages=st, order=c["order"])  # fmt: skip
 
         def is_default(cfg: Config) -> bool:
-            if cfg[1] in ("dot", "words"):
-                return cfg[2] == base and cfg[3] == (2 if cfg[1] == "words" else 3)
+            if cfg[1] == "dot":
+                return cfg[2] == base and cfg[3] == 3
             return (cfg[2], cfg[4], cfg[5]) == (cc_default[0], cc_default[1], 2)
 
         dot_cfgs = [x for x in DOT if not a.quick or is_default(x)]
         cc_cfgs = [x for x in CC if not a.quick or is_default(x)]
-        words_cfgs = [x for x in WORDS if not a.quick or is_default(x)]
         # correctness: every fp8 config against float32 attention over the fp8 values
         ref = reference(q, kv8[0][0], kv8[0][1], c)
-        for cfg in dot_cfgs + words_cfgs + cc_cfgs:
+        for cfg in dot_cfgs + cc_cfgs:
             out.fill_(float("nan"))
             mid_o.fill_(float("nan"))
             run(kv8[0], cfg)
@@ -129,7 +127,7 @@ def main() -> None:
                 failures.append(f"{spec} {cfg}")
         kv_bytes = int(c["lens"].sum()) * hk * D * 2  # K and V elements per layer
         timed = [("bf16", kv16, 2, x) for x in dot_cfgs] + [("fp8dot", kv8, 1, x) for x in dot_cfgs]
-        timed += [("fp8words", kv8, 1, x) for x in words_cfgs] + [("fp8cc", kv8, 1, x) for x in cc_cfgs]
+        timed += [("fp8cc", kv8, 1, x) for x in cc_cfgs]
         for kvname, kvs, itemsize, cfg in timed:
 
             def layers(kvs: List[torch.Tensor] = kvs, cfg: Config = cfg) -> None:
@@ -145,7 +143,7 @@ def main() -> None:
                              prefetch=cfg[5], us=us, GBps=kv_bytes * itemsize / (us * 1e-6) / 1e9,
                              default=is_default(cfg)))  # fmt: skip
         TA.FP8_DECODE, TA.CC_PREFETCH, TA.CC_TILE = "auto", 2, cc_default
-        for kvname in ("bf16", "fp8dot", "fp8words", "fp8cc"):
+        for kvname in ("bf16", "fp8dot", "fp8cc"):
             mine = [r for r in rows if r["case"] == spec and r["kv"] == kvname]
             if not mine:
                 continue

@@ -130,9 +130,9 @@ import minisgl.kernel.triton_attention as TA
 k8.view(-1)[:6] = torch.tensor([2.0**-9, -(2.0**-7), 448.0, -448.0, 0.0, -0.0]).to(fp8)
 q = torch.randn(len(lens), Hq, D).to(torch.bfloat16)
 ref = torch.stack([reference(q[i : i + 1], i, n, n - 1)[0] for i, n in enumerate(lens)])
-# the tensor-core kernel (fp16 dots; over fp8 bytes and over int32 words) and the CUDA-core kernel
-# (1 to 4 keys per thread per tile), direct and split; words are widened from their bits here
-for mode, tile, warps in (("dot", 32, 4), ("words", 32, 4), ("cc", 32, 4), ("cc", 64, 2), ("cc", 128, 4)):
+# the tensor-core kernel (fp16 dots over fp8 bytes) and the CUDA-core kernel (1 to 4 keys per
+# thread per tile; its int32 words are widened from their bits here), direct and split
+for mode, tile, warps in (("dot", 32, 4), ("cc", 32, 4), ("cc", 64, 2), ("cc", 128, 4)):
     TA.FP8_DECODE, TA.CC_TILE = mode, (tile, warps)
     assert TA.use_cc_decode(q.dtype, fp8, Hq // Hk, D) == (mode == "cc")
     for S in (1, 4):

@@ -49,8 +49,9 @@ F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
 FP8_DOT = read_env().fp8_dot
 # Which decode kernel reads an fp8 pool in a 16-bit model: "auto" (default) the CUDA-core kernel
 # (_decode_cc_kernel) for GQA groups of at most CC_MAX_GROUP, the tensor-core kernel otherwise;
-# MINISGL_FP8_DECODE=dot always the tensor-core kernel (A/B), =cc always the CUDA-core kernel,
-# =words the tensor-core kernel reading the pool as int32 words (widened before the layout change).
+# MINISGL_FP8_DECODE=dot always the tensor-core kernel (A/B), =cc always the CUDA-core kernel.
+# (The tensor-core kernel reading the pool as int32 words, widened before the layout change, was
+# measured and dropped: 7% faster at batch 256, 38% slower at batch 64; docs/PERFORMANCE.md.)
 FP8_DECODE = read_env().fp8_decode
 # H200, batch 256 x ctx 1000 (docs/PERFORMANCE.md): CUDA-core 140 / 171 / 299 us against the
 # tensor-core kernel's 214 / 215 / 212 us at groups 1 / 2 / 4 (its arithmetic grows with the group,
@@ -63,36 +64,6 @@ CC_TILE = (64, 4)
 CC_PREFETCH = 2
 # Triton's interpreter runs no inline PTX: the CUDA-core kernel widens fp8 from the bits there
 _INTERPRET = read_env().triton_interpret
-
-
-@triton.jit
-def _e4m3_words_to_f16(w, ASM: tl.constexpr):
-    """[N, W] int32 words of four e4m3 bytes -> the [N, 4W] fp16 tile (element 4j + i = byte i of
-    word j), widened in the load layout; the dot operand's layout change then moves 16-bit data."""
-    if ASM:
-        h0, h1, h2, h3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            .reg .b32 a, b;
-            mov.b32 {lo, hi}, $4;
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            mov.b32 {$0, $1}, a;
-            mov.b32 {$2, $3}, b;
-            }""",
-            constraints="=h,=h,=h,=h,r",
-            args=[w],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-            is_pure=True,
-            pack=1,
-        )
-    else:
-        h0 = _e4m3_bits(w, 0).to(tl.float16)
-        h1 = _e4m3_bits(w, 8).to(tl.float16)
-        h2 = _e4m3_bits(w, 16).to(tl.float16)
-        h3 = _e4m3_bits(w, 24).to(tl.float16)
-    x = tl.join(tl.join(h0, h2), tl.join(h1, h3))  # [N, W, 2, 2]: element (j, a, b) = byte 2a + b
-    return tl.reshape(x, [w.shape[0], w.shape[1] * 4])
 
 
 @triton.jit
@@ -130,8 +101,6 @@ def _decode_partial_kernel(
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
-    WORDS: tl.constexpr = False,
-    ASM: tl.constexpr = True,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -180,25 +149,15 @@ def _decode_partial_kernel(
             mask_n = offs_n < end
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            if WORDS:  # K/V are the fp8 pool's int32 words: widened before any layout change
-                offs_w = tl.arange(0, BLOCK_D // 4)
-                w_mask = mask_n[:, None] & (offs_w[None, :] < HEAD_DIM // 4)
-                kw = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_w[None, :], mask=w_mask, other=0)
-                k = _e4m3_words_to_f16(kw, ASM)
-            else:
-                k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-                k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
+            k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
-            if WORDS:
-                vw = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_w[None, :], mask=w_mask, other=0)
-                v = _e4m3_words_to_f16(vw, ASM)
-            else:
-                v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-                v = v.to(kdt)
+            v = tl.load(V + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = v.to(kdt)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
@@ -637,8 +596,6 @@ def decode_attention(
     direct = S == 1
     pdl = pdl_for(B)
     f16_dot = FP8_DOT != "bf16" and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-    words = FP8_DECODE == "words" and k_cache.dtype == torch.float8_e4m3fn and (f16_dot or q.dtype == torch.float16)
-    kp, vp = (k_cache.view(torch.int32), v_cache.view(torch.int32)) if words else (k_cache, v_cache)
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     if use_cc_decode(q.dtype, k_cache.dtype, group, D):
@@ -646,17 +603,16 @@ def decode_attention(
                    sm_scale, pdl)  # fmt: skip
     else:
         _decode_partial_kernel[(Hk, B, S)](
-            q, kp, vp, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
+            q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
             sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
             q.stride(0), q.stride(1),
-            kp.stride(0), kp.stride(1), vp.stride(0), vp.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             page_table.stride(0),
             *dst_strides,
             mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-            USE_PDL=pdl, F16_DOT=f16_dot, WORDS=words, ASM=not _INTERPRET, num_warps=num_warps, num_stages=num_stages,
-            **launch_kwargs(pdl),
+            USE_PDL=pdl, F16_DOT=f16_dot, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
         )  # fmt: skip
     if direct:
         return
