@@ -2,8 +2,8 @@
 # Issue 14, fp8 KV cache, its decode kernels and FlashInfer (device tool; run from a copy of the repo root, logs in $OUT):
 #   bash benchmark/h200_fp8.sh [parts...]
 # parts: fisetup jitsave jitload trace hostprof tests sweep offline fi latency peer offline14b cudatests engine fitests pages
-# pages: offline runs from RUNS, each backend:page_size[:NAME=VALUE] (backend triton or fi; the optional environment
-#   variable is set for that run), default "triton:1 fi:1 triton:16 fi:16", labels like fi_ps16_2 (the run's number).
+# pages: offline runs from RUNS, each backend:page_size[:NAME=VALUE[:ARGS]] (backend triton or fi; the optional environment
+#   variable is set for that run, "-" for none; ARGS: offline.py flags for that run, commas for spaces), default "triton:1 fi:1 triton:16 fi:16", labels like fi_ps16_2 (the run's number).
 # STOP_AT=S: parts and offline runs that would start S seconds or more after the script began are skipped
 # (a device call has a fixed budget: what ran still comes back).
 # fisetup needs .whl-fi (flashinfer-python 0.7.0.post1 + apache-tvm-ffi 0.1.15.post2) one folder up or here;
@@ -60,10 +60,11 @@ for part in ${*:-tests sweep offline}; do
     trace) for b in ${TRACE_BACKENDS:-flashinfer triton}; do off "trace_${b}_ps${TRACE_PS:-16}" --attention-backend $b --page-size ${TRACE_PS:-16} --trace
              grep -A24 "device timeline" "$OUT/off_trace_${b}_ps${TRACE_PS:-16}.log" ; done ;;
     hostprof) for b in ${TRACE_BACKENDS:-flashinfer triton}; do  # the host's time under cProfile (slowed down)
-               off "prof_${b}_ps${TRACE_PS:-16}" --attention-backend $b --page-size ${TRACE_PS:-16} --profile; done ;;
-    pages) n=0; for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps env <<< "$spec"
-             be=$b; [ "$b" = fi ] && be=flashinfer; n=$((n + 1))
-             ( [ -n "$env" ] && export "$env"; off "${b}_ps${ps}${env:+_${env%%=*}${env##*=}}_$n" --attention-backend $be --page-size "$ps" ); done ;;
+               off "prof_${b}_ps${TRACE_PS:-16}" --attention-backend $b --page-size ${TRACE_PS:-16} --profile ${PROF_ARGS:-}; done ;;
+    pages) n=0; for spec in ${RUNS:-triton:1 fi:1 triton:16 fi:16}; do IFS=: read -r b ps env extra <<< "$spec"
+             be=$b; [ "$b" = fi ] && be=flashinfer; n=$((n + 1)); [ "$env" = - ] && env=
+             ( [ -n "$env" ] && export "$env"; off "${b}_ps${ps}${env:+_${env%%=*}${env##*=}}${extra:+_${extra//[-,=]/}}_$n" \
+                 --attention-backend $be --page-size "$ps" ${extra//,/ } ); done ;;
     engine) timeout ${ENGINE_TIMEOUT:-300} python3 benchmark/gpu_check.py --parts kernels,engine --backends ${BACKENDS:-triton} --out "$OUT/check" 2>&1 | grep -v Warn | tail -40 | tee "$OUT/engine.log" ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""The Triton kernels (minisgl/kernel/triton_ops.py, triton_paging.py, minisgl/moe/triton_moe.py) on a CPU machine.
+"""The Triton kernels (minisgl/kernel/triton_ops.py, minisgl/moe/triton_moe.py) on a CPU machine.
 
 1. Against their torch references through Triton's interpreter (TRITON_INTERPRET=1). The
    interpreter must be switched on before triton is first imported, so the checks run in a
@@ -172,24 +172,6 @@ CHECKS = textwrap.dedent(
             if not ok:
                 failures.append(f"align {fn.__name__}")
 
-    # FlashInfer's page ids (kernel/triton_paging.py) against slicing the page table in torch:
-    # whole pages per row (slot = page * ps + offset), rows in any order, more pages than a block
-    from minisgl.kernel.triton_paging import BLOCK as PBLOCK, page_indices
-    for ps in (1, 16):
-        max_pages = PBLOCK + 40
-        table = torch.zeros(9, max_pages * ps + 32, dtype=torch.int32)
-        for row in range(9):
-            pages = torch.randperm(4 * max_pages)[:max_pages].int()
-            table[row, : max_pages * ps] = (pages[:, None] * ps + torch.arange(ps, dtype=torch.int32)).flatten()
-        rows, npages = [5, 0, 8, 3], [max_pages, 1, 7, PBLOCK]
-        starts = [sum(npages[:i]) for i in range(len(npages))]
-        got = page_indices(table, rows, npages, starts, ps)
-        ref = torch.cat([table[r, ::ps][:n] // ps for r, n in zip(rows, npages)])
-        ok = got.dtype == torch.int32 and torch.equal(got, ref)
-        print(f"{'ok  ' if ok else 'FAIL'} page_indices ps={ps} {len(ref)} ids")
-        if not ok:
-            failures.append(f"page_indices ps={ps}")
-
     print("FAILURES:", failures)
     sys.exit(1 if failures else 0)
     """
@@ -279,9 +261,6 @@ COMPILE = textwrap.dedent(
         if "convert_layout" in loop or "local_" in loop or "cvt.rn.f16x2.e4m3x2" not in kern.asm["ptx"]:
             print("FAIL cc decode: a layout change or shared memory in its loop, or no packed e4m3 cvt")
             failures.append("cc decode loop")
-    from minisgl.kernel import triton_paging as P
-    build(P._page_indices_kernel, {"page_table": "*i32", "row_stride": "i32", "meta": "*i64", "out": "*i32", "bs": "i32"},
-          dict(PAGE_SIZE=16, BLOCK=P.BLOCK))
     build(M._count_kernel, {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32("num_pairs", "max_rows")}, {"BLOCK": 1024})
     build(M._segment_kernel, {"Counts": "*i32", "Total": "*i32", **i32("num_experts")}, {"BLOCK_M": 16, "BLOCK_E": 128})
     build(M._scatter_kernel, {"Ids": "*i64", "Cursor": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", **i32("num_pairs")},

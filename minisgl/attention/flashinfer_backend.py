@@ -9,10 +9,10 @@ indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer ov
 Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
 side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
 Host time per step matters here: once the batch shrinks, FlashInfer's planning no longer hides
-behind the device (docs/PERFORMANCE.md, "FlashInfer, round three"). So the page indices are one
-copy and one Triton launch (kernel/triton_paging.py; MINISGL_FLASHINFER_PAGE_INDICES=torch for
-the torch ops it replaces), and FlashInfer's plan() gets a `max` that reduces a tensor in one op
-(attention/flashinfer_patches.py; MINISGL_FLASHINFER_FAST_MAX=0 leaves FlashInfer as it is).
+behind the device (docs/PERFORMANCE.md, "FlashInfer, round three"), so FlashInfer's plan() gets
+a `max` that reduces a tensor in one op (attention/flashinfer_patches.py: 0.45 s less host time
+per offline run; MINISGL_FLASHINFER_FAST_MAX=0 leaves FlashInfer as it is). A one-launch Triton
+build of the page ids was measured (round four) and dropped: no throughput or host-time gain.
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed index buffers (sized in pages). Decode batches of a captured size are planned on that
@@ -47,7 +47,6 @@ from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 from minisgl.attention.flashinfer_patches import patch_tensor_max
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
-from minisgl.kernel.triton_paging import page_indices
 from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
 from minisgl.utils.env import read_env
@@ -96,7 +95,6 @@ class FlashInferAttnBackend(BaseAttnBackend):
             for i in range(kv.num_layers)
         ]
         self._plan_done: Any = None
-        self._index_kernel = env.flashinfer_page_indices == "triton"
         if env.flashinfer_fast_max:
             patch_tensor_max(flashinfer.decode, flashinfer.prefill)
         try:  # one launch for K and V instead of three
@@ -116,17 +114,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
         npages = [-(-n // ps) for n in lens]
         starts = list(itertools.accumulate(npages, initial=0))
         indptr = torch.tensor(starts, dtype=torch.int32)
-        if self._index_kernel:  # one copy and one launch (kernel/triton_paging.py)
-            indices = page_indices(self.page_table, rows, npages, starts[:-1], ps)
-        else:
-            indices = self._page_indices_torch(rows, npages, starts)
+        indices = self._page_indices(rows, npages, starts)
         if ps == 1:
             return indptr, indices, self._ones_of(len(lens))
         last = torch.tensor([n - (p - 1) * ps for n, p in zip(lens, npages)], dtype=torch.int32)
         return indptr, indices, last
 
-    def _page_indices_torch(self, rows: List[int], npages: List[int], starts: List[int]) -> torch.Tensor:
-        """The same page ids through torch ops (MINISGL_FLASHINFER_PAGE_INDICES=torch, the A/B)."""
+    def _page_indices(self, rows: List[int], npages: List[int], starts: List[int]) -> torch.Tensor:
+        """Each row's first `npages` page ids, concatenated (one pinned copy of the per-row numbers)."""
         total, dev = starts[-1], self.device
         packed = make_device_tensor([rows, npages, starts[:-1]], torch.int64, dev)
         row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)

@@ -23,7 +23,6 @@ option or a config field; these are the few process-wide switches.
 | MINISGL_FP8_DOT | f16, bf16 | f16 | CUDA: the dots of the tensor-core decode over an fp8 pool in a bf16 model |
 | MINISGL_FP8_DECODE | auto, dot, cc | auto | CUDA: the decode kernel over an fp8 pool (auto: CUDA-core for GQA groups <= 2) |
 | MINISGL_FLASHINFER_TENSOR_CORES | bool | true | FlashInfer decode on its tensor-core kernel for every GQA group (false: from a group of 4) |
-| MINISGL_FLASHINFER_PAGE_INDICES | triton, torch | triton | FlashInfer: how the per-step page ids are built |
 | MINISGL_FLASHINFER_FAST_MAX | bool | true | FlashInfer: its plan() gets a `max` that reduces a tensor in one op |
 
 The A/B switches (the last five, MINISGL_CPU_VNNI, MINISGL_PDL, MINISGL_SKINNY_GEMM) keep the
@@ -77,7 +76,6 @@ class Env:
     fp8_dot: str
     fp8_decode: str
     flashinfer_tensor_cores: bool
-    flashinfer_page_indices: str
     flashinfer_fast_max: bool
     cc: str | None
 
@@ -100,7 +98,6 @@ def read_env() -> Env:
         fp8_dot=_choice("MINISGL_FP8_DOT", "f16", ("f16", "bf16")),
         fp8_decode=_choice("MINISGL_FP8_DECODE", "auto", ("auto", "dot", "cc")),
         flashinfer_tensor_cores=_flag("MINISGL_FLASHINFER_TENSOR_CORES", True),
-        flashinfer_page_indices=_choice("MINISGL_FLASHINFER_PAGE_INDICES", "triton", ("triton", "torch")),
         flashinfer_fast_max=_flag("MINISGL_FLASHINFER_FAST_MAX", True),
         cc=os.environ.get("CC") or None,
     )
