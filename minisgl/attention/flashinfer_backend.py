@@ -8,11 +8,12 @@ kernels load K/V page by page and its planner splits work in pages, so larger pa
 indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer over real pages").
 Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
 side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
-Host time per step matters here: once the batch shrinks, FlashInfer's planning no longer hides
-behind the device (docs/PERFORMANCE.md, "FlashInfer, round three"), so FlashInfer's plan() gets
-a `max` that reduces a tensor in one op (attention/flashinfer_patches.py: 0.45 s less host time
-per offline run; MINISGL_FLASHINFER_FAST_MAX=0 leaves FlashInfer as it is). A one-launch Triton
-build of the page ids was measured (round four) and dropped: no throughput or host-time gain.
+FlashInfer's plan() gets a `max` that reduces a tensor in one op instead of iterating it
+(attention/flashinfer_patches.py: 0.45 s less host time per offline run;
+MINISGL_FLASHINFER_FAST_MAX=0 leaves FlashInfer as it is). The host is not what limits this
+backend offline (it waits on the device most of a run); the 4-7% it trails triton by is
+FlashInfer's decode kernel and graph-mode merge (docs/PERFORMANCE.md, "FlashInfer, round four";
+a one-launch Triton build of the page ids was measured there and dropped).
 
 CUDA graphs: one decode wrapper per captured batch size, built with `use_cuda_graph=True` over
 fixed index buffers (sized in pages). Decode batches of a captured size are planned on that
