@@ -127,7 +127,8 @@ class FlashInferAttnBackend(BaseAttnBackend):
         packed = make_device_tensor([rows, npages, starts[:-1]], torch.int64, dev)
         row_of = torch.repeat_interleave(packed[0], packed[1], output_size=total)
         pos = torch.arange(total, device=dev) - torch.repeat_interleave(packed[2], packed[1], output_size=total)
-        return (self._page_starts[row_of, pos] // self.page_size).to(torch.int32)
+        first_slots = self._page_starts[row_of, pos]  # int32, as the page table
+        return first_slots if self.page_size == 1 else first_slots // self.page_size  # page 1: a page is a slot
 
     def _ones_of(self, bs: int) -> torch.Tensor:
         if self._ones.numel() < bs:
@@ -162,15 +163,14 @@ class FlashInferAttnBackend(BaseAttnBackend):
             last = torch.arange(bs, device=self.device)
             batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=wrapper)
             return
-        ext = [r.extend_len for r in reqs]
-        qo_indptr = torch.zeros(bs + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(ext, dtype=torch.int32), 0, out=qo_indptr[1:])
+        ends = list(itertools.accumulate(r.extend_len for r in reqs))  # each request's query rows end here
+        qo_indptr = torch.tensor([0, *ends], dtype=torch.int32)
         kv_indptr, indices, last_page_len = self._kv_indices(rows, lens)
         self.prefill_wrapper.plan(
             qo_indptr, kv_indptr, indices, last_page_len, self.num_qo_heads, self.num_kv_heads,
             self.head_dim, self.page_size, causal=True, q_data_type=self.dtype, kv_data_type=self.kv_dtype, sm_scale=self.sm_scale,
         )  # fmt: skip
-        last = (qo_indptr[1:].long() - 1).pin_memory().to(self.device, non_blocking=True)
+        last = make_device_tensor([e - 1 for e in ends], torch.int64, self.device)
         batch.attn_metadata = FlashInferAttnMetadata(last_indices=last, wrapper=self.prefill_wrapper)
 
     # ---- compute -------------------------------------------------------------------------------

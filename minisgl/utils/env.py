@@ -25,7 +25,7 @@ option or a config field; these are the few process-wide switches.
 | MINISGL_FLASHINFER_TENSOR_CORES | bool | true | FlashInfer decode on its tensor-core kernel for every GQA group (false: from a group of 4) |
 | MINISGL_FLASHINFER_FAST_MAX | bool | true | FlashInfer: its plan() gets a `max` that reduces a tensor in one op |
 
-The A/B switches (the last five, MINISGL_CPU_VNNI, MINISGL_PDL, MINISGL_SKINNY_GEMM) keep the
+The A/B switches (the last four, MINISGL_CPU_VNNI, MINISGL_PDL, MINISGL_SKINNY_GEMM) keep the
 alternative a measurement chose against; docs/PERFORMANCE.md has the figures.
 """
 
