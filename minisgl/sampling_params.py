@@ -27,6 +27,8 @@ MAX_PENALTY = 2.0  # presence / frequency, as OpenAI
 MAX_REPETITION_PENALTY = 10.0
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # as OpenAI: -100 bans a token, +100 all but forces it
 # Below this temperature sampling is greedy: logits / T would overflow to infinity (as vLLM).
@@ -95,6 +97,10 @@ class SamplingParams:
     max_tokens: int | None = 1024
     ignore_eos: bool = False
     stop_token_ids: List[int] = field(default_factory=list)
+    # Stop strings, matched on the detokenized output (vLLM's `stop`): the output ends before the
+    # first one that appears, or after it with include_stop_str_in_output.
+    stop: List[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     seed: int | None = None
     # OpenAI-style penalties on tokens generated so far; HF-style repetition penalty on all tokens.
     presence_penalty: float = 0.0
@@ -114,6 +120,10 @@ class SamplingParams:
     # Scheduling priority under --schedule-policy priority: lower values are admitted first
     # (and retracted last), as in vLLM; under FCFS only 0 is accepted.
     priority: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # one stop string, as vLLM and OpenAI accept
+            self.stop = [self.stop]
 
     def validate(self, vocab_size: int | None = None, max_seq_len: int | None = None) -> None:
         """Raise InvalidRequest naming the first field outside its allowed range. Token-id and
@@ -141,6 +151,11 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids", param="stop_token_ids")
         check_token_ids(self.stop_token_ids, vocab_size, "stop_token_ids", allow_empty=True)
+        _check_stop_strings(self.stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise InvalidRequest(
+                f"include_stop_str_in_output must be a boolean, got {self.include_stop_str_in_output!r}", param="include_stop_str_in_output"
+            )
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise InvalidRequest(f"seed must be a 64-bit signed integer, got {self.seed!r}", param="seed")
         _check_range("presence_penalty", self.presence_penalty, -MAX_PENALTY, MAX_PENALTY)
@@ -173,10 +188,11 @@ class SamplingParams:
         """The parameters of choice `index` of an `n > 1` request: a seed becomes seed + index,
         wrapped into the int64 range so that every choice's seed stays valid."""
         bias = dict(self.logit_bias) if self.logit_bias is not None else None
+        lists = dict(stop_token_ids=list(self.stop_token_ids), stop=list(self.stop), logit_bias=bias)
         if self.seed is None or index == 0:
-            return replace(self, stop_token_ids=list(self.stop_token_ids), logit_bias=bias)
+            return replace(self, **lists)  # type: ignore[arg-type]
         seed = (self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
-        return replace(self, seed=seed, stop_token_ids=list(self.stop_token_ids), logit_bias=bias)
+        return replace(self, seed=seed, **lists)  # type: ignore[arg-type]
 
     @property
     def has_penalties(self) -> bool:
@@ -185,6 +201,20 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _check_stop_strings(stop: object) -> None:
+    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop must be a list of at most {MAX_STOP_STRINGS} strings, got {stop!r:.200}", param="stop")
+    for s in stop:
+        if not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise InvalidRequest(
+                f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} characters, got {s!r:.200}", param="stop"
+            )
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("a stop string holds a lone surrogate, which is not valid text", param="stop") from None
 
 
 def check_token_ids(ids: Sequence[object], vocab_size: int | None, param: str, *, allow_empty: bool = False) -> None:

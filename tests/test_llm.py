@@ -339,6 +339,11 @@ BAD = [
     ([[1, 2], [3, 4]], [SamplingParams()], "sampling_params"),
     ([], SamplingParams(), "prompts is empty"),
     (["text"], SamplingParams(), "tokenizer"),  # the tiny model has no tokenizer: token ids only
+    ([[1, 2, 3]], SamplingParams(stop=["x"]), "stop strings .* no tokenizer"),
+    ([[1, 2, 3]], SamplingParams(stop=[""]), "stop"),
+    ([[1, 2, 3]], SamplingParams(stop=["x"] * 17), "stop"),
+    ([[1, 2, 3]], SamplingParams(stop=["a\ud800"]), "surrogate"),
+    ([[1, 2, 3]], SamplingParams(stop=[7]), "stop"),  # type: ignore[list-item]
 ]
 
 
@@ -389,6 +394,33 @@ def test_embedded_model_text_and_chat(embedded_model_dir, embedded_oracle, embed
         assert res.finish_reason in ("stop", "length")
         if res.finish_reason == "stop":
             assert res.token_ids[-1] in eos
+
+
+def test_stop_strings_trim_the_text_and_free_the_request(embedded_model_dir):
+    """SamplingParams.stop offline, as the server trims: the text ends before the first stop
+    string (or after it with include_stop_str_in_output), finish_reason "stop", the tokens are a
+    prefix of the unstopped run's, and the request's pages are freed (running_llm checks)."""
+    prompt, n = "The capital of France is", 24
+    with running_llm(embedded_model_dir, max_running_req=4, max_seq_len_override=256, num_page_override=4 * 256 + 16) as llm:
+        [full] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        text = full.text
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        at = text.find(stop)  # the oracle: where the first occurrence starts in the untrimmed text
+        cut, kept, one = llm.generate(
+            [prompt] * 3,
+            [
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop=["never appears \u2603", stop]),
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+                SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop=stop),  # one string, not a list
+            ],
+        )
+    assert len(stop) == 3 and at >= 0
+    for res in (cut, kept, one):
+        assert res.finish_reason == "stop" and res.stop_reason == stop
+        assert res.completion_tokens < n and res.token_ids == full.token_ids[: res.completion_tokens]
+    assert cut.text == one.text == text[:at]
+    assert kept.text == text[: at + len(stop)]
+    assert full.finish_reason == "length" and full.stop_reason is None
 
 
 # ---------------------------------------------------------------------------------------------

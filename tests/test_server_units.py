@@ -51,7 +51,7 @@ def tokenizer(embedded_model_dir: str) -> Any:
 def test_messages_round_trip() -> None:
     msgs = [
         TokenizeMsg(
-            1, text="你好", sampling=SamplingParams(temperature=0.5, max_tokens=None, seed=-(2**63)), stop=["\n"], want_logprobs=True
+            1, text="你好", sampling=SamplingParams(temperature=0.5, max_tokens=None, seed=-(2**63), stop=["\n"]), want_logprobs=True
         ),
         TokenizeMsg(2, messages=[{"role": "user", "content": "hi"}], chat_template_kwargs={"x": 1}),
         TokenizeMsg(3, input_ids=[1, 2, 3]),

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -240,28 +239,22 @@ def test_dead_rank_fails_fast(qwen3_dir):
         llm.shutdown()
 
 
-def test_interpreter_exit_without_shutdown_leaves_no_process(qwen3_dir, tmp_path):
-    script = textwrap.dedent(
-        f"""
-        import sys
-        from minisgl.llm import LLM
-        if __name__ == "__main__":
-            llm = LLM({qwen3_dir!r}, tp=2, dtype="float32", device="cpu", max_running_req=2,
-                      max_seq_len_override=64, num_page_override=40)
-            print("WORKER", llm._workers.procs[0].pid, flush=True)
-            # no shutdown(): leaving the interpreter must take the worker rank with it
-        """
-    )
-    path = tmp_path / "exit_without_shutdown.py"
-    path.write_text(script)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env)
+def test_interpreter_exit_without_shutdown_leaves_no_process(qwen3_dir):
+    proc = _run_script("tp_exit_without_shutdown.py", qwen3_dir, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     pid = int(next(line for line in proc.stdout.splitlines() if line.startswith("WORKER")).split()[1])
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), f"worker rank pid {pid} outlived its interpreter"
+
+
+def _run_script(name: str, model_dir: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run tests/scripts/<name> in a fresh interpreter (signals and interpreter exit need one)."""
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    script = Path(__file__).parent / "scripts" / name
+    return subprocess.run([sys.executable, str(script), model_dir], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _alive(pid: int) -> bool:
@@ -413,50 +406,19 @@ def test_tp_that_does_not_divide_the_model_is_refused(qwen3_dir):
         LLM(qwen3_dir, tp=3, **_kwargs())
 
 
-def test_script_without_main_guard_fails_fast_with_a_hint(qwen3_dir, tmp_path):
-    path = tmp_path / "no_main_guard.py"
-    path.write_text(
-        f"from minisgl.llm import LLM\n"
-        f"llm = LLM({qwen3_dir!r}, tp=2, dtype='float32', device='cpu', max_running_req=2,\n"
-        f"          max_seq_len_override=64, num_page_override=40)\n"
-    )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+def test_script_without_main_guard_fails_fast_with_a_hint(qwen3_dir):
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env)
+    proc = _run_script("tp_no_main_guard.py", qwen3_dir, timeout=120)
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
     assert time.monotonic() - start < 50  # not the 60 s rendezvous timeout
 
 
-def test_ctrl_c_during_generate_leaves_the_ranks_usable(qwen3_dir, tmp_path):
+def test_ctrl_c_during_generate_leaves_the_ranks_usable(qwen3_dir):
     """SIGINT mid-generate at tp=2 raises KeyboardInterrupt between steps; the next generate
-    works and the ranks still agree."""
-    script = textwrap.dedent(
-        f"""
-        import os, signal, threading
-        from minisgl.core import SamplingParams
-        from minisgl.llm import LLM
-        if __name__ == "__main__":
-            llm = LLM({qwen3_dir!r}, tp=2, dtype="float32", device="cpu", max_running_req=4,
-                      max_seq_len_override=512, num_page_override=4 * 512 + 8)
-            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-            try:
-                llm.generate([[1, 2, 3]] * 4, long)
-                print("NOT INTERRUPTED")
-            except KeyboardInterrupt:
-                print("INTERRUPTED")
-            out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5))
-            fps = llm.scheduler.rank_fingerprints()
-            llm.scheduler.check_invariants()
-            print("AFTER", len(out[0].token_ids), fps[0] == fps[1])
-            llm.shutdown()
-        """
-    )
-    path = tmp_path / "ctrl_c.py"
-    path.write_text(script)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=180, env=env)
+    works and the ranks still agree. The script sends the signal after the first tokens, from
+    the step loop (tests/scripts/tp_ctrl_c.py), so the outcome does not depend on speed."""
+    proc = _run_script("tp_ctrl_c.py", qwen3_dir, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "INTERRUPTED" in proc.stdout.splitlines(), proc.stdout
     assert "AFTER 5 True" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -25,6 +25,7 @@ from minisgl.distributed import DistributedInfo, host_rendezvous
 from minisgl.engine.engine import check_tp_size
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
 from minisgl.scheduler.tp import LeaderScheduler, WorkerRanks
+from minisgl.tokenizer.detokenize import IncrementalDetokenizer, StopMatcher, raw_decoder
 from minisgl.utils.hf import cached_load_hf_config, load_tokenizer, resolve_model_path
 from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
@@ -50,6 +51,8 @@ class GenerationResult:
     # with SamplingParams(prompt_logprobs=k): [token id, logprob, [(id, logprob), ...]] for every
     # prompt token but the first
     prompt_logprobs: List[List[Any]] | None = field(default=None, repr=False)
+    # what ended it with finish_reason "stop": the stop string or stop token id (None: EOS or not stopped)
+    stop_reason: str | int | None = None
 
 
 class LLM:
@@ -166,6 +169,12 @@ class LLM:
         pending = set()
         for req in requests:  # validate all before queueing any: a bad prompt leaves nothing behind
             self.scheduler.validate(req)
+            if req.sampling_params.stop and self.tokenizer is None:
+                raise ValueError(
+                    "SamplingParams.stop: stop strings are matched on text, and this model has no tokenizer (use stop_token_ids)"
+                )
+        # requests with stop strings are detokenized as they go, to end them at the first match
+        texts = {r.uid: _TextStream(self.tokenizer, r.sampling_params) for r in requests if r.sampling_params.stop}
         for req in requests:
             self.scheduler.add_request(req)
             pending.add(req.uid)
@@ -188,6 +197,10 @@ class LLM:
                             if out.logprob is not None:
                                 logps[out.uid].append(out.logprob)
                                 tops[out.uid].append(out.top_logprobs or [])
+                        stream = texts.get(out.uid)
+                        if stream is not None and stream.feed(out.token_id, out.finished) is not None and not out.finished:
+                            self.scheduler.abort(out.uid)  # a stop string: its pages are freed now
+                            out.finished, out.finish_reason = True, "stop"
                         if out.finished:
                             finals[out.uid] = out
                             pending.discard(out.uid)
@@ -208,9 +221,17 @@ class LLM:
             fin = finals[req.uid]
             ids = tokens[req.uid]
             wants_lp = req.sampling_params.logprobs is not None
+            stream = texts.get(req.uid)
+            if stream is not None:
+                text = stream.text
+            else:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+            stop_reason: str | int | None = stream.matched if stream is not None else None
+            if stop_reason is None and fin.finish_reason == "stop" and ids and ids[-1] in req.sampling_params.stop_token_ids:
+                stop_reason = ids[-1]
             results.append(
                 GenerationResult(
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else "",
+                    text=text,
                     token_ids=ids,
                     finish_reason=fin.finish_reason,
                     prompt_tokens=len(req.input_ids),
@@ -219,6 +240,7 @@ class LLM:
                     logprobs=logps[req.uid] if wants_lp else None,
                     top_logprobs=tops[req.uid] if wants_lp else None,
                     prompt_logprobs=prompt_lps.get(req.uid) if req.sampling_params.prompt_logprobs is not None else None,
+                    stop_reason=stop_reason,
                 )
             )
         return results
@@ -248,6 +270,26 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+class _TextStream:
+    """One request's text as its tokens arrive, trimmed at its first stop string exactly as the
+    server's tokenizer worker trims it (the same incremental detokenizer and matcher)."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=True, raw=raw_decoder(tokenizer))
+        self.stop = StopMatcher(params.stop, params.include_stop_str_in_output)
+        self.text = ""
+        self.matched: str | None = None
+
+    def feed(self, token_id: int | None, final: bool) -> str | None:
+        """Add one token; return the stop string it completed, if any (the text ends there)."""
+        if self.matched is not None:
+            return None
+        delta = self.detok.add([token_id] if token_id is not None else [], final=final)
+        released, self.matched = self.stop.feed(delta, final=final)
+        self.text += released
+        return self.matched
 
 
 @contextmanager

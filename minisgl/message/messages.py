@@ -30,8 +30,6 @@ class TokenizeMsg:
     input_ids: List[int] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)  # validated by the API server
     max_tokens_explicit: bool = False  # the client asked for max_tokens: reject, never clip
-    stop: List[str] = field(default_factory=list)  # stop strings, matched on detokenized text
-    include_stop_str: bool = False  # keep a matched stop string in the output
     want_logprobs: bool = False
     skip_special_tokens: bool = True
     chat_template_kwargs: Dict[str, Any] | None = None

@@ -28,6 +28,8 @@ from minisgl.sampling_params import (
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TEMPERATURE,
     GrammarSpec,
@@ -37,8 +39,6 @@ from minisgl.sampling_params import (
 
 MAX_N = 64
 MAX_CHOICES = 256  # prompts x n of one request
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024
 MAX_MESSAGES = 4096
 MAX_TEMPLATE_KWARGS = 32
 MAX_NAME_CHARS = 256
@@ -122,7 +122,9 @@ class ResponseFormat(_Base):
 def _stop_list(stop: StopStrings) -> List[str]:
     if stop is None:
         return []
-    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    return [s for s in stop if s]
 
 
 class SamplingFields(_Base):
@@ -180,6 +182,8 @@ def _to_sampling_params(
         max_tokens=max_tokens,
         ignore_eos=src.ignore_eos,
         stop_token_ids=list(src.stop_token_ids or []),
+        stop=src.stop_list(),
+        include_stop_str_in_output=bool(getattr(src, "include_stop_str_in_output", False) or getattr(src, "no_stop_trim", False)),
         seed=src.seed,
         presence_penalty=float(src.presence_penalty),
         frequency_penalty=float(src.frequency_penalty),

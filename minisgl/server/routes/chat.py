@@ -63,15 +63,12 @@ async def chat_completions(request: Request) -> Response:
             raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format", param="tool_choice")
         params.grammar = parser.call_grammar(parser.call_schema(tools))  # the model must emit a valid call
     params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
-    stops = body.stop_list()
     msgs = [
         TokenizeMsg(
             uid=state.frontend.new_uid(),
             messages=messages,
             sampling=params.for_choice(i),
             max_tokens_explicit=max_tokens is not None,
-            stop=stops,
-            include_stop_str=body.include_stop_str_in_output,
             want_logprobs=k is not None,
             skip_special_tokens=body.skip_special_tokens and (parser is None or parser.skip_special_tokens),
             chat_template_kwargs=body.chat_template_kwargs,

@@ -61,10 +61,9 @@ async def completions(request: Request) -> Response:
     if body.echo and (k is not None or any(not isinstance(p, str) for p in prompts)):
         params.prompt_logprobs = k or 0  # the prompt's logprobs (and its token texts) come from prefill
     params = validated(params, state.limits)
-    stops = body.stop_list()
     msgs = prompt_messages(
-        state.frontend, prompts, body.n, params, max_tokens_explicit=body.max_tokens is not None, stop=stops,
-        include_stop_str=body.include_stop_str_in_output, want_logprobs=k is not None, skip_special_tokens=body.skip_special_tokens,
+        state.frontend, prompts, body.n, params, max_tokens_explicit=body.max_tokens is not None,
+        want_logprobs=k is not None, skip_special_tokens=body.skip_special_tokens,
     )  # fmt: skip
     rid = f"cmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -75,10 +75,9 @@ async def generate(request: Request) -> Response:
     if start >= 0:
         params.prompt_logprobs = body.top_logprobs_num
     params = validated(params, state.limits, _RENAME)
-    stops = sp.stop_list()
     msgs = prompt_messages(
-        state.frontend, prompts, sp.n, params, max_tokens_explicit=sp.max_new_tokens is not None, stop=stops,
-        include_stop_str=sp.no_stop_trim, want_logprobs=k is not None, skip_special_tokens=sp.skip_special_tokens,
+        state.frontend, prompts, sp.n, params, max_tokens_explicit=sp.max_new_tokens is not None,
+        want_logprobs=k is not None, skip_special_tokens=sp.skip_special_tokens,
     )  # fmt: skip
     rid = uuid.uuid4().hex
     want_lp = k is not None
