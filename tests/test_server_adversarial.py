@@ -268,7 +268,9 @@ def test_huge_prompt_and_hostile_template_do_not_stall_others(server: ServerProc
             return elapsed, [(await b).status_code for b in bad]
 
     elapsed, statuses = asyncio.run(main())
-    assert elapsed < 2.0, f"a short request took {elapsed:.2f} s next to a 15 MB prompt and a hostile template"
+    # A generous bound, not a timing: stalled behind the template's 10**9 iterations, the short
+    # request would wait for hours; on a slow, busy machine it still answers in seconds.
+    assert elapsed < 60, f"a short request took {elapsed:.2f} s next to a 15 MB prompt and a hostile template"
     assert statuses == [400, 400]
     assert_clean(server)
 
