@@ -1,8 +1,8 @@
 """bf16 GEMM micro-benchmark on the CPU: the C AMX kernel (kernel/cpu/amx.c) against oneDNN
 (`F.linear`) on the embedded SmolLM2-135M's GEMM shapes, in one process, interleaved.
 
-    taskset -c 1 python benchmark/cpu_gemm.py --threads 1 --rows 500,64
-    python benchmark/cpu_gemm.py --threads 2 --rows 500,64 --kernel old=/tmp/amx_old.c
+    taskset -c 1 python tools/cpu_gemm.py --threads 1 --rows 500,64
+    python tools/cpu_gemm.py --threads 2 --rows 500,64 --kernel old=/tmp/amx_old.c
 
 y = x W^T with W [N, K] row-major bf16 (the module's own weight). Each figure is the min over
 --reps interleaved rounds of one call (weights warm, as within a layer at prefill sizes), and a

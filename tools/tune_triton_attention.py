@@ -1,6 +1,6 @@
 """Tile/split sweep for the Triton attention kernels on the GPU (Qwen3-0.6B attention shape).
 
-  PYTHONPATH=. python3 benchmark/tune_triton_attention.py [--out DIR]
+  PYTHONPATH=. python3 tools/tune_triton_attention.py [--out DIR]
 
 Decode: µs per call and achieved KV bandwidth for (BLOCK_N, warps, stages) x KV splits at batch
 1/64/256 with context 600 and a few long contexts. Extend: µs per call for (BLOCK_M, BLOCK_N,

@@ -2,7 +2,7 @@
 module path they replace (cuBLAS + the fused add+RMSNorm / SiLU-and-mul kernels), and sweep their
 tiles: the source of `minisgl.kernel.skinny.default_config`.
 
-    PYTHONPATH=. python3 benchmark/gpu_gemv_tune.py --out DIR [--models 0.6b,14b] [--budget-s 150]
+    PYTHONPATH=. python3 tools/gemv_tune.py --out DIR [--models 0.6b,14b] [--budget-s 150]
 
 Every case runs inside a CUDA graph over L distinct weight copies (together > 2x the 50 MB L2, so
 weights come from HBM as in a decode step: 28 layers of 30 MB each), replayed 10 times, median

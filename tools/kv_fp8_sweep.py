@@ -8,8 +8,8 @@ slots, longest-first order. Checked first: every fp8 kernel and config against f
 over the fp8 values (poisoned output and scratch, max error relative to the largest output).
 Timed: bf16 KV and fp8 through the tensor-core kernel (fp16 dots), and the CUDA-core kernel's
 configs. (The tensor-core kernel over int32 words, timed in docs/PERFORMANCE.md, is gone.)
-    python3 benchmark/kv_fp8_sweep.py --cases 256x1000,64x600,8x1000 --out sweep.json
-    python3 benchmark/kv_fp8_sweep.py --heads 40x8 --cases 256x1000 --quick   # Qwen3-14B's group of 5
+    python3 tools/kv_fp8_sweep.py --cases 256x1000,64x600,8x1000 --out sweep.json
+    python3 tools/kv_fp8_sweep.py --heads 40x8 --cases 256x1000 --quick   # Qwen3-14B's group of 5
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where one decode step's device time goes: the kernels of a CUDA-graph replay, by name.
 
-    PYTHONPATH=. python3 benchmark/gpu_step_profile.py --batch-sizes 1,64 [--out DIR]
+    PYTHONPATH=. python3 tools/step_profile.py --batch-sizes 1,64 [--out DIR]
 
 Qwen3-0.6B shape, dummy bf16 weights, context 600 per request (as benchmark/latency.py), the
 Engine driven directly; torch.profiler (CUPTI) over 20 steps of each batch size; prints per kernel
@@ -19,9 +19,9 @@ from typing import Any, Dict, List
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))  # latency.py's decode step
 
 from latency import decode_step_time  # noqa: E402
 
@@ -31,7 +31,7 @@ from minisgl.engine import Engine, EngineConfig  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=os.path.join(HERE, "models", "qwen3-0.6b"))
+    ap.add_argument("--model", default=os.path.join(ROOT, "benchmark", "models", "qwen3-0.6b"))
     ap.add_argument("--batch-sizes", default="1,64")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default=None)
