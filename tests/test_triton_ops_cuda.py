@@ -157,7 +157,7 @@ def test_attention_prologue(dtype: torch.dtype, hq: int, hk: int, norm: bool, to
     got = ops.attention_prologue(qkv, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, D)
     q, k, v = qkv.split([hq * D, hk * D, hk * D], dim=-1)
     q, k, v = q.view(tokens, hq, D), k.view(tokens, hk, D), v.view(tokens, hk, D)
-    if norm:
+    if qw is not None and kw is not None:
         q, k = rms_norm_torch(q, qw, 1e-6), rms_norm_torch(k, kw, 1e-6)
     q, k = rope.forward_torch(pos, q, k)
     rkc, rvc = torch.zeros_like(kc), torch.zeros_like(kc)

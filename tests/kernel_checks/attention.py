@@ -361,7 +361,7 @@ def run_engine(path: str, device: torch.device, backend: str, page_size: int, gr
         max_seq_len_override=max_seq,
     )  # fmt: skip
     engine = Engine(cfg)
-    info = dict(backend=engine.config.attention_backend, graph_sizes=list(engine.graph_runner.batch_sizes))
+    info: Dict[str, Any] = dict(backend=engine.config.attention_backend, graph_sizes=list(engine.graph_runner.batch_sizes))
     try:
         gen = torch.Generator().manual_seed(5)
         pages = torch.randperm(engine.num_pages, generator=gen)  # scattered pages for every row
@@ -376,7 +376,8 @@ def run_engine(path: str, device: torch.device, backend: str, page_size: int, gr
         ]  # fmt: skip
         outs: List[List[int]] = [[] for _ in reqs]
         waiting = list(reqs) if mixed else []
-        running, chunking = ([] if mixed else list(reqs)), []
+        running: List[Req] = [] if mixed else list(reqs)
+        chunking: List[Req] = []
         replays, mixed_replays, mixed_steps, padded_seen, first = 0, 0, 0, set(), True
         while running or chunking or waiting:
             if mixed and not chunking and waiting:
@@ -442,7 +443,7 @@ def fill_batch(engine: Any, batch: Batch) -> None:
 def hf_generate(path: str, device: torch.device, prompts: List[List[int]], n_new: List[int]) -> List[List[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()  # type: ignore[arg-type]
     outs = []
     with torch.no_grad():
         for p, n in zip(prompts, n_new):
@@ -529,7 +530,8 @@ def check_extend_tiles() -> None:
     for cfg in ((128, 64, 4, 3), (64, 64, 4, 3)):
         for heavy in (True, False):
             out = torch.full_like(q, float("nan"))
-            extend_attention(q, k, v, pt, *meta, max(n for _, n in spec), out, D**-0.5, config=cfg, heavy_first=heavy)
+            rows, q_starts, cached, new = meta
+            extend_attention(q, k, v, pt, rows, q_starts, cached, new, max(n for _, n in spec), out, D**-0.5, config=cfg, heavy_first=heavy)
             err = ((out - ref).abs().max() / ref.abs().max()).item()
             assert err < 1e-5, (cfg, heavy, err)
     print("tiles ok")
@@ -586,7 +588,7 @@ def check_fp8_kernels() -> None:
     # every e4m3 magnitude class: subnormals, the largest finite (+-448), zeros of both signs
     k8.view(-1)[:6] = torch.tensor([2.0**-9, -(2.0**-7), 448.0, -448.0, 0.0, -0.0]).to(fp8)
     q = torch.randn(len(lens), Hq, D).to(torch.bfloat16)
-    ref = torch.stack([reference(q[i : i + 1], i, n, n - 1)[0] for i, n in enumerate(lens)])
+    want = torch.stack([reference(q[i : i + 1], i, n, n - 1)[0] for i, n in enumerate(lens)])
     # the tensor-core kernel (fp16 dots over fp8 bytes) and the CUDA-core kernel (1 to 4 keys per
     # thread per tile; its int32 words are widened from their bits here), direct and split
     for mode, tile, warps in (("dot", 32, 4), ("cc", 32, 4), ("cc", 64, 2), ("cc", 128, 4)):
@@ -612,14 +614,15 @@ def check_fp8_kernels() -> None:
                 num_warps=warps,
                 num_stages=2,
             )
-            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            err = ((out.float() - want).abs().max() / want.abs().max()).item()
             assert err < 8e-3, (mode, tile, S, err)  # the bf16 output's rounding
     TA.FP8_DECODE, TA.CC_TILE = "auto", (64, 4)
     spec = [(30, 7), (0, 130)]  # (cached, new)
     qe = torch.randn(sum(n for _, n in spec), Hq, D)
     meta = [torch.tensor(x) for x in ([0, 1], [0, 7], [c for c, _ in spec], [n for _, n in spec])]
     out = torch.full_like(qe, float("nan"))
-    extend_attention(qe, k8, v8, pt, *meta, 130, out, D**-0.5)
+    rows, q_starts, cached, new = meta
+    extend_attention(qe, k8, v8, pt, rows, q_starts, cached, new, 130, out, D**-0.5)
     refe = torch.cat([reference(qe[:7], 0, 37, 30), reference(qe[7:], 1, 130, 0)])
     err = ((out - refe).abs().max() / refe.abs().max()).item()
     assert err < 1e-5, err
@@ -660,8 +663,8 @@ def main(groups: List[str]) -> int:
         check_extend_tiles()
     if "fp8" in groups:
         check_fp8_kernels()
-    for e in errors:
-        print(f"ERROR {e}")
+    for err in errors:
+        print(f"ERROR {err}")
     print(f"errors: {len(errors)}")
     return 1 if errors else 0
 

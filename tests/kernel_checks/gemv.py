@@ -48,7 +48,7 @@ def main() -> int:
             (3, GemvConfig(16, 16, 64, 4, 2)),
         ):
             if cfg.block_m > 1 and dtype != torch.float32:
-                continue  # the interpreter's bf16 tl.dot is broken (see docs/PERFORMANCE.md); the GPU check covers it
+                continue  # the interpreter's bf16 tl.dot is broken; tools/gemv_tune.py checks these tiles on a GPU
             x = torch.randn(m, K_, dtype=dtype)
             r = torch.randn(m, K_, dtype=dtype)
             nw = (torch.rand(K_) + 0.5).to(dtype)
@@ -90,11 +90,11 @@ def main() -> int:
         def forward(self, x):
             return self.o_proj(self.attn(self.qkv_proj(x)))
 
-    cfg = ModelConfig.__new__(ModelConfig)
-    object.__setattr__(cfg, "hidden_size", 96)
-    object.__setattr__(cfg, "rms_norm_eps", 1e-6)
+    model_cfg = ModelConfig.__new__(ModelConfig)
+    object.__setattr__(model_cfg, "hidden_size", 96)
+    object.__setattr__(model_cfg, "rms_norm_eps", 1e-6)
     for dtype in (torch.float32, torch.bfloat16):
-        layer = DecoderLayer(cfg, SelfAttn(), GatedMLP(96, 40, "silu")).to(dtype)
+        layer = DecoderLayer(model_cfg, SelfAttn(), GatedMLP(96, 40, "silu")).to(dtype)
         with torch.no_grad():
             for p in layer.parameters():
                 p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
@@ -105,7 +105,7 @@ def main() -> int:
             ("gated", layer.mlp.gate_up_proj),
             ("plain", layer.mlp.down_proj),
         ):
-            n_w, k = lin.weight.shape
+            n_w, k = lin.weight.shape  # type: ignore[union-attr, misc]
             plan.table[(kind, n_w, k, 1)] = GemvConfig(1, 16, 32, 4, 1)
             plan.table[(kind, n_w, k, 4)] = GemvConfig(4, 2, 32, 4, 1)
         assert skinny.fusable_layer(layer)

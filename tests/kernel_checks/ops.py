@@ -101,7 +101,7 @@ def main() -> int:
             got_q = K.attention_prologue(qkv, pos, qw, kw, 1e-6, rope.cos, rope.sin, kc, vc, loc, hq, hk, head_dim)
             q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
             q, k, v = q.reshape(t, hq, head_dim), k.reshape(t, hk, head_dim), v.reshape(t, hk, head_dim)
-            if norm:
+            if qw is not None and kw is not None:
                 q, k = rms_norm_torch(q, qw, 1e-6), rms_norm_torch(k, kw, 1e-6)
             rq, rk = rope.forward_torch(pos, q, k)
             rkc, rvc = torch.zeros_like(kc), torch.zeros_like(vc)

@@ -129,7 +129,7 @@ def main() -> int:
     check("another seed gives other draws", diff >= B // 2, f"{diff}/{B} rows differ")
 
     # The sampler's CUDA path, forced on (use_fused is false on CPU tensors).
-    S.use_fused = lambda _x: True
+    S.use_fused = lambda x: True
     sampler = S.Sampler(torch.device("cpu"), vocab_size=V2)
     logits = torch.randn(4, V2).to(torch.bfloat16)
     t = torch.tensor([1.0, 0.8, S.MIN_T, 1.2])

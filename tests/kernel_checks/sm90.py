@@ -352,7 +352,7 @@ def gemv() -> int:
                 print("FAIL", kind, n_w, k, m, cfg, type(e).__name__, str(e)[:1500])
                 failures.append(f"{kind} m={m}")
                 continue
-            spills = "?"
+            spills: object = "?"
             if os.path.exists(cuobjdump):
                 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                     f.write(kern.asm["cubin"])
