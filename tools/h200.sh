@@ -30,6 +30,7 @@
 #   sweep       tools/kv_fp8_sweep.py (fp8 decode kernel configs vs bf16 KV), $SWEEP_ARGS
 #   gemv        tools/gemv_tune.py (skinny GEMV tiles), $GEMV_ARGS
 #   stepprof    tools/step_profile.py (kernels of one decode step), $STEP_BS
+#   moetune     tools/tune_moe.py (MoE GEMM tiles on a Qwen3-30B-A3B-shaped layer)
 #   jitsave     pack FlashInfer's JIT builds into $OUT/fijit.tgz;  jitload: restore .fijit/fijit.tgz
 #
 # BUDGET_S (default 570): parts and runs that would start past it are skipped and a running one is
@@ -131,6 +132,7 @@ for part in "$@"; do
             > "$LOGS/gemv.log" 2>&1; grep -v Warn "$LOGS/gemv.log" | tail -30 ;;
     stepprof) limited 120 python3 tools/step_profile.py --batch-sizes "${STEP_BS:-1,64}" --out "$LOGS" > "$LOGS/stepprof.log" 2>&1
               grep -v Warn "$LOGS/stepprof.log" | tail -40 ;;
+    moetune) limited 240 python3 tools/tune_moe.py > "$LOGS/moetune.log" 2>&1; grep -v Warn "$LOGS/moetune.log" | tail -30 ;;
     serve) site; off serve_offline --model $MODEL  # the number the server is compared with, same call
       # server A: token ids only; the recipe's 256 requests as streams, all at once, then Poisson arrivals
       if start_server server_ids --skip-tokenizer-init; then
