@@ -9,9 +9,10 @@
 #   .whl    flashinfer_python-0.7.0.post1 and apache_tvm_ffi-0.1.15.post2 wheels (the device README's
 #           wheel recipe; /.whl/ is in .gitignore): the peer's FlashInfer (`peer`) and our FlashInfer
 #           backend (`fitests`, `flashinfer`). Optional: xgrammar, pydantic, jsonschema wheels for the
-#           structured-output tests in `cudatests` (with TESTS_SITE=1, which also puts
-#           FlashInfer on the path: the attention tests then check it too, after ~2 min of JIT builds); for `serve`, fastapi, uvicorn, pyzmq, msgpack,
-#           prometheus-client, uvloop, httptools, ... and a tokenizer folder .whl/smollm2-tokenizer.
+#           structured-output tests in `cudatests` (with TESTS_SITE=1, which also puts FlashInfer on
+#           the path: the attention tests then check it too, after ~2 min of JIT builds); for `serve`,
+#           fastapi, uvicorn, pyzmq, msgpack, prometheus-client, uvloop, httptools, ... and a tokenizer
+#           folder .whl/smollm2-tokenizer (or .whl-serve/, as before).
 #   .fijit  fijit.tgz from an earlier call's `jitsave` (optional; `jitload` restores FlashInfer's JIT
 #           builds, ~2 min of device time per fresh machine otherwise).
 #
