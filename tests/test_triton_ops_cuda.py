@@ -64,6 +64,17 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator(device=DEV).manual_seed(seed)
 
 
+@pytest.fixture(autouse=True)
+def _rope_tables_on_cuda():
+    """RotaryEmbedding builds its tables on the rope device (a module global): CUDA here, put back after."""
+    import minisgl.layers.rotary as R
+
+    prev = R._ROPE_DEVICE
+    R.set_rope_device(DEV)
+    yield
+    R.set_rope_device(prev)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [1024, 5120])
 @pytest.mark.parametrize("tokens", TOKENS)
@@ -118,9 +129,8 @@ ROPES = {  # label: (q heads, kv heads, rotary dim, theta)
 @pytest.mark.parametrize("layout", list(ROPES))
 @pytest.mark.parametrize("tokens, pos_dtype", [(1, torch.int32), (64, torch.int64), (4096, torch.int32)])
 def test_rotary(dtype: torch.dtype, layout: str, tokens: int, pos_dtype: torch.dtype) -> None:
-    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding, set_rope_device
+    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding
 
-    set_rope_device(DEV)
     hq, hk, rot, theta = ROPES[layout]
     rope = RotaryEmbedding(RotaryConfig(D, rot, MAX_POS, theta))
     g = gen(3)
@@ -140,9 +150,8 @@ def test_attention_prologue(dtype: torch.dtype, hq: int, hk: int, norm: bool, to
     """q/k norm + rotary + K/V store in one kernel against the torch ops it replaces."""
     from minisgl.kernel.fused import triton_ops
     from minisgl.layers.norm import rms_norm_torch
-    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding, set_rope_device
+    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding
 
-    set_rope_device(DEV)
     rope = RotaryEmbedding(RotaryConfig(D, D, MAX_POS, 1000000.0))
     g = gen(4)
     slots = 2 * tokens + 7
@@ -214,11 +223,10 @@ def test_fused_ops_and_moe_replay_in_a_graph() -> None:
     data-dependent allocations)."""
     from minisgl.layers.activation import silu_and_mul
     from minisgl.layers.norm import RMSNorm
-    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding, set_rope_device
+    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding
     from minisgl.moe.triton_moe import TritonMoeBackend
 
     g = gen(7)
-    set_rope_device(DEV)
     dtype, T, H, E, K, I = torch.bfloat16, 8, 512, 16, 4, 256
     norm = RMSNorm(H, 1e-6).to(DEV)
     norm.weight.data = (torch.rand(H, device=DEV, generator=g) + 0.5).to(dtype)
