@@ -108,7 +108,11 @@ for part in "$@"; do
       grep -h "RESULT\|FAILED" "$LOGS/minisglang.log" "$LOGS/peer_run.log" 2>/dev/null | tail -1
       cp "$LOGS/minisglang_result.json" "$FINAL_OUT/" 2>/dev/null
       for r in $(reps); do off "bf16_$r" --model $MODEL --attention-backend triton
-        off "fp8_$r" --model $MODEL --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
+        off "fp8_$r" --model $MODEL --attention-backend triton --kv-cache-dtype fp8_e4m3; done
+      python3 -c "import json, re; p = json.load(open('$LOGS/minisglang_result.json'))['output_tok_s']
+for line in open('$LOGS/offline.tsv'):
+    m = re.search(r'= ([0-9.]+) output tok/s', line)
+    if m: print(line.split()[0], f'{float(m.group(1)) / p:.3f}x mini-sglang ({p:.0f} tok/s)')" 2>/dev/null ;;
     offline) for r in $(reps); do off "bf16_$r" --model $MODEL --attention-backend triton
                off "fp8_$r" --model $MODEL --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
     offline14b) for kv in auto fp8_e4m3; do OFF_TIMEOUT=${OFF_TIMEOUT:-220} off "14b_$kv" --model benchmark/models/qwen3-14b \
