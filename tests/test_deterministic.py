@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
 import pytest
@@ -146,11 +142,16 @@ def test_deterministic_mode_matches_hf_in_float32(tiny_dir, hf_oracle) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_deterministic_kernel_in_interpreter() -> None:
     """The CUDA kernel of the mode, through Triton's interpreter: matches float64 attention and
-    gives a query the same bits alone and inside larger launches (the H200 runs the bf16 case)."""
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    proc = subprocess.run(
-        [sys.executable, str(root / "benchmark" / "deterministic_check.py"), "--device", "cpu"],
-        env=env, capture_output=True, text=True, timeout=600, cwd=root,
-    )  # fmt: skip
+    gives a query the same bits alone and inside larger launches (float32; on CUDA the test below
+    runs the bf16 case too)."""
+    from kernel_checks import run_module
+
+    proc = run_module("deterministic")
     assert proc.returncode == 0 and "deterministic kernels: ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton kernel on the GPU (MINISGL_TEST_DEVICE=cuda)")
+def test_triton_deterministic_kernel_on_cuda() -> None:
+    from kernel_checks.deterministic import check
+
+    assert check(torch.device("cuda"))

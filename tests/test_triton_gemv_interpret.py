@@ -1,8 +1,8 @@
 """The skinny-M GEMV kernels (minisgl/kernel/triton_gemv.py) and the fused decoder layer
 (minisgl/kernel/skinny.py) on a CPU machine.
 
-1. Through Triton's interpreter (TRITON_INTERPRET=1, in a subprocess: it must be on before triton
-   is imported), against the torch code they replace: F.linear, layers/norm.py's RMSNorm with the
+1. Through Triton's interpreter (tests/kernel_checks/gemv.py; TRITON_INTERPRET=1, in a subprocess:
+   it must be on before triton is imported), against the torch code they replace: F.linear, layers/norm.py's RMSNorm with the
    residual add, layers/activation.py's SiLU-and-mul; one row (broadcast path) and several
    (tl.dot path; float32 only, the interpreter's bf16 dot is broken), K and N not multiples of
    the tiles, float32 and bfloat16. Then a tiny
@@ -12,200 +12,26 @@
    compiler rejects (the interpreter accepts more), shared memory over the H200's 227 KiB, and
    register spills in the SASS fail here, without a GPU.
 
-Skipped when triton is not installed; benchmark/gpu_gemv_tune.py checks and times them on a GPU.
+Skipped when triton is not installed; tools/gemv_tune.py checks and times them on a GPU.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from kernel_checks import run_module
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
-CHECKS = textwrap.dedent(
-    r"""
-    import os, sys
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-    from minisgl.kernel.interpreter import patch_interpreter
-
-    patch_interpreter()
-
-    from minisgl.kernel import skinny
-    from minisgl.kernel.triton_gemv import GemvConfig, gemv
-    from minisgl.layers.activation import silu_and_mul_torch
-    from minisgl.layers.norm import rms_norm_torch
-
-    torch.manual_seed(0)
-    failures = []
-
-    def check(name, got, ref, dtype):
-        got, ref = got.float(), ref.float()
-        # float32: only the summation order differs. bf16: one rounding of the product, which
-        # may land one ulp away from torch's; the gated path rounds twice more after it.
-        atol, rtol = (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
-        ok = got.shape == ref.shape and bool(torch.isfinite(got).all()) and torch.allclose(got, ref, atol=atol, rtol=rtol)
-        err = (got - ref).abs().max().item() if got.shape == ref.shape else float("nan")
-        print(f"{'ok  ' if ok else 'FAIL'} {name:56s} {str(dtype):15s} max|err| {err:.3g}")
-        if not ok:
-            failures.append(name)
-
-    K_, N_ = 96, 40  # two K tiles of 64 (the second partial), N tiles of 16 (the last partial)
-    for dtype in (torch.float32, torch.bfloat16):
-        for m, cfg in ((1, GemvConfig(1, 16, 64, 4, 2)), (1, GemvConfig(1, 4, 32, 4, 1)), (3, GemvConfig(4, 2, 32, 4, 1)),
-                       (3, GemvConfig(16, 16, 64, 4, 2))):
-            if cfg.block_m > 1 and dtype != torch.float32:
-                continue  # the interpreter's bf16 tl.dot is broken (see docs/PERFORMANCE.md); the GPU check covers it
-            x = torch.randn(m, K_, dtype=dtype)
-            r = torch.randn(m, K_, dtype=dtype)
-            nw = (torch.rand(K_) + 0.5).to(dtype)
-            w = (torch.randn(2 * N_, K_) / K_**0.5).to(dtype)
-            tag = f"m={m} bm={cfg.block_m} bn={cfg.block_n} bk={cfg.block_k}"
-            out, res = gemv(x, w, cfg)
-            check(f"plain {tag}", out, F.linear(x, w), dtype)
-            assert res is None
-            s = x + r
-            h = rms_norm_torch(s, nw, 1e-6)
-            out, res = gemv(x, w, cfg, residual=r, norm_weight=nw, eps=1e-6)
-            check(f"norm+residual {tag}", out, F.linear(h, w), dtype)
-            check(f"norm+residual: new residual {tag}", res, s, dtype)
-            out, res = gemv(x, w, cfg, norm_weight=nw, eps=1e-6)
-            check(f"norm, no residual {tag}", out, F.linear(rms_norm_torch(x, nw, 1e-6), w), dtype)
-            out, res = gemv(x, w, cfg, residual=r, norm_weight=nw, eps=1e-6, gated=True)
-            check(f"norm+residual+silu gate {tag}", out, silu_and_mul_torch(F.linear(h, w)), dtype)
-            check(f"gated: new residual {tag}", res, s, dtype)
-            assert out.shape == (m, N_)
-
-    # a tiny decoder layer: the fused composition against the layer's own module path
-    from minisgl.distributed import set_tp_info
-    from minisgl.models.base import DecoderLayer, GatedMLP
-    from minisgl.models.config import ModelConfig
-
-    set_tp_info(rank=0, size=1)
-
-    class Attn(nn.Module):  # stands in for AttentionLayer: q columns of qkv, scaled
-        def forward(self, qkv):
-            return qkv[:, :64] * 0.5
-
-    class SelfAttn(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.qkv_proj = nn.Linear(96, 128, bias=False)
-            self.o_proj = nn.Linear(64, 96, bias=False)
-            self.attn = Attn()
-
-        def forward(self, x):
-            return self.o_proj(self.attn(self.qkv_proj(x)))
-
-    cfg = ModelConfig.__new__(ModelConfig)
-    object.__setattr__(cfg, "hidden_size", 96)
-    object.__setattr__(cfg, "rms_norm_eps", 1e-6)
-    for dtype in (torch.float32, torch.bfloat16):
-        layer = DecoderLayer(cfg, SelfAttn(), GatedMLP(96, 40, "silu")).to(dtype)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
-        plan = skinny.SkinnyPlan(max_m=16)
-        for kind, lin in (("norm", layer.self_attn.qkv_proj), ("plain", layer.self_attn.o_proj),
-                          ("gated", layer.mlp.gate_up_proj), ("plain", layer.mlp.down_proj)):
-            n_w, k = lin.weight.shape
-            plan.table[(kind, n_w, k, 1)] = GemvConfig(1, 16, 32, 4, 1)
-            plan.table[(kind, n_w, k, 4)] = GemvConfig(4, 2, 32, 4, 1)
-        assert skinny.fusable_layer(layer)
-        for m in (1, 3):
-            x = torch.randn(m, 96, dtype=dtype)
-            for residual in (None, torch.randn(m, 96, dtype=dtype)):
-                skinny.set_plan(None)
-                ref = layer(x, residual)
-                skinny.set_plan(plan)
-                layer._skinny_ok = True
-                got = skinny.decoder_layer_forward(layer, x, residual)
-                layer._skinny_ok = False
-                assert got is not None
-                name = f"decoder layer m={m} residual={'yes' if residual is not None else 'none'}"
-                check(name + " (out)", got[0], ref[0], dtype)
-                check(name + " (residual)", got[1], ref[1], dtype)
-        skinny.set_plan(None)
-        assert skinny.decoder_layer_forward(layer, x, None) is None  # no plan: the module path
-    print("FAILURES:", failures)
-    sys.exit(1 if failures else 0)
-    """
-)
-
 
 def test_gemv_kernels_in_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHECKS], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_module("gemv", timeout=300)
     print(proc.stdout)
     assert proc.returncode == 0, f"gemv checks failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
 
 
-COMPILE = textwrap.dedent(
-    r"""
-    import os, re, subprocess, sys, tempfile
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from minisgl.kernel import skinny
-    from minisgl.kernel import triton_gemv as G
-
-    # cuobjdump ships with triton's NVIDIA backend: the SASS shows register spills (LDL/STL)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    failures = []
-    fn = G._gemv_kernel
-    sig = {"X": "*bf16", "R": "*bf16", "NW": "*bf16", "W": "*bf16", "Out": "*bf16", "ResOut": "*bf16",
-           "M": "i32", "N": "i32", "K": "i32", "sx": "i32", "sr": "i32", "sw": "i32", "so": "i32", "sro": "i32",
-           "eps": "fp32"}
-    shapes = (("norm", 4096, 1024), ("plain", 1024, 2048), ("gated", 6144, 1024), ("plain", 1024, 3072),  # 0.6B
-              ("norm", 7168, 5120), ("gated", 34816, 5120), ("plain", 5120, 17408))  # 14B
-    seen = set()
-    for m in skinny.BUCKETS:
-        for kind, n_w, k in shapes:
-            cfg = skinny.default_config(kind, n_w, k, m)
-            if cfg is None or (kind, cfg) in seen:
-                continue
-            seen.add((kind, cfg))
-            consts = dict(PRE_NORM=kind != "plain", HAS_RES=kind != "plain", GATED=kind == "gated",
-                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_PDL=True)
-            full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-                     if name in sig and (sig[name].startswith("*") or name in ("K", "sx", "sr", "sw", "so", "sro"))}
-            try:
-                kern = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
-                                      target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                               "launch_pdl": True})
-            except Exception as e:
-                print("FAIL", kind, n_w, k, m, cfg, type(e).__name__, str(e)[:1500])
-                failures.append(f"{kind} m={m}")
-                continue
-            spills = "?"
-            if os.path.exists(cuobjdump):
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(kern.asm["cubin"])
-                    f.flush()
-                    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
-                spills = len(re.findall(r"\b(LDL|STL)\b", sass))
-            ok = kern.metadata.shared <= 227 * 1024 and spills in (0, "?")
-            print("ok  " if ok else "FAIL", kind, n_w, k, m, tuple(cfg), "smem", kern.metadata.shared, "spills", spills)
-            if not ok:
-                failures.append(f"{kind} {n_w}x{k} m={m}: smem {kern.metadata.shared} spills {spills}")
-    print("FAILURES:", failures)
-    sys.exit(1 if failures else 0)
-    """
-)
-
-
 def test_gemv_kernels_compile_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_module("sm90", "gemv", interpret=False, timeout=300)
     print(proc.stdout)
     assert proc.returncode == 0, f"sm_90 compilation failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"

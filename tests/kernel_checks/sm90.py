@@ -1,0 +1,373 @@
+"""The Triton kernels compiled ahead of time for an H100/H200 (sm_90), with the specialisations a
+launch gets (unit strides constant, 16-byte aligned pointers): the interpreter runs numpy, so it
+accepts code the GPU compiler rejects; this catches that without a GPU, and checks properties of the
+compiled code (tensor-core dots, software pipelining, no layout change in a loop, no spills).
+
+    python -m kernel_checks.sm90 ops|sampling|gemv        (TRITON_INTERPRET unset)
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def ops() -> int:
+    """The fused ops, the attention kernels (bf16 and fp8 pools) and the MoE kernels."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minisgl.kernel import triton_ops as K
+    from minisgl.moe import triton_moe as M
+
+    UNIT = {"stride_ak": 1, "stride_wk": 1, "stride_on": 1}  # what a launch specialises to 1
+    failures = []
+
+    def build(fn, sig, consts, num_warps=4, num_stages=3):
+        full, consts, attrs = {}, dict(consts), {}
+        for i, name in enumerate(fn.arg_names):
+            if UNIT.get(name) == 1:
+                full[name], consts[name] = "constexpr", 1
+                continue
+            full[name] = sig.get(name, "constexpr")
+            if name in sig and (sig[name].startswith("*") or name.startswith("stride")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        try:
+            k = triton.compile(
+                ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": num_warps, "num_stages": num_stages},
+            )
+            print("ok  ", fn.__name__, consts, "smem", k.metadata.shared)
+            return k
+        except Exception as e:
+            print("FAIL", fn.__name__, consts, type(e).__name__, str(e)[:2000])
+            failures.append(fn.__name__)
+
+    def i32(*names):
+        return {n: "i32" for n in names}
+
+    for dt, res, rows, block in (("bf16", True, 2, 1024), ("fp32", False, 16, 128), ("bf16", False, 1, 8192)):
+        sig = {
+            "X": f"*{dt}",
+            "R": f"*{dt}",
+            "W": f"*{dt}",
+            "Out": f"*{dt}",
+            "ResOut": f"*{dt}",
+            "eps": "fp32",
+            **i32("n_rows", "n_inner", "N", "sx0", "sx1", "sr0", "sr1", "so0", "so1", "sro0", "sro1"),
+        }
+        build(K._rmsnorm_kernel, sig, {"HAS_RES": res, "ROWS": rows, "BLOCK": block}, K._num_warps(rows * block))
+    build(K._silu_and_mul_kernel, {"X": "*bf16", "Out": "*bf16", **i32("n_rows", "I", "sx", "so")}, {"BLOCK": 1024})
+    sig = {
+        "Pos": "*i32",
+        "Q": "*bf16",
+        "K": "*bf16",
+        "Cos": "*fp32",
+        "Sin": "*fp32",
+        "QO": "*bf16",
+        "KO": "*bf16",
+        **i32("n_q_heads", "n_k_heads", "sqt", "sqh", "skt", "skh", "sqot", "sqoh", "skot", "skoh", "s_cos"),
+    }
+    build(K._rope_kernel, sig, dict(HALF=64, ROT=128, HEAD_DIM=128, BLOCK_H=16, BLOCK_HALF=64, BLOCK_REST=0), 8)
+    build(K._rope_kernel, sig, dict(HALF=32, ROT=64, HEAD_DIM=128, BLOCK_H=8, BLOCK_HALF=32, BLOCK_REST=64))
+    sig = {
+        "QKV": "*bf16",
+        "Pos": "*i32",
+        "QW": "*bf16",
+        "KW": "*bf16",
+        "Cos": "*fp32",
+        "Sin": "*fp32",
+        "QOut": "*bf16",
+        "KCache": "*bf16",
+        "VCache": "*bf16",
+        "Loc": "*i32",
+        "eps": "fp32",
+        **i32("n_q_heads", "n_kv_heads", "s_qkv", "s_qo", "s_kc", "s_vc", "s_cos"),
+    }
+    for norm in (True, False):
+        build(K._attn_prologue_kernel, sig, dict(HALF=64, HEAD_DIM=128, HAS_NORM=norm, BLOCK_H=16, BLOCK_HALF=64, USE_PDL=norm), 8)
+    # an fp8_e4m3 KV pool: the prologue's and the store kernel's saturating cast, the decode
+    # kernel's fp16 dots over widened fp8 tiles (must keep its tensor-core dots)
+    build(
+        K._attn_prologue_kernel,
+        {**sig, "KCache": "*fp8e4nv", "VCache": "*fp8e4nv"},
+        dict(HALF=64, HEAD_DIM=128, HAS_NORM=True, BLOCK_H=16, BLOCK_HALF=64, USE_PDL=True),
+        8,
+    )
+    from minisgl.kernel import triton_attention as A
+
+    build(
+        A._store_kv_kernel,
+        {
+            "K": "*bf16",
+            "V": "*bf16",
+            "KCache": "*fp8e4nv",
+            "VCache": "*fp8e4nv",
+            "Loc": "*i32",
+            **i32("stride_kt", "stride_vt", "stride_kcs", "stride_vcs"),
+        },
+        dict(N=1024, BLOCK=1024),
+    )
+    dec = {n: "i32" for n in A._decode_partial_kernel.arg_names if n.startswith("stride")}
+    dec.update(
+        {
+            "Q": "*bf16",
+            "K": "*fp8e4nv",
+            "V": "*fp8e4nv",
+            "PageTable": "*i32",
+            "Rows": "*i64",
+            "SeqLens": "*i64",
+            "NumSplits": "*i64",
+            "Order": "*i64",
+            "MidO": "*fp32",
+            "MidLse": "*fp32",
+            "qk_scale": "fp32",
+        }
+    )
+    for bn, direct in ((128, False), (64, True)):
+        kern = build(
+            A._decode_partial_kernel,
+            dec,
+            dict(
+                GROUP=2,
+                HEAD_DIM=128,
+                BLOCK_H=16,
+                BLOCK_N=bn,
+                BLOCK_D=128,
+                PRECISION="tf32",
+                DIRECT=direct,
+                HAS_ORDER=True,
+                USE_PDL=False,
+                F16_DOT=True,
+            ),
+            4,
+            3,
+        )
+        if kern is not None and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in kern.asm["ptx"]:
+            print("FAIL fp8 decode does not run fp16 tensor-core dots")
+            failures.append("fp8 decode mma")
+    # the CUDA-core fp8 decode (int32 words of the pool, inline-PTX widening): the loop must keep
+    # the load layout (no layout conversion, no shared memory) and widen with the packed cvt
+    cc = {n: "i32" for n in A._decode_cc_kernel.arg_names if n.startswith("stride")}
+    cc.update({**dec, "K": "*i32", "V": "*i32", "MidO": "*bf16"})
+    for keys, warps, direct in ((4, 4, True), (2, 4, False)):
+        kern = build(
+            A._decode_cc_kernel,
+            cc,
+            dict(
+                GROUP=2,
+                HEAD_DIM=128,
+                BLOCK_H=2,
+                KEYS=keys,
+                STREAMS=4 * warps,
+                BLOCK_W=32,
+                DIRECT=direct,
+                HAS_ORDER=True,
+                USE_PDL=False,
+                PREFETCH=2,
+                ASM=True,
+            ),
+            warps,
+            1,
+        )
+        if kern is None:
+            continue
+        loop = kern.asm["ttgir"].split("scf.for")[1].split("scf.yield")[0]
+        if "convert_layout" in loop or "local_" in loop or "cvt.rn.f16x2.e4m3x2" not in kern.asm["ptx"]:
+            print("FAIL cc decode: a layout change or shared memory in its loop, or no packed e4m3 cvt")
+            failures.append("cc decode loop")
+    build(M._count_kernel, {"Ids": "*i64", "Counts": "*i32", "SortedIds": "*i32", **i32("num_pairs", "max_rows")}, {"BLOCK": 1024})
+    build(M._segment_kernel, {"Counts": "*i32", "Total": "*i32", **i32("num_experts")}, {"BLOCK_M": 16, "BLOCK_E": 128})
+    build(
+        M._scatter_kernel,
+        {"Ids": "*i64", "Cursor": "*i32", "SortedIds": "*i32", "BlockExpert": "*i32", **i32("num_pairs")},
+        {"BLOCK_M": 16, "BLOCK": 1024},
+    )
+    for dt, cfg, gated in (
+        ("bf16", M.MoeConfig(16, 64, 128, 1, 4, 3), True),
+        ("bf16", M.MoeConfig(64, 128, 64, 8, 8, 3), False),
+        ("fp32", M.MoeConfig(16, 64, 32, 1, 4, 2), True),
+    ):
+        sig = {
+            "A": f"*{dt}",
+            "W": f"*{dt}",
+            "Out": f"*{dt}",
+            "SortedIds": "*i32",
+            "BlockExpert": "*i32",
+            "Total": "*i32",
+            "TopkW": f"*{dt}",
+            **i32("num_pairs", "num_m_blocks", "stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk", "stride_om", "stride_on"),
+        }
+        n, k = (768, 2048) if gated else (2048, 768)
+        kern = build(
+            M._moe_gemm_kernel,
+            sig,
+            dict(
+                N=n,
+                K=k,
+                A_ROW_DIV=8 if gated else 1,
+                GATED=gated,
+                MUL_WEIGHT=not gated,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m,
+                EVEN_K=True,
+                PRECISION="ieee" if dt == "fp32" else "tf32",
+                UPCAST=False,
+            ),
+            cfg.num_warps,
+            cfg.num_stages,
+        )
+        if kern is not None and dt == "bf16" and "async_copy_global_to_local" not in kern.asm["ttgir"]:
+            print("FAIL moe gemm is not pipelined (no async copies)", cfg)
+            failures.append("pipelining")
+    print("FAILURES:", failures)
+    return 1 if failures else 0
+
+
+def sampling() -> int:
+    """The Gumbel-max sampling kernels."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minisgl.kernel import triton_sampling as K
+
+    failures = []
+    DIV16 = {"n_cols", "stride_row"}  # V = 151936 and its row stride are multiples of 16
+
+    def build(fn, sig, consts, num_warps):
+        full, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            full[name] = sig.get(name, "constexpr")
+            if name in sig and (sig[name].startswith("*") or name in DIV16):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        try:
+            k = triton.compile(
+                ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": num_warps},
+            )
+            print("ok  ", fn.__name__, consts, "regs", k.n_regs if hasattr(k, "n_regs") else "?")
+        except Exception as e:
+            print("FAIL", fn.__name__, consts, type(e).__name__, str(e)[:2000])
+            failures.append(fn.__name__)
+
+    for dt, rows, tiles in (("bf16", 1, 1), ("bf16", 1, 8), ("bf16", 4, 2), ("fp16", 2, 1), ("fp32", 4, 8)):
+        sig = {
+            "Logits": f"*{dt}",
+            "Temps": "*fp32",
+            "Seeds": "*i64",
+            "BestVal": "*fp32",
+            "BestIdx": "*i32",
+            "n_rows": "i32",
+            "n_cols": "i32",
+            "stride_row": "i32",
+            "n_chunks": "i32",
+        }
+        consts = {"GREEDY": K.GREEDY_T, "QUARTER": K.QUARTER, "TILES": tiles, "ROWS": rows, "FAST": True}
+        build(K._gumbel_chunk_kernel, sig, consts, K._CHUNK_WARPS)
+    sig = {"BestVal": "*fp32", "BestIdx": "*i32", "Out": "*i64", "n_rows": "i32", "n_chunks": "i32"}
+    for rows, block in ((1, 256), (64, 16), (8, 128)):
+        build(K._argmax_chunks_kernel, sig, {"ROWS": rows, "BLOCK": block}, 1)
+    print("FAILURES:", failures)
+    return 1 if failures else 0
+
+
+def gemv() -> int:
+    """Every tile skinny.default_config picks: no shared-memory overrun, no register spill."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minisgl.kernel import skinny
+    from minisgl.kernel import triton_gemv as G
+
+    # cuobjdump ships with triton's NVIDIA backend: the SASS shows register spills (LDL/STL)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    failures = []
+    fn = G._gemv_kernel
+    sig = {
+        "X": "*bf16",
+        "R": "*bf16",
+        "NW": "*bf16",
+        "W": "*bf16",
+        "Out": "*bf16",
+        "ResOut": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "sx": "i32",
+        "sr": "i32",
+        "sw": "i32",
+        "so": "i32",
+        "sro": "i32",
+        "eps": "fp32",
+    }
+    shapes = (
+        ("norm", 4096, 1024),
+        ("plain", 1024, 2048),
+        ("gated", 6144, 1024),
+        ("plain", 1024, 3072),  # 0.6B
+        ("norm", 7168, 5120),
+        ("gated", 34816, 5120),
+        ("plain", 5120, 17408),
+    )  # 14B
+    seen = set()
+    for m in skinny.BUCKETS:
+        for kind, n_w, k in shapes:
+            cfg = skinny.default_config(kind, n_w, k, m)
+            if cfg is None or (kind, cfg) in seen:
+                continue
+            seen.add((kind, cfg))
+            consts = dict(
+                PRE_NORM=kind != "plain",
+                HAS_RES=kind != "plain",
+                GATED=kind == "gated",
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k,
+                USE_PDL=True,
+            )
+            full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+            attrs = {
+                (i,): [["tt.divisibility", 16]]
+                for i, name in enumerate(fn.arg_names)
+                if name in sig and (sig[name].startswith("*") or name in ("K", "sx", "sr", "sw", "so", "sro"))
+            }
+            try:
+                kern = triton.compile(
+                    ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+                    target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": True},
+                )
+            except Exception as e:
+                print("FAIL", kind, n_w, k, m, cfg, type(e).__name__, str(e)[:1500])
+                failures.append(f"{kind} m={m}")
+                continue
+            spills: object = "?"
+            if os.path.exists(cuobjdump):
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(kern.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+                spills = len(re.findall(r"\b(LDL|STL)\b", sass))
+            ok = kern.metadata.shared <= 227 * 1024 and spills in (0, "?")
+            print("ok  " if ok else "FAIL", kind, n_w, k, m, tuple(cfg), "smem", kern.metadata.shared, "spills", spills)
+            if not ok:
+                failures.append(f"{kind} {n_w}x{k} m={m}: smem {kern.metadata.shared} spills {spills}")
+    print("FAILURES:", failures)
+    return 1 if failures else 0
+
+
+CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv}
+
+if __name__ == "__main__":
+    sys.exit(CHECKS[sys.argv[1]]())
