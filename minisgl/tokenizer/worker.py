@@ -148,8 +148,13 @@ class TokenizerWorker:
 
     def _start(self, msg: TokenizeMsg, ids: List[int]) -> None:
         self.states[msg.uid] = DetokState(
-            self.tokenizer, msg.sampling.stop, msg.want_logprobs, msg.skip_special_tokens, len(ids),
-            msg.sampling.include_stop_str_in_output, self.raw_decoder,
+            self.tokenizer,
+            msg.sampling.stop,
+            msg.want_logprobs,
+            msg.skip_special_tokens,
+            len(ids),
+            msg.sampling.include_stop_str_in_output,
+            self.raw_decoder,
         )
         if msg.sampling.prompt_logprobs is not None:
             self.states[msg.uid].prompt_ids = ids[:1]
