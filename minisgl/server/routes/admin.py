@@ -7,6 +7,7 @@ everything else here needs it when the server has one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, Request
@@ -84,7 +85,7 @@ async def server_info(request: Request) -> Dict[str, Any]:
         "skip_tokenizer_init": state.args.skip_tokenizer_init,
         "scheduler": state.info,
         "limits": state.limits.__dict__,
-        "stats": None if stats is None else {k: getattr(stats, k) for k in stats.__dataclass_fields__},
+        "stats": None if stats is None else {**dataclasses.asdict(stats), "kv_usage": stats.kv_usage, "cache_hit_rate": stats.cache_hit_rate},
         "requests_in_flight": state.frontend.num_in_flight,
     }
 
