@@ -62,7 +62,9 @@ def test_messages_round_trip() -> None:
         FlushCacheDone(3, False, 0),
         ExitMsg(),
         TokenBatchMsg([TokenOutput(7, 11, True, "stop", -0.25, [[11, -0.25], [12, -2.0]], 3, 1), TokenOutput(8, None, True, "abort")]),
-        SchedulerStats(1, 2, 100, 90, 5, 10, 4, 7, retractions=2, new_token_ratio=0.3, num_active=3, aborted_requests=1, gen_throughput=12.5),
+        SchedulerStats(
+            1, 2, 100, 90, 5, 10, 4, 7, retractions=2, new_token_ratio=0.3, num_active=3, aborted_requests=1, gen_throughput=12.5
+        ),
         ErrorMsg(9, "bad", 400, "temperature", "invalid_value"),
         ReplyBatchMsg([ReplyMsg(10, "😀", 1, True, "stop", 3, 4, 0, [["a", -0.1, [["a", -0.1]], 5]], "\n", [5])]),
     ]
