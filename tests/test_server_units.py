@@ -198,7 +198,7 @@ def test_cli_arguments(tiny_chat_model: str) -> None:
     from minisgl.server.args import parse_args
 
     args = parse_args([])
-    assert (args.host, args.port, args.model, args.tp, args.cache) == ("127.0.0.1", 1919, None, 1, "radix")
+    assert (args.host, args.port, args.model, args.tp, args.engine["cache_type"]) == ("127.0.0.1", 1919, None, 1, "radix")
     assert args.model_name == "SmolLM2-135M-Instruct"
     args = parse_args(
         ["--model", tiny_chat_model, "--dtype", "float32", "--cache", "naive", "--max-prefill-length", "128",

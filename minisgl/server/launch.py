@@ -181,7 +181,7 @@ def check_model_files(args: ServerArgs) -> str | None:
         return "--tokenizer and --skip-tokenizer-init exclude each other: give one"
     if args.skip_tokenizer_init and args.shell:
         return "--shell chats in text: it needs a tokenizer (drop --skip-tokenizer-init)"
-    if args.load_format != "dummy" and not has_weight_files(args.model_path):
+    if not args.engine_value("use_dummy_weight") and not has_weight_files(args.model_path):
         return f"the model folder {args.model_path} has no weight files; --load-format dummy serves random weights (benchmarks)"
     if args.skip_tokenizer_init:
         return None
