@@ -21,6 +21,7 @@ class EngineConfig:
     model_path: str
     tp_info: DistributedInfo
     dtype: torch.dtype
+    # auto: cuda:<rank> when a GPU is present, else cpu
     device: str = knob("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N", group=MODEL)
     max_running_req: int = knob(
         256, "requests decoded together at most", group=SCHEDULING, flags=("--max-running-requests",), type=positive_int

@@ -14,7 +14,6 @@ Not imported by `minisgl.scheduler`: the engine stays importable without pyzmq/m
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import traceback
 from typing import Any, List
@@ -121,7 +120,9 @@ class SchedulerLoop:
         dt = now - self._last_stats_t
         rate = 0.0 if idle or dt <= 0 else (s.generated_tokens - self._last_stats_gen) / dt
         self._last_stats_t, self._last_stats_gen = now, s.generated_tokens
-        return dataclasses.replace(s, num_active=len(self.scheduler.active), aborted_requests=self.aborted, gen_throughput=rate)
+        # the three fields only this loop knows; `stats()` returns a fresh record, sent as it is
+        s.num_active, s.aborted_requests, s.gen_throughput = len(self.scheduler.active), self.aborted, rate
+        return s
 
     def _maybe_send_stats(self, idle: bool) -> None:
         if not idle and time.monotonic() - self._last_stats_t < STATS_INTERVAL_S:
