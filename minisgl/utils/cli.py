@@ -67,7 +67,7 @@ def knob(
     option = Option(help, group, flags, type, choices, switch, values, default_text, parser_default)
     if not option.is_switch:
         # every valued option states its default in --help, so docs/SERVER.md can be checked against it
-        assert (default is None) == (default_text is not None), f"default_text goes with a None default only: {help!r}"
+        assert (default is None) == (default_text is not None), f"a None default needs default_text, and only it has one: {help!r}"
     return dataclasses.field(default=default, metadata={"cli": option})
 
 
