@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 
 from minisgl.message import ErrorMsg, TokenizeMsg
 from minisgl.sampling_params import SamplingParams
+from minisgl.server.children import ChildWatchdog
 
 HELP = "commands: /reset (forget the conversation), /exit (quit); Ctrl-C stops an answer"
 
@@ -64,7 +65,6 @@ class _LineReader:
 
 async def _shell(args: Any, info: Dict[str, Any], children: List[Any]) -> int:
     from minisgl.server.frontend import Frontend
-    from minisgl.server.launch import ChildWatchdog
     from minisgl.server.process_utils import IpcAddrs
 
     frontend = Frontend(IpcAddrs.in_dir(args.ipc_dir))

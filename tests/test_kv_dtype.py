@@ -75,7 +75,7 @@ def test_server_args_take_kv_cache_dtype():
     from minisgl.server.args import parse_args
 
     args = parse_args(["--kv-cache-dtype", "int8"])
-    assert args.kv_cache_dtype == "int8"
+    assert args.engine["kv_cache_dtype"] == "int8"
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-dtype", "fp16"])
 

@@ -21,10 +21,10 @@ from minisgl.message import (
     FlushCacheMsg,
     ReplyBatchMsg,
     ReplyMsg,
-    StatsMsg,
+    SchedulerStats,
     TokenBatchMsg,
     TokenizeMsg,
-    TokenOut,
+    TokenOutput,
     UserMsg,
     decode_msg,
     encode_msg,
@@ -61,14 +61,31 @@ def test_messages_round_trip() -> None:
         FlushCacheMsg(3),
         FlushCacheDone(3, False, 0),
         ExitMsg(),
-        TokenBatchMsg([TokenOut(7, 11, True, "stop", -0.25, [[11, -0.25], [12, -2.0]], 3, 1), TokenOut(8, None, True, "abort")]),
-        StatsMsg(1, 2, 3, 100, 90, 5, 10, 4, 7, 1, 12.5, 0.1, 0.4),
+        TokenBatchMsg([TokenOutput(7, 11, True, "stop", -0.25, [[11, -0.25], [12, -2.0]], 3, 1), TokenOutput(8, None, True, "abort")]),
+        SchedulerStats(
+            1, 2, 100, 90, 5, 10, 4, 7, retractions=2, new_token_ratio=0.3, num_active=3, aborted_requests=1, gen_throughput=12.5
+        ),
         ErrorMsg(9, "bad", 400, "temperature", "invalid_value"),
         ReplyBatchMsg([ReplyMsg(10, "😀", 1, True, "stop", 3, 4, 0, [["a", -0.1, [["a", -0.1]], 5]], "\n", [5])]),
     ]
     for msg in msgs:
         assert decode_msg(encode_msg(msg)) == msg
     assert isinstance(decode_msg(encode_msg(msgs[0])).sampling, SamplingParams)
+    stats = decode_msg(encode_msg(msgs[10]))
+    assert (stats.kv_usage, stats.cache_hit_rate) == pytest.approx((0.1, 0.4))
+
+
+def test_scheduler_outputs_cross_as_themselves() -> None:
+    """What `Scheduler.step()` and `.stats()` return is what the tokenizer worker receives: the
+    records are the messages (tuples arrive as lists), and a batch of outputs is one message."""
+    from minisgl.scheduler import SchedulerStats as SchedStats
+    from minisgl.scheduler import TokenOutput as SchedOutput
+
+    assert (SchedOutput, SchedStats) == (TokenOutput, SchedulerStats)
+    out = TokenOutput(1, 5, logprob=-0.5, top_logprobs=[(5, -0.5), (6, -1.0)], prompt_logprobs=[[3, -1.5, [(3, -1.5)]]])
+    back = decode_msg(encode_msg(TokenBatchMsg([out, out]))).outputs
+    assert len(back) == 2 and isinstance(back[0], TokenOutput)
+    assert back[0].top_logprobs == [[5, -0.5], [6, -1.0]] and back[0].prompt_logprobs == [[3, -1.5, [[3, -1.5]]]]
 
 
 def test_unknown_messages_are_refused() -> None:
@@ -181,7 +198,7 @@ def test_cli_arguments(tiny_chat_model: str) -> None:
     from minisgl.server.args import parse_args
 
     args = parse_args([])
-    assert (args.host, args.port, args.model, args.tp, args.cache) == ("127.0.0.1", 1919, None, 1, "radix")
+    assert (args.host, args.port, args.model, args.tp, args.engine["cache_type"]) == ("127.0.0.1", 1919, None, 1, "radix")
     assert args.model_name == "SmolLM2-135M-Instruct"
     args = parse_args(
         ["--model", tiny_chat_model, "--dtype", "float32", "--cache", "naive", "--max-prefill-length", "128",

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List
 
-import torch
-
-from minisgl.distributed import DistributedInfo
-from minisgl.models.config import ModelConfig
+from minisgl.utils.cli import MODEL, MULTI_NODE, SCHEDULING, knob, nonnegative_int, positive_int, ratio
 from minisgl.utils.hf import cached_load_hf_config
+
+if TYPE_CHECKING:  # torch-free at import: the server's command line is built from these fields
+    import torch
+
+    from minisgl.distributed import DistributedInfo
+    from minisgl.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -18,26 +21,72 @@ class EngineConfig:
     model_path: str
     tp_info: DistributedInfo
     dtype: torch.dtype
-    device: str = "auto"  # auto: cuda:<rank> when a GPU is present, else cpu
-    max_running_req: int = 256
-    attention_backend: str = "auto"
+    # auto: cuda:<rank> when a GPU is present, else cpu
+    device: str = knob("auto", "auto (cuda when available, else cpu), cpu, cuda or cuda:N", group=MODEL)
+    max_running_req: int = knob(
+        256, "requests decoded together at most", group=SCHEDULING, flags=("--max-running-requests",), type=positive_int
+    )
+    attention_backend: str = knob(
+        "auto",
+        "attention kernels: auto (CUDA: triton, else flashinfer; CPU: torch), torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
+        group=MODEL,
+    )
     moe_backend: str = "auto"
     cuda_graph_bs: List[int] | None = None
-    cuda_graph_max_bs: int | None = None
+    cuda_graph_max_bs: int | None = knob(
+        None,
+        "largest decode batch captured in a CUDA graph (CUDA only)",
+        group=SCHEDULING,
+        type=positive_int,
+        default_text="256 on a >40 GiB GPU",
+    )
     # Prefill and mixed steps of up to this many tokens replay CUDA graphs (engine/mixed_graph.py);
     # None: by free memory (2048 above 40 GiB, mixed_graph.default_max_tokens), 0: they run eagerly.
-    cuda_graph_max_tokens: int | None = None
-    page_size: int = 1
-    memory_ratio: float = 0.9
+    cuda_graph_max_tokens: int | None = knob(
+        None,
+        "largest prefill/mixed step (tokens) replayed from a CUDA graph; 0: those run eagerly (CUDA only)",
+        group=SCHEDULING,
+        type=nonnegative_int,
+        default_text="2048 on a >40 GiB GPU",
+    )
+    page_size: int = knob(1, "tokens per KV page", group=SCHEDULING, type=positive_int)
+    memory_ratio: float = knob(0.9, "share of free device memory the weights + KV cache may take", group=SCHEDULING, type=ratio)
     cpu_kv_cache_bytes: int = 2 << 30  # on CPU the KV pool is capped at 2 GiB by default
     # What the KV pool stores (kvcache/pool.py): "auto" (the model dtype), "fp8_e4m3" (CUDA) or
     # "int8" (CPU, per-head scales): half the bytes per token for decode attention to read.
-    kv_cache_dtype: str = "auto"
-    distributed_timeout: float = 60.0
+    kv_cache_dtype: str = knob(
+        "auto",
+        "what the KV cache stores: auto (the model dtype), fp8_e4m3 (CUDA, unit scale) or int8 (CPU, per-head scales)",
+        group=MODEL,
+        choices=("auto", "fp8_e4m3", "int8"),
+    )
+    distributed_timeout: float = knob(
+        60.0, "seconds to wait for every rank to join", group=MULTI_NODE, flags=("--dist-timeout",), type=float
+    )
     distributed_port: int = 2333
-    use_dummy_weight: bool = False
-    max_seq_len_override: int | None = None
-    num_page_override: int | None = None
+    use_dummy_weight: bool = knob(
+        False,
+        "auto: the checkpoint's weights; dummy: random weights, for benchmarks on a folder with only config.json",
+        group=MODEL,
+        flags=("--load-format",),
+        values={"auto": False, "dummy": True},
+    )
+    max_seq_len_override: int | None = knob(
+        None,
+        "context length: prompt + output tokens",
+        group=SCHEDULING,
+        flags=("--max-seq-len",),
+        type=positive_int,
+        default_text="the model's",
+    )
+    num_page_override: int | None = knob(
+        None,
+        "KV pages to allocate (overrides --memory-ratio)",
+        group=SCHEDULING,
+        flags=("--num-pages",),
+        type=positive_int,
+        default_text="from --memory-ratio",
+    )
     # "HOST:PORT" of rank 0's rendezvous for several machines (--dist-init-addr); None: this
     # machine, at distributed_port (the seed's distributed_addr)
     dist_init_addr: str | None = None
@@ -47,11 +96,22 @@ class EngineConfig:
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
     # GEMMs (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), and the flat
     # decode step on fused C kernels (False: the module path, as on CUDA).
-    quantization: str | None = None
+    quantization: str | None = knob(
+        None,
+        "CPU only: weight-only quantized decode GEMMs (gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
+        group=MODEL,
+        choices=("gguf", "int4", "int8"),
+        default_text="none",
+    )
     cpu_fast_decode: bool = True
     # Batch-invariant kernels (attention backend "deterministic", fixed-shape GEMMs): greedy and
     # seeded outputs do not depend on batch composition, chunking or prefix-cache state.
-    deterministic: bool = False
+    deterministic: bool = knob(
+        False,
+        "batch-invariant kernels: greedy/seeded outputs identical whatever the batch, chunking and prefix-cache state",
+        group=SCHEDULING,
+        switch=True,
+    )
 
     @cached_property
     def hf_config(self) -> Any:

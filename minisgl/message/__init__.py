@@ -3,7 +3,7 @@
 The flow (see docs/ARCHITECTURE.md, "Serving: processes and messages"):
 
     API server --TokenizeMsg/AbortReq--> tokenizer worker --UserMsg/AbortMsg--> scheduler
-    API server <--ReplyBatchMsg/ErrorMsg/StatsMsg-- tokenizer worker <--TokenBatchMsg/ErrorMsg/StatsMsg-- scheduler
+    API server <--ReplyBatchMsg/ErrorMsg/SchedulerStats-- tokenizer worker <--TokenBatchMsg/ErrorMsg/SchedulerStats-- scheduler
 
 Nothing here imports torch: every process can decode every message.
 """
@@ -18,14 +18,13 @@ from minisgl.message.messages import (
     Message,
     ReplyBatchMsg,
     ReplyMsg,
-    StatsMsg,
     TokenBatchMsg,
     TokenizeMsg,
     TokenizeOnlyMsg,
-    TokenOut,
     ToolReply,
     UserMsg,
 )
+from minisgl.message.outputs import SchedulerStats, TokenOutput
 from minisgl.message.serialize import decode_msg, encode_msg, register_message
 
 __all__ = [
@@ -38,9 +37,9 @@ __all__ = [
     "Message",
     "ReplyBatchMsg",
     "ReplyMsg",
-    "StatsMsg",
+    "SchedulerStats",
     "TokenBatchMsg",
-    "TokenOut",
+    "TokenOutput",
     "TokenizeMsg",
     "TokenizeOnlyMsg",
     "ToolReply",

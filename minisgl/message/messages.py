@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Union
 
+from minisgl.message.outputs import SchedulerStats, TokenOutput
 from minisgl.message.serialize import register_message
 from minisgl.sampling_params import GrammarSpec, SamplingParams
 
@@ -99,24 +100,7 @@ class ExitMsg:
     """Leave the loop and exit cleanly."""
 
 
-# ---- scheduler -> tokenizer worker --------------------------------------------------------------
-
-
-@register_message
-@dataclass
-class TokenOut:
-    """One `minisgl.scheduler.TokenOutput` on the wire."""
-
-    uid: int
-    token_id: int | None
-    finished: bool = False
-    finish_reason: str | None = None
-    logprob: float | None = None
-    top_logprobs: List[List[Union[int, float]]] | None = None  # [[token_id, logprob], ...]
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    # with the first token of a request that asked: [[token_id, logprob, [[id, logprob], ...]], ...]
-    prompt_logprobs: List[List[Any]] | None = None
+# ---- scheduler -> tokenizer worker (also TokenOutput and SchedulerStats, message/outputs.py) --------------------------------------------------------------
 
 
 @register_message
@@ -133,32 +117,9 @@ class FlushCacheDone:
 @register_message
 @dataclass
 class TokenBatchMsg:
-    outputs: List[TokenOut]
+    """One scheduler step's outputs, in one message."""
 
-
-@register_message
-@dataclass
-class StatsMsg:
-    """The scheduler's counters, pushed when they change (at most a few times a second) and
-    whenever the scheduler becomes idle."""
-
-    num_running: int
-    num_waiting: int
-    num_active: int  # requests holding a table row (running + finished but not yet released)
-    total_pages: int
-    free_pages: int  # free + evictable
-    cached_pages: int
-    prompt_tokens: int
-    cache_hit_tokens: int
-    generated_tokens: int
-    aborted_requests: int
-    gen_throughput: float  # output tokens/s over the last interval (0 when idle)
-    kv_usage: float
-    cache_hit_rate: float
-    retractions: int = 0  # requests whose pages were taken back (to be recomputed), so far
-    peak_running: int = 0  # most requests running at once, so far
-    num_retracted: int = 0  # retracted requests waiting to resume
-    new_token_ratio: float = 0.0  # the admission estimate of what running requests still generate
+    outputs: List[TokenOutput]
 
 
 # ---- both workers -> API server -----------------------------------------------------------------
@@ -218,7 +179,7 @@ Message = Union[
     ToolReply,
     ExitMsg,
     TokenBatchMsg,
-    StatsMsg,
+    SchedulerStats,
     ErrorMsg,
     ReplyMsg,
     ReplyBatchMsg,

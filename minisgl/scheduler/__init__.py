@@ -1,7 +1,24 @@
 """Continuous batching over one Engine: admission, chunked prefill, decode, prefix cache, overlap."""
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Torch-free: the server's command line is built from SchedulerConfig's fields without the
+# engine; the rest loads on first use.
+from minisgl.message.outputs import SchedulerStats, TokenOutput
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.request import TokenOutput, UserRequest
-from minisgl.scheduler.scheduler import Scheduler, SchedulerStats, StepFailed, is_fatal
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.request import UserRequest
+    from minisgl.scheduler.scheduler import Scheduler, StepFailed, is_fatal
+
+_LAZY = {"Scheduler": "scheduler", "StepFailed": "scheduler", "is_fatal": "scheduler", "UserRequest": "request"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = ["Scheduler", "SchedulerConfig", "SchedulerStats", "StepFailed", "TokenOutput", "UserRequest", "is_fatal"]

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from minisgl.engine.config import EngineConfig
+from minisgl.utils.cli import SCHEDULING, knob, positive_float, positive_int
 from minisgl.utils.env import read_env
 
 
@@ -16,17 +17,42 @@ def overlap_disabled_by_env() -> bool:
 @dataclass(frozen=True)
 class SchedulerConfig(EngineConfig):
     # Per-step token budget for prefill (chunked prefill splits longer prompts).
-    max_extend_tokens: int = 8192
-    cache_type: str = "radix"  # "radix" (prefix reuse) or "naive"
+    max_extend_tokens: int = knob(
+        8192,
+        "tokens per step at most (prompt chunks + the decode rows mixed in); longer prompts are prefilled in chunks",
+        group=SCHEDULING,
+        flags=("--chunked-prefill-size", "--max-prefill-length"),
+        type=positive_int,
+    )
+    cache_type: str = knob(
+        "radix",
+        "prefix cache: radix (reuse shared prefixes) or naive (none)",
+        group=SCHEDULING,
+        flags=("--cache",),
+        choices=("radix", "naive"),
+    )
     # None: on, unless MINISGL_DISABLE_OVERLAP_SCHEDULING=1.
-    enable_overlap: bool | None = None
+    enable_overlap: bool | None = knob(
+        None, "do not prepare step N+1 while step N runs", group=SCHEDULING, flags=("--disable-overlap",), switch=False
+    )
     # "optimistic": admit while the pool holds the prompt plus an estimate of what running
     # requests will still generate, retract (and later recompute) requests when a decode step
     # runs out of pages. "worst-case": reserve prompt + max_tokens at admission, never retract.
-    admission: Literal["optimistic", "worst-case"] = "optimistic"
+    admission: Literal["optimistic", "worst-case"] = knob(
+        "optimistic",
+        "optimistic: admit on an estimate of what running requests will still generate and retract "
+        "(later recompute) requests when the KV pool runs out; worst-case: reserve prompt + max_tokens, never retract",
+        group=SCHEDULING,
+        choices=("optimistic", "worst-case"),
+    )
     # Scales the estimated share of max_tokens a running request will still generate (> 1:
     # admit fewer, retract less; the share is capped at 1, i.e. worst-case reservation).
-    schedule_conservativeness: float = 1.0
+    schedule_conservativeness: float = knob(
+        1.0,
+        "scales the optimistic estimate of tokens still to come (> 1: admit fewer, retract less)",
+        group=SCHEDULING,
+        type=positive_float,
+    )
     # The estimate starts at init and moves each decode step (time constant decay_steps)
     # toward 1.25x the share that recently finished requests used (min before any finished,
     # never below min); each retraction raises it.
@@ -35,10 +61,17 @@ class SchedulerConfig(EngineConfig):
     new_token_ratio_decay_steps: int = 32
     # Decode rows ride along with prefill chunks in one batch under max_extend_tokens, so a
     # running stream never waits a whole prefill step (False: prefill and decode alternate).
-    mixed_batches: bool = True
+    mixed_batches: bool = knob(
+        True, "prefill and decode alternate instead of sharing a step", group=SCHEDULING, flags=("--disable-mixed-batches",), switch=False
+    )
     # "fcfs": arrival order. "priority": SamplingParams.priority first (lower first; FIFO among
     # equals), and retraction takes the least urgent first.
-    schedule_policy: Literal["fcfs", "priority"] = "fcfs"
+    schedule_policy: Literal["fcfs", "priority"] = knob(
+        "fcfs",
+        "fcfs: arrival order; priority: the request field 'priority' first (lower first), retraction takes the least urgent",
+        group=SCHEDULING,
+        choices=("fcfs", "priority"),
+    )
 
     def __post_init__(self) -> None:
         if self.admission not in ("optimistic", "worst-case"):

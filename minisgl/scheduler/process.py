@@ -26,9 +26,8 @@ from minisgl.message import (
     ExitMsg,
     FlushCacheDone,
     FlushCacheMsg,
-    StatsMsg,
+    SchedulerStats,
     TokenBatchMsg,
-    TokenOut,
     UserMsg,
     decode_msg,
     encode_msg,
@@ -57,7 +56,7 @@ class SchedulerLoop:
         self.aborted = 0
         self._last_stats_t = time.monotonic()
         self._last_stats_gen = 0
-        self._last_stats: StatsMsg | None = None
+        self._last_stats: SchedulerStats | None = None
         self._running = True
         # TP rank 0 (scheduler/tp.py): a no-op broadcast while idle, so a dead rank shows at once
         self._heartbeat = getattr(scheduler, "heartbeat", lambda: None)
@@ -115,31 +114,15 @@ class SchedulerLoop:
                 logger.error("scheduler dropped an undecodable message: %s", exc)
 
     # ---- stats -------------------------------------------------------------------------------
-    def _stats(self, idle: bool) -> StatsMsg:
+    def _stats(self, idle: bool) -> SchedulerStats:
         s = self.scheduler.stats()
         now = time.monotonic()
         dt = now - self._last_stats_t
         rate = 0.0 if idle or dt <= 0 else (s.generated_tokens - self._last_stats_gen) / dt
         self._last_stats_t, self._last_stats_gen = now, s.generated_tokens
-        return StatsMsg(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_active=len(self.scheduler.active),
-            total_pages=s.total_pages,
-            free_pages=s.free_pages,
-            cached_pages=s.cached_pages,
-            prompt_tokens=s.prompt_tokens,
-            cache_hit_tokens=s.cache_hit_tokens,
-            generated_tokens=s.generated_tokens,
-            aborted_requests=self.aborted,
-            gen_throughput=rate,
-            kv_usage=s.kv_usage,
-            cache_hit_rate=s.cache_hit_rate,
-            retractions=s.retractions,
-            peak_running=s.peak_running,
-            num_retracted=s.num_retracted,
-            new_token_ratio=s.new_token_ratio,
-        )
+        # the three fields only this loop knows; `stats()` returns a fresh record, sent as it is
+        s.num_active, s.aborted_requests, s.gen_throughput = len(self.scheduler.active), self.aborted, rate
+        return s
 
     def _maybe_send_stats(self, idle: bool) -> None:
         if not idle and time.monotonic() - self._last_stats_t < STATS_INTERVAL_S:
@@ -187,24 +170,7 @@ class SchedulerLoop:
         else:
             self._failed_steps = 0
         if outputs:
-            self._send(
-                TokenBatchMsg(
-                    [
-                        TokenOut(
-                            o.uid,
-                            o.token_id,
-                            o.finished,
-                            o.finish_reason,
-                            o.logprob,
-                            [list(t) for t in o.top_logprobs] if o.top_logprobs is not None else None,
-                            o.prompt_tokens,
-                            o.cached_tokens,
-                            o.prompt_logprobs,
-                        )
-                        for o in outputs
-                    ]
-                )
-            )
+            self._send(TokenBatchMsg(outputs))  # the scheduler's records, as they are
 
     def _fail_everyone(self, reason: str) -> None:
         logger.error("the scheduler stops: %s", reason)

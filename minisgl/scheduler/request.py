@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import Any, List
 
 import torch
 
 from minisgl.core import Req, SamplingParams
 from minisgl.kvcache.base import MatchResult
+from minisgl.message.outputs import TokenOutput  # defined with the messages: it crosses processes as itself
 
 
 @dataclass
@@ -20,21 +21,6 @@ class UserRequest:
     sampling_params: SamplingParams
     # The client set max_tokens: beyond the context it is refused, not clipped (as OpenAI).
     strict_max_tokens: bool = False
-
-
-@dataclass(slots=True)
-class TokenOutput:
-    """One generated token (or a final notice) for one request."""
-
-    uid: int
-    token_id: int | None  # None only for a request aborted before producing a token
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprob: float | None = None
-    top_logprobs: List[Tuple[int, float]] | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_logprobs: List[List[Any]] | None = None  # with the first token, when asked
 
 
 class SchedReq(Req):

@@ -24,6 +24,7 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.kvcache import PageAllocator, create_cache_manager
+from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
@@ -64,35 +65,6 @@ class _InFlight:
     output: ForwardOutput
     # requests whose sampled token is real (not a non-final prefill chunk), by batch row
     emits: List[bool]
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    total_pages: int
-    free_pages: int  # free + evictable (cached but unpinned)
-    cached_pages: int
-    prompt_tokens: int
-    cache_hit_tokens: int
-    generated_tokens: int
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    mixed_steps: int = 0  # prefill steps that carried decode rows too
-    num_retracted: int = 0  # waiting to resume after retraction
-    retractions: int = 0  # requests retracted so far (pages taken back, later recomputed)
-    peak_running: int = 0  # most requests admitted at once so far
-    new_token_ratio: float = 0.0  # the admission estimate in use
-    host_s: float = 0.0  # scheduling + launching (host time the device may hide with overlap)
-    wait_s: float = 0.0  # waiting for the device's results
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.free_pages / self.total_pages
-
-    @property
-    def cache_hit_rate(self) -> float:
-        return self.cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class Scheduler:

@@ -26,7 +26,7 @@ from minisgl.message import (
     FlushCacheMsg,
     ReplyBatchMsg,
     ReplyMsg,
-    StatsMsg,
+    SchedulerStats,
     TokenizeMsg,
     TokenizeOnlyMsg,
     ToolReply,
@@ -145,7 +145,7 @@ class Frontend:
         self.addrs = addrs
         self.metrics = metrics
         self.max_pending = max_pending  # choices in flight at most (None: unbounded)
-        self.stats: StatsMsg | None = None
+        self.stats: SchedulerStats | None = None
         self.failure: str | None = None  # set when a worker died: new requests get 503
         self._uids = itertools.count(1)
         self._streams: Dict[int, RequestStream] = {}
@@ -272,7 +272,7 @@ class Frontend:
                 stream = self._streams.get(msg.uid)
                 if stream is not None:
                     stream._deliver(msg.uid, msg)
-            elif isinstance(msg, StatsMsg):
+            elif isinstance(msg, SchedulerStats):
                 self.stats = msg
                 if self.metrics is not None:
                     self.metrics.update_stats(msg)

@@ -7,9 +7,8 @@
 
 With --nnodes K, node R > 0 runs only its tp/K scheduler ranks (no HTTP, no tokenizer).
 
-Children are started with the multiprocessing *spawn* context (fork after torch is unsafe), talk
-over ZeroMQ ipc:// sockets in a private temporary folder, and report readiness (or the error that
-stopped them) through a pipe. SIGINT/SIGTERM stops the HTTP server gracefully, then the children
+The children (server/children.py: spawned, each reporting readiness through a pipe) talk over
+ZeroMQ ipc:// sockets in a private temporary folder. SIGINT/SIGTERM stops the HTTP server gracefully, then the children
 are terminated (SIGTERM, SIGKILL after a few seconds); children also die with the parent
 (PR_SET_PDEATHSIG) and notice a vanished parent on their own. If a child dies while serving, the
 server logs which one and how, fails the requests in flight with 503, and exits with status 1.
@@ -27,18 +26,15 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 from minisgl.server.args import ServerArgs
+from minisgl.server.children import Child, ChildWatchdog, StartupError, start_children, stop_children
 from minisgl.server.process_utils import IpcAddrs, configure_logging, describe_exit
 from minisgl.utils.logger import init_logger
 
 logger = init_logger("minisgl.server")
-
-TERMINATE_GRACE_S = 5.0
 
 EXIT_OK = 0  # stopped by SIGINT/SIGTERM
 EXIT_FAILURE = 1  # a worker failed to start, or died while serving
@@ -53,145 +49,8 @@ class ShutdownRequested(BaseException):
         self.signum = signum
 
 
-class StartupError(RuntimeError):
-    pass
-
-
-@dataclass
-class Child:
-    name: str
-    process: Any  # multiprocessing.Process
-    conn: Any  # the read end of its ready pipe
-
-
 def _raise_shutdown(signum: int, frame: Any) -> None:
     raise ShutdownRequested(signum)
-
-
-def _scheduler_main(args: ServerArgs, ready_conn: Any, rank: int = 0) -> None:
-    # imported in the child only: `minisgl.scheduler` pulls in torch, which this process never needs
-    from minisgl.scheduler.process import run_scheduler_process
-
-    run_scheduler_process(args, ready_conn, rank)
-
-
-def _child_targets(args: ServerArgs) -> List[tuple[str, Callable[..., None], tuple]]:
-    """(name, target, extra args): this node's scheduler ranks, and on node 0 the tokenizer."""
-    targets: List[tuple[str, Callable[..., None], tuple]] = [
-        ("scheduler" if rank == 0 else f"scheduler rank {rank}", _scheduler_main, (rank,)) for rank in args.local_ranks
-    ]
-    if args.node_rank == 0:
-        targets.append(("tokenizer", _tokenizer_main, ()))
-    return targets
-
-
-def _tokenizer_main(args: ServerArgs, ready_conn: Any) -> None:
-    from minisgl.tokenizer.worker import run_tokenizer_worker
-
-    run_tokenizer_worker(args, ready_conn)
-
-
-def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
-    """Spawn the workers (appending each to `children` at once, so that the caller can stop them
-    whatever happens next) and wait until each is ready. Returns what each reported."""
-    ctx = mp.get_context("spawn")
-    for name, target, extra in _child_targets(args):
-        recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=target, args=(args, send, *extra), name=f"minisgl-{name.replace(' ', '-')}", daemon=False)
-        proc.start()
-        send.close()  # only the child holds the write end: EOF means it died
-        children.append(Child(name, proc, recv))
-        logger.info("started the %s process (pid %d)", name, proc.pid)
-
-    info: Dict[str, Any] = {}
-    waiting = {c.conn: c for c in children}
-    sentinels = {c.process.sentinel: c for c in children}
-    start = time.monotonic()
-    while waiting:
-        for obj in mp.connection.wait(list(waiting) + list(sentinels), timeout=30.0):
-            child = waiting.pop(obj, None)
-            if child is not None:
-                try:
-                    kind, payload = child.conn.recv()
-                except (EOFError, OSError):
-                    child.process.join(1.0)
-                    raise StartupError(
-                        f"the {child.name} process (pid {child.process.pid}) {describe_exit(child.process.exitcode)} "
-                        "during start-up (see its log above)"
-                    ) from None
-                if kind != "ready":
-                    raise StartupError(f"the {child.name} process failed to start: {payload}")
-                info[child.name] = payload
-                logger.info("%s ready after %.1f s", child.name, time.monotonic() - start)
-            else:
-                dead = sentinels[obj]
-                if dead.conn in waiting:
-                    continue  # its pipe reports EOF (or the error) next
-                dead.process.join(1.0)
-                raise StartupError(
-                    f"the {dead.name} process (pid {dead.process.pid}) {describe_exit(dead.process.exitcode)} during start-up"
-                )
-        if waiting:
-            logger.debug("still waiting for: %s", ", ".join(c.name for c in waiting.values()))
-    return info
-
-
-def stop_children(children: List[Child]) -> None:
-    alive = [c for c in children if c.process.is_alive()]
-    for c in alive:
-        try:
-            c.process.terminate()
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + TERMINATE_GRACE_S
-    for c in alive:
-        c.process.join(max(0.0, deadline - time.monotonic()))
-    for c in alive:
-        if c.process.is_alive():
-            logger.warning("the %s process (pid %d) ignored SIGTERM; killing it", c.name, c.process.pid)
-            c.process.kill()
-            c.process.join(2.0)
-    for c in children:
-        try:
-            c.conn.close()
-        except OSError:
-            pass
-
-
-class ChildWatchdog:
-    """Calls `on_death(message)` once when any child exits while we serve."""
-
-    def __init__(self, children: List[Child], on_death: Callable[[str], None]) -> None:
-        self.children = children
-        self.on_death = on_death
-        self.failure: str | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        for c in self.children:
-            self._loop.add_reader(c.process.sentinel, self._check)
-        self._check()
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            for c in self.children:
-                try:
-                    self._loop.remove_reader(c.process.sentinel)
-                except (ValueError, OSError):
-                    pass
-
-    def _check(self) -> None:
-        if self.failure is not None:
-            return
-        for c in self.children:
-            if c.process.exitcode is not None:
-                self.failure = (
-                    f"the {c.name} process (pid {c.process.pid}) {describe_exit(c.process.exitcode)} unexpectedly; the server shuts down"
-                )
-                self.stop()
-                self.on_death(self.failure)
-                return
 
 
 def _log_banner(args: ServerArgs, info: Dict[str, Any], children: List[Child]) -> None:
@@ -322,7 +181,7 @@ def check_model_files(args: ServerArgs) -> str | None:
         return "--tokenizer and --skip-tokenizer-init exclude each other: give one"
     if args.skip_tokenizer_init and args.shell:
         return "--shell chats in text: it needs a tokenizer (drop --skip-tokenizer-init)"
-    if args.load_format != "dummy" and not has_weight_files(args.model_path):
+    if not args.engine_value("use_dummy_weight") and not has_weight_files(args.model_path):
         return f"the model folder {args.model_path} has no weight files; --load-format dummy serves random weights (benchmarks)"
     if args.skip_tokenizer_init:
         return None

@@ -1,7 +1,7 @@
 """Prometheus metrics of the API server (served at /metrics).
 
 Scheduler-side numbers (running/waiting requests, KV usage, cache hit rate, throughput, token
-counters) come from the scheduler's StatsMsg; latencies (time to first token, inter-token latency,
+counters) come from the scheduler's SchedulerStats; latencies (time to first token, inter-token latency,
 end-to-end) are measured here, where the client sees them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from minisgl.message import StatsMsg
+from minisgl.message import SchedulerStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
@@ -48,9 +48,9 @@ class ServerMetrics:
         self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("minisgl_inter_token_latency_seconds", "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("minisgl_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS, registry=r)
-        self._last: StatsMsg | None = None
+        self._last: SchedulerStats | None = None
 
-    def update_stats(self, s: StatsMsg) -> None:
+    def update_stats(self, s: SchedulerStats) -> None:
         self.num_running.set(s.num_running)
         self.num_waiting.set(s.num_waiting)
         self.num_active.set(s.num_active)

@@ -4,7 +4,7 @@ From the API server it receives TokenizeMsg (encode the prompt, apply the chat t
 DetokState, forward a UserMsg to the scheduler; large prompts are encoded in an `EncodePool` so
 that this loop keeps streaming everyone else's tokens meanwhile) and AbortReq (forget the request,
 forward an AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
-strings, reply to the API server), ErrorMsg and StatsMsg (relayed). A stop string ends the request
+strings, reply to the API server), ErrorMsg and SchedulerStats (relayed). A stop string ends the request
 here, and the scheduler is told to abort it so its pages are freed at once.
 """
 
@@ -24,11 +24,11 @@ from minisgl.message import (
     FlushCacheMsg,
     ReplyBatchMsg,
     ReplyMsg,
-    StatsMsg,
+    SchedulerStats,
     TokenBatchMsg,
     TokenizeMsg,
     TokenizeOnlyMsg,
-    TokenOut,
+    TokenOutput,
     ToolReply,
     UserMsg,
     decode_msg,
@@ -91,7 +91,7 @@ class TokenizerWorker:
             self.states.pop(msg.uid, None)
             self.flush_replies()  # keep the order of this request's messages
             self._to_api(msg)
-        elif isinstance(msg, (StatsMsg, FlushCacheDone)):
+        elif isinstance(msg, (SchedulerStats, FlushCacheDone)):
             self.flush_replies()  # they describe the state after the tokens already received
             self._to_api(msg)
         elif isinstance(msg, FlushCacheMsg):
@@ -182,7 +182,7 @@ class TokenizerWorker:
                 self._piece_cache[token_id] = piece
         return piece
 
-    def _on_token(self, out: TokenOut) -> None:
+    def _on_token(self, out: TokenOutput) -> None:
         state = self.states.get(out.uid)
         if state is None:
             return  # aborted, or ended by a stop string: the scheduler's late outputs are dropped

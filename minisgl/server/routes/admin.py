@@ -7,6 +7,7 @@ everything else here needs it when the server has one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any, Dict, List, Optional
 
 from fastapi import APIRouter, Depends, Request
@@ -77,6 +78,9 @@ async def get_model(model_id: str, request: Request) -> Dict[str, Any]:
 async def server_info(request: Request) -> Dict[str, Any]:
     state = get_state(request)
     stats = state.frontend.stats
+    stats_dict = (
+        None if stats is None else {**dataclasses.asdict(stats), "kv_usage": stats.kv_usage, "cache_hit_rate": stats.cache_hit_rate}
+    )
     return {
         "model": state.model_name,
         "model_path": state.args.model_path,
@@ -84,7 +88,7 @@ async def server_info(request: Request) -> Dict[str, Any]:
         "skip_tokenizer_init": state.args.skip_tokenizer_init,
         "scheduler": state.info,
         "limits": state.limits.__dict__,
-        "stats": None if stats is None else {k: getattr(stats, k) for k in stats.__dataclass_fields__},
+        "stats": stats_dict,
         "requests_in_flight": state.frontend.num_in_flight,
     }
 
