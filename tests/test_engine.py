@@ -495,7 +495,7 @@ def test_auto_attention_backend_prefers_triton_then_flashinfer(monkeypatch):
     import sys
     import types
 
-    from minisgl.attention.base import resolve_attention_backend
+    from minisgl.attention.registry import resolve_attention_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))

@@ -44,7 +44,7 @@ import flashinfer.decode
 import flashinfer.prefill
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import AttnCap, BaseAttnBackend, BaseAttnMetadata
 from minisgl.attention.flashinfer_patches import patch_tensor_max
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
@@ -62,7 +62,7 @@ class FlashInferAttnMetadata(BaseAttnMetadata):
 
 
 class FlashInferAttnBackend(BaseAttnBackend):
-    supports_cuda_graph = True
+    caps = AttnCap.DECODE_GRAPH
     kv_cache_dtypes = ("auto", "fp8_e4m3")
 
     def __init__(self, model_config: ModelConfig) -> None:
