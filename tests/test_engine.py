@@ -509,3 +509,55 @@ def test_auto_attention_backend_prefers_triton_then_flashinfer(monkeypatch):
     assert resolve_attention_backend("auto", cuda) == "torch"
     with pytest.raises(ValueError, match="unknown attention backend .flashinfr."):
         resolve_attention_backend("flashinfr", cuda)
+
+
+def test_step_runners_are_listed_once_and_tried_in_order(tiny_model_dir):
+    """Engine.forward_batch runs a step on the first runner of its list that accepts it; the
+    module path is last and accepts every batch. A runner put first takes the steps it accepts."""
+    from minisgl.engine.graph import GraphRunner
+    from minisgl.engine.runners import CpuRunnerShim, ModuleRunner
+
+    with running_engine(tiny_model_dir("llama")) as engine:
+        kinds = [type(r) for r in engine.runners]
+        assert kinds[0] is GraphRunner and kinds[-1] is ModuleRunner
+        assert (CpuRunnerShim in kinds) == (engine.cpu_runner is not None)
+        alloc = PageAllocator(engine)
+        req = make_req([1, 2, 3], 0, output_len=2)
+        alloc.allocate(0, 5)
+        batch = prepare_batch(engine, [req], "prefill")
+        engine.forward_batch(batch, engine.sampler.prepare(batch))  # a prefill: not the fake's
+
+        class Fake:
+            seen: list = []
+
+            def can_run(self, batch):
+                return batch.is_decode
+
+            def run(self, batch):
+                self.seen.append(batch.size)
+                logits = torch.full((batch.padded_size, engine.config.model_config.vocab_size), -1.0, device=engine.device)
+                logits[:, 7] = 1.0
+                return logits
+
+        engine.runners.insert(0, Fake())
+        batch = prepare_batch(engine, [req], "decode")
+        out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+        assert Fake.seen == [1] and out.next_tokens_cpu.tolist() == [7]
+
+
+def test_cpu_runner_shim_leaves_prompt_logprob_steps_to_the_module_path():
+    from minisgl.engine.runners import CpuRunnerShim, ModuleRunner, pick_runner
+
+    class Legacy:  # today's CPU runner interface: can_run(batch), forward(batch, page_table)
+        def can_run(self, batch):
+            return True
+
+        def forward(self, batch, page_table):
+            return page_table
+
+    table = torch.zeros(2, 2)
+    shim, module = CpuRunnerShim(Legacy(), table), ModuleRunner(torch.nn.Identity())
+    batch = Batch(reqs=[], phase="prefill")
+    assert pick_runner([shim, module], batch) is shim and shim.run(batch) is table
+    batch.prompt_logprob_rows = torch.zeros(1, dtype=torch.long)
+    assert pick_runner([shim, module], batch) is module

@@ -45,15 +45,14 @@ class _Linear(ShardedModule):
         return self.cpu_gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
     def _skinny(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self.skinny is None or self.fused_kind != "plain":
-            return None
-        out = self.skinny.run("plain", x, self.weight)
+        assert self.skinny is not None
+        out = self.skinny.run("plain", x, self.weight) if self.fused_kind == "plain" else None
         return out[0] if out is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:
             return self._cpu_gemm(x)
-        if (y := self._skinny(x)) is not None:
+        if self.skinny is not None and (y := self._skinny(x)) is not None:
             return y
         return F.linear(x, self.weight, self.bias)
 
@@ -127,7 +126,7 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:  # (tp == 1: no all-reduce)
             return self._cpu_gemm(x)
-        if (y := self._skinny(x)) is not None:  # (a plan is built at tp == 1 only: no all-reduce)
+        if self.skinny is not None and (y := self._skinny(x)) is not None:  # (plans exist at tp == 1 only)
             return y
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
