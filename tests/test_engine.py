@@ -561,3 +561,15 @@ def test_cpu_runner_shim_leaves_prompt_logprob_steps_to_the_module_path():
     assert pick_runner([shim, module], batch) is shim and shim.run(batch) is table
     batch.prompt_logprob_rows = torch.zeros(1, dtype=torch.long)
     assert pick_runner([shim, module], batch) is module
+
+
+def test_rotary_tables_are_shared_within_a_model_and_owned_by_it(tiny_model_dir):
+    """One cos/sin table per model on its device, shared by every layer; no process-wide cache
+    holds it after the build (so Engine.shutdown has nothing to clear)."""
+    from minisgl.layers import rotary
+
+    with running_engine(tiny_model_dir("llama")) as engine:
+        ropes = {id(layer.self_attn.attn.rotary) for layer in engine.model.model.layers}
+        rope = engine.model.model.layers[0].self_attn.attn.rotary
+        assert len(ropes) == 1 and rope.cos.device == engine.device
+        assert rotary._BUILDS == []

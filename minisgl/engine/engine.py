@@ -28,7 +28,7 @@ from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
-from minisgl.layers.rotary import clear_rope_cache, set_rope_device
+from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
 from minisgl.models.weight import dummy_weights, load_weights
 from minisgl.moe.base import BaseMoeBackend, MoeCap
@@ -187,8 +187,7 @@ class Engine:
 
         # ---- model: an empty shell on meta, then the weights are installed into it
         model_config = config.model_config
-        set_rope_device(self.device)
-        with torch.device("meta"), torch_dtype(config.dtype):
+        with rope_tables(self.device), torch.device("meta"), torch_dtype(config.dtype):
             self.model = create_model(model_config)
         self.model.load_state_dict(self._load_weight_state_dict(config))
         self.model.eval()
@@ -423,7 +422,6 @@ class Engine:
             if hasattr(self, name):
                 delattr(self, name)
         clear_global_ctx()
-        clear_rope_cache()
         if self.config.tp_info.size > 1:
             destroy_process_group()
         clear_tp_info()
