@@ -37,7 +37,7 @@ def create_moe_backend(name: str, device: torch.device | None = None) -> BaseMoe
             try:
                 import triton  # noqa: F401
 
-                from minisgl.moe import triton_moe  # noqa: F401
+                import minisgl.moe.triton_moe  # noqa: F401
 
                 name = "triton"
             except ImportError:
