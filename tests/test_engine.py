@@ -573,3 +573,35 @@ def test_rotary_tables_are_shared_within_a_model_and_owned_by_it(tiny_model_dir)
         rope = engine.model.model.layers[0].self_attn.attn.rotary
         assert len(ropes) == 1 and rope.cos.device == engine.device
         assert rotary._BUILDS == []
+
+
+def test_backend_capabilities_come_with_their_hooks():
+    """A backend declares what it can do in one enum; each capability names the hooks the graph
+    runners call, and a backend that declares it implements them (the rest need none)."""
+    import importlib
+
+    from minisgl.attention.base import AttnCap, DecodeGraphHooks, MixedGraphHooks
+    from minisgl.moe.base import MoeCap
+
+    hooks = {AttnCap.DECODE_GRAPH: DecodeGraphHooks, AttnCap.MIXED_GRAPH: MixedGraphHooks}
+    checked = []
+    for module, name in (
+        ("torch_backend", "TorchAttnBackend"),
+        ("deterministic_backend", "DeterministicAttnBackend"),
+        ("triton_backend", "TritonAttnBackend"),
+        ("flashinfer_backend", "FlashInferAttnBackend"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(f"minisgl.attention.{module}"), name)
+        except ImportError:  # triton / flashinfer not installed here
+            continue
+        checked.append(name)
+        for cap, proto in hooks.items():
+            wanted = [m for m in vars(proto) if not m.startswith("_")]
+            assert wanted
+            if cap in cls.caps:
+                assert all(callable(getattr(cls, m, None)) for m in wanted), (name, cap)
+    assert "TorchAttnBackend" in checked
+    from minisgl.moe.torch_moe import TorchMoeBackend
+
+    assert TorchMoeBackend.caps == MoeCap.NONE  # its routing reads expert counts on the host
