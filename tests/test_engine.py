@@ -495,7 +495,7 @@ def test_auto_attention_backend_prefers_triton_then_flashinfer(monkeypatch):
     import sys
     import types
 
-    from minisgl.attention.base import resolve_attention_backend
+    from minisgl.attention.registry import resolve_attention_backend
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
@@ -509,3 +509,99 @@ def test_auto_attention_backend_prefers_triton_then_flashinfer(monkeypatch):
     assert resolve_attention_backend("auto", cuda) == "torch"
     with pytest.raises(ValueError, match="unknown attention backend .flashinfr."):
         resolve_attention_backend("flashinfr", cuda)
+
+
+def test_step_runners_are_listed_once_and_tried_in_order(tiny_model_dir):
+    """Engine.forward_batch runs a step on the first runner of its list that accepts it; the
+    module path is last and accepts every batch. A runner put first takes the steps it accepts."""
+    from minisgl.engine.graph import GraphRunner
+    from minisgl.engine.runners import CpuRunnerShim, ModuleRunner
+
+    with running_engine(tiny_model_dir("llama")) as engine:
+        kinds = [type(r) for r in engine.runners]
+        assert kinds[0] is GraphRunner and kinds[-1] is ModuleRunner
+        assert (CpuRunnerShim in kinds) == (engine.cpu_runner is not None)
+        alloc = PageAllocator(engine)
+        req = make_req([1, 2, 3], 0, output_len=2)
+        alloc.allocate(0, 5)
+        batch = prepare_batch(engine, [req], "prefill")
+        engine.forward_batch(batch, engine.sampler.prepare(batch))  # a prefill: not the fake's
+
+        class Fake:
+            seen: list = []
+
+            def can_run(self, batch):
+                return batch.is_decode
+
+            def run(self, batch):
+                self.seen.append(batch.size)
+                logits = torch.full((batch.padded_size, engine.config.model_config.vocab_size), -1.0, device=engine.device)
+                logits[:, 7] = 1.0
+                return logits
+
+        engine.runners.insert(0, Fake())
+        batch = prepare_batch(engine, [req], "decode")
+        out = engine.forward_batch(batch, engine.sampler.prepare(batch))
+        assert Fake.seen == [1] and out.next_tokens_cpu.tolist() == [7]
+
+
+def test_cpu_runner_shim_leaves_prompt_logprob_steps_to_the_module_path():
+    from minisgl.engine.runners import CpuRunnerShim, ModuleRunner, pick_runner
+
+    class Legacy:  # today's CPU runner interface: can_run(batch), forward(batch, page_table)
+        def can_run(self, batch):
+            return True
+
+        def forward(self, batch, page_table):
+            return page_table
+
+    table = torch.zeros(2, 2)
+    shim, module = CpuRunnerShim(Legacy(), table), ModuleRunner(torch.nn.Identity())
+    batch = Batch(reqs=[], phase="prefill")
+    assert pick_runner([shim, module], batch) is shim and shim.run(batch) is table
+    batch.prompt_logprob_rows = torch.zeros(1, dtype=torch.long)
+    assert pick_runner([shim, module], batch) is module
+
+
+def test_rotary_tables_are_shared_within_a_model_and_owned_by_it(tiny_model_dir):
+    """One cos/sin table per model on its device, shared by every layer; no process-wide cache
+    holds it after the build (so Engine.shutdown has nothing to clear)."""
+    from minisgl.layers import rotary
+
+    with running_engine(tiny_model_dir("llama")) as engine:
+        ropes = {id(layer.self_attn.attn.rotary) for layer in engine.model.model.layers}
+        rope = engine.model.model.layers[0].self_attn.attn.rotary
+        assert len(ropes) == 1 and rope.cos.device == engine.device
+        assert rotary._BUILDS == []
+
+
+def test_backend_capabilities_come_with_their_hooks():
+    """A backend declares what it can do in one enum; each capability names the hooks the graph
+    runners call, and a backend that declares it implements them (the rest need none)."""
+    import importlib
+
+    from minisgl.attention.base import AttnCap, DecodeGraphHooks, MixedGraphHooks
+    from minisgl.moe.base import MoeCap
+
+    hooks = {AttnCap.DECODE_GRAPH: DecodeGraphHooks, AttnCap.MIXED_GRAPH: MixedGraphHooks}
+    checked = []
+    for module, name in (
+        ("torch_backend", "TorchAttnBackend"),
+        ("deterministic_backend", "DeterministicAttnBackend"),
+        ("triton_backend", "TritonAttnBackend"),
+        ("flashinfer_backend", "FlashInferAttnBackend"),
+    ):
+        try:
+            cls = getattr(importlib.import_module(f"minisgl.attention.{module}"), name)
+        except ImportError:  # triton / flashinfer not installed here
+            continue
+        checked.append(name)
+        for cap, proto in hooks.items():
+            wanted = [m for m in vars(proto) if not m.startswith("_")]
+            assert wanted
+            if cap in cls.caps:
+                assert all(callable(getattr(cls, m, None)) for m in wanted), (name, cap)
+    assert "TorchAttnBackend" in checked
+    from minisgl.moe.torch_moe import TorchMoeBackend
+
+    assert TorchMoeBackend.caps == MoeCap.NONE  # its routing reads expert counts on the host

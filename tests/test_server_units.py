@@ -281,19 +281,12 @@ def test_env_is_read_in_one_typed_place(monkeypatch: pytest.MonkeyPatch) -> None
     from minisgl.utils.env import read_env
 
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "yes")
-    monkeypatch.setenv("MINISGL_FUSED_OPS", "0")
     monkeypatch.setenv("MINISGL_CACHE_DIR", "/tmp/x")
     monkeypatch.delenv("MINISGL_API_KEY", raising=False)
     env = read_env()
-    assert env.disable_overlap_scheduling and not env.fused_ops and str(env.cache_dir) == "/tmp/x" and env.api_key is None
-    monkeypatch.setenv("MINISGL_FUSED_OPS", "maybe")
-    with pytest.raises(ValueError, match="MINISGL_FUSED_OPS"):
-        read_env()
-    monkeypatch.delenv("MINISGL_FUSED_OPS")
-    monkeypatch.setenv("MINISGL_FP8_DECODE", "CC")  # the A/B choices: case-insensitive, validated
-    assert read_env().fp8_decode == "cc"
-    monkeypatch.setenv("MINISGL_FP8_DECODE", "fast")
-    with pytest.raises(ValueError, match="MINISGL_FP8_DECODE"):
+    assert env.disable_overlap_scheduling and str(env.cache_dir) == "/tmp/x" and env.api_key is None
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP_SCHEDULING", "maybe")
+    with pytest.raises(ValueError, match="MINISGL_DISABLE_OVERLAP_SCHEDULING"):
         read_env()
 
 

@@ -4,28 +4,35 @@ A backend owns the per-step metadata (`prepare_metadata`, host side, before the 
 the per-layer compute: `store_kv` writes the step's K/V into the pool at `batch.out_loc`, and
 `attend` runs attention over the pool. `forward` does both; the attention layer calls `attend`
 alone when a fused kernel already normalised, rotated and stored K/V (CUDA, see
-`minisgl.layers.attention`). Backends that support CUDA graphs also implement the capture/replay
-hooks.
+`minisgl.layers.attention`). A backend declares what more it can do in one capability enum,
+`caps` (`AttnCap`): CUDA graphs of decode steps, of prefill / mixed steps; each capability comes
+with the hooks the graph runners call. The registry that creates backends by name lives in
+attention/registry.py (so this module imports no backend).
 """
 
 from __future__ import annotations
 
-import importlib
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
+from typing import List, Protocol, Tuple
 
 import torch
 
 from minisgl.core import Batch, get_global_ctx
 from minisgl.models.config import ModelConfig
-from minisgl.utils.registry import Registry
 
 
 @dataclass
 class BaseAttnMetadata:
     # index of each request's last fed token in the flat batch: the rows the LM head needs
     last_indices: torch.Tensor
+
+
+class AttnCap(enum.Flag):
+    NONE = 0
+    DECODE_GRAPH = enum.auto()  # decode steps replay CUDA graphs: DecodeGraphHooks
+    MIXED_GRAPH = enum.auto()  # prefill / mixed steps replay CUDA graphs: MixedGraphHooks
 
 
 class BaseAttnBackend(ABC):
@@ -62,82 +69,25 @@ class BaseAttnBackend(ABC):
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D]."""
 
-    # ---- CUDA graph hooks (decode) ------------------------------------------------------
-    supports_cuda_graph: bool = False
-
-    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
-
-    def prepare_for_capture(self, batch: Batch) -> None:
-        raise NotImplementedError
-
-    def prepare_for_replay(self, batch: Batch) -> None:
-        raise NotImplementedError
-
-    # ---- CUDA graph hooks for steps that carry prompt tokens (engine/mixed_graph.py) -----------
-    supports_mixed_graph: bool = False
-
-    def init_mixed_graph(self, max_requests: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs of prefill steps")
-
-    def prepare_for_mixed_capture(self, batch: Batch, num_decode: int, num_extend: int, num_tokens: int) -> None:
-        raise NotImplementedError
-
-    def prepare_for_mixed_replay(self, batch: Batch) -> None:
-        raise NotImplementedError
+    # what this backend can do beyond the eager forward; each capability comes with its hooks
+    caps: AttnCap = AttnCap.NONE
 
 
-ATTN_BACKENDS: Registry[Callable[[ModelConfig], BaseAttnBackend]] = Registry("attention backend")
+class DecodeGraphHooks(Protocol):
+    """A backend with AttnCap.DECODE_GRAPH (engine/graph.py calls these)."""
+
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None: ...
+
+    def prepare_for_capture(self, batch: Batch) -> None: ...
+
+    def prepare_for_replay(self, batch: Batch) -> None: ...
 
 
-@ATTN_BACKENDS.register("torch")
-def _torch(cfg: ModelConfig) -> BaseAttnBackend:
-    from minisgl.attention.torch_backend import TorchAttnBackend
+class MixedGraphHooks(Protocol):
+    """A backend with AttnCap.MIXED_GRAPH (engine/mixed_graph.py calls these)."""
 
-    return TorchAttnBackend(cfg)
+    def init_mixed_graph(self, max_requests: int) -> None: ...
 
+    def prepare_for_mixed_capture(self, batch: Batch, num_decode: int, num_extend: int, num_tokens: int) -> None: ...
 
-@ATTN_BACKENDS.register("triton")
-def _triton(cfg: ModelConfig) -> BaseAttnBackend:
-    from minisgl.attention.triton_backend import TritonAttnBackend
-
-    return TritonAttnBackend(cfg)
-
-
-@ATTN_BACKENDS.register("flashinfer", "fi")
-def _flashinfer(cfg: ModelConfig) -> BaseAttnBackend:
-    from minisgl.attention.flashinfer_backend import FlashInferAttnBackend
-
-    return FlashInferAttnBackend(cfg)
-
-
-@ATTN_BACKENDS.register("deterministic")
-def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
-    from minisgl.attention.deterministic_backend import DeterministicAttnBackend
-
-    return DeterministicAttnBackend(cfg)
-
-
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """'auto' -> triton on CUDA if importable, else flashinfer, else torch.
-
-    Triton first: on the H200 it measured 1.06-1.09x FlashInfer on the offline recipe with bf16
-    K/V and 1.5x with fp8 K/V (docs/PERFORMANCE.md, FlashInfer round three), and it captures
-    prefill and mixed steps in CUDA graphs, which the FlashInfer backend does not."""
-    if name != "auto":
-        ATTN_BACKENDS.get(name)  # validates
-        return name
-    if device.type != "cuda":
-        return "torch"
-    for candidate in ("triton", "flashinfer"):
-        try:
-            importlib.import_module(candidate)
-            return candidate
-        except ImportError:
-            continue
-    return "torch"
-
-
-def create_attention_backend(name: str, model_config: ModelConfig) -> BaseAttnBackend:
-    device = get_global_ctx().page_table.device  # type: ignore[union-attr]
-    return ATTN_BACKENDS.get(resolve_attention_backend(name, device))(model_config)
+    def prepare_for_mixed_replay(self, batch: Batch) -> None: ...

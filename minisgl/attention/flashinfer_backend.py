@@ -9,8 +9,7 @@ indirect loads and fewer, larger work units (docs/PERFORMANCE.md, "FlashInfer ov
 Page size 1 is the per-token special case (page index = slot). Each step is planned once, host
 side, in `prepare_metadata` (one prefill wrapper, one decode wrapper, reused by every layer).
 FlashInfer's plan() gets a `max` that reduces a tensor in one op instead of iterating it
-(attention/flashinfer_patches.py: 0.45 s less host time per offline run;
-MINISGL_FLASHINFER_FAST_MAX=0 leaves FlashInfer as it is). The host is not what limits this
+(attention/flashinfer_patches.py: less host time per offline run, docs/PERFORMANCE.md). The host is not what limits this
 backend offline (it waits on the device most of a run); the 4-7% it trails triton by is
 FlashInfer's decode kernel and graph-mode merge (docs/PERFORMANCE.md, "FlashInfer, round four";
 a one-launch Triton build of the page ids was measured there and dropped).
@@ -24,8 +23,7 @@ kernels read.
 Decode runs FlashInfer's tensor-core kernel (`use_tensor_cores=True`, its prefill kernel with one
 query row per request) for every GQA group: its CUDA-core kernel was 16% slower per call than
 triton's at Qwen3's group of 2 on the H200, and the tensor-core one is 4% faster offline
-(docs/PERFORMANCE.md). `MINISGL_FLASHINFER_TENSOR_CORES=0`
-restores the old rule (tensor cores from a group of 4). `disable_split_kv` is not passed: with
+(docs/PERFORMANCE.md). `disable_split_kv` is not passed: with
 `use_cuda_graph` FlashInfer 0.7 pads the grid past the planned work units and masks the padding
 only in split plans, so unsplit graph plans run CTAs on stale indices (a CUDA error in
 tests/test_flashinfer_cuda.py's first version). An fp8_e4m3 pool is passed as FlashInfer's
@@ -44,13 +42,12 @@ import flashinfer.decode
 import flashinfer.prefill
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import AttnCap, BaseAttnBackend, BaseAttnMetadata
 from minisgl.attention.flashinfer_patches import patch_tensor_max
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
-from minisgl.utils.env import read_env
 from minisgl.utils.misc import div_even
 
 WORKSPACE_BYTES = 128 << 20
@@ -62,7 +59,7 @@ class FlashInferAttnMetadata(BaseAttnMetadata):
 
 
 class FlashInferAttnBackend(BaseAttnBackend):
-    supports_cuda_graph = True
+    caps = AttnCap.DECODE_GRAPH
     kv_cache_dtypes = ("auto", "fp8_e4m3")
 
     def __init__(self, model_config: ModelConfig) -> None:
@@ -78,9 +75,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.dtype = self.kv_cache.model_dtype  # q and the output
         self.kv_dtype = self.kv_cache.dtype  # the pool's: the model dtype or float8_e4m3fn
         self.sm_scale = 1.0 / math.sqrt(self.head_dim)
-        group = self.num_qo_heads // self.num_kv_heads
-        env = read_env()
-        self.use_tensor_cores = env.flashinfer_tensor_cores or group >= 4
+        self.use_tensor_cores = True  # for every GQA group (see the module docstring)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
@@ -96,8 +91,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
             for i in range(kv.num_layers)
         ]
         self._plan_done: Any = None
-        if env.flashinfer_fast_max:
-            patch_tensor_max(flashinfer.decode, flashinfer.prefill)
+        patch_tensor_max(flashinfer.decode, flashinfer.prefill)
         try:  # one launch for K and V instead of three
             from minisgl.kernel.triton_attention import store_kv
 

@@ -27,7 +27,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import AttnCap, BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch, Req
 from minisgl.distributed import get_tp_info
 from minisgl.kernel.triton_attention import decode_attention, decode_tile, extend_attention, store_kv
@@ -73,7 +73,7 @@ class TritonAttnMetadata(BaseAttnMetadata):
 
 
 class TritonAttnBackend(BaseAttnBackend):
-    supports_cuda_graph = True
+    caps = AttnCap.DECODE_GRAPH | AttnCap.MIXED_GRAPH
     # fp8_e4m3: the kernels store as the pool's reference store does and widen exactly as they
     # load, so decode reads half the bytes
     kv_cache_dtypes = ("auto", "fp8_e4m3")
@@ -245,8 +245,6 @@ class TritonAttnBackend(BaseAttnBackend):
         self._graph_buffers["packed"][:4, :bs].copy_(meta.packed[:4])
 
     # ---- CUDA graphs (steps that carry prompt tokens) -------------------------------------------
-    supports_mixed_graph = True
-
     def init_mixed_graph(self, max_requests: int) -> None:
         """Static prefill metadata for graphs of up to `max_requests` requests (decode rows plus
         chunks). The template holds what a graph's padding columns must read: the dummy row, no

@@ -10,30 +10,30 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, NamedTuple, Tuple
+from typing import Any, List, NamedTuple, Tuple
 
 import torch
 
-from minisgl.attention.base import create_attention_backend, resolve_attention_backend
+from minisgl.attention.registry import create_attention_backend, resolve_attention_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
 from minisgl.distributed import all_reduce_min_int, broadcast, destroy_process_group, init_process_group, set_tp_info
 from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.mixed_graph import default_max_tokens
+from minisgl.engine.runners import CpuRunnerShim, ModuleRunner, StepRunner, pick_runner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kernel.fused import use_fused_on
+from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
-from minisgl.kernel.skinny import set_plan as set_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
-from minisgl.layers.batch_invariant import BatchInvariantMode
-from minisgl.layers.rotary import clear_rope_cache, set_rope_device
+from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
 from minisgl.models.weight import dummy_weights, load_weights
-from minisgl.moe import create_moe_backend
+from minisgl.moe.base import BaseMoeBackend, MoeCap
+from minisgl.moe.registry import create_moe_backend
 from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize
-from minisgl.utils.env import read_env
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import align_up, div_even, gib
@@ -187,8 +187,7 @@ class Engine:
 
         # ---- model: an empty shell on meta, then the weights are installed into it
         model_config = config.model_config
-        set_rope_device(self.device)
-        with torch.device("meta"), torch_dtype(config.dtype):
+        with rope_tables(self.device), torch.device("meta"), torch_dtype(config.dtype):
             self.model = create_model(model_config)
         self.model.load_state_dict(self._load_weight_state_dict(config))
         self.model.eval()
@@ -216,6 +215,7 @@ class Engine:
 
         # ---- attention backend, MoE backend, sampler
         self.ctx.attn_backend = self.attn_backend = create_attention_backend(config.attention_backend, model_config)
+        self.moe_backend: BaseMoeBackend | None = None
         if model_config.is_moe:
             self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device)
         self.sampler = Sampler(self.device, model_config.vocab_size)
@@ -245,8 +245,14 @@ class Engine:
             vocab_size=model_config.vocab_size,
             dummy_req=self.dummy_req,
             max_graph_tokens=self._max_graph_tokens(config, init_free_memory),
+            moe_backend=self.moe_backend,
         )
         self.cpu_runner = self._build_cpu_runner(config)
+        # the step runners, tried in this order (engine/runners.py); the module path takes the rest
+        self.runners: List[StepRunner] = [self.graph_runner]
+        if self.cpu_runner is not None:
+            self.runners.append(CpuRunnerShim(self.cpu_runner, self.page_table))
+        self.runners.append(ModuleRunner(self.model, deterministic=config.deterministic))
         self._warmup_prefill()
 
     # ---- init helpers ------------------------------------------------------------------------
@@ -279,28 +285,29 @@ class Engine:
         synchronize(self.device)
 
     def _max_graph_tokens(self, config: EngineConfig, free_memory: int) -> int:
-        """Tokens of the largest prefill/mixed step that replays a graph (0: none). Dense models
-        on one rank only: a MoE layer's routing and the collectives of tp > 1 are not checked
-        under these graphs yet."""
-        if config.model_config.is_moe or config.tp_info.size > 1 or config.deterministic:
+        """Tokens of the largest prefill/mixed step that replays a graph (0: none). One rank, and
+        no MoE backend that lacks it (none declares it yet: a MoE layer's routing and the
+        collectives of tp > 1 are not checked under these graphs)."""
+        moe_ok = self.moe_backend is None or MoeCap.MIXED_GRAPH in self.moe_backend.caps
+        if not moe_ok or config.tp_info.size > 1 or config.deterministic:
             return 0
         if config.cuda_graph_max_tokens is not None:
             return config.cuda_graph_max_tokens
         return default_max_tokens(free_memory)
 
-    def _build_skinny_plan(self, config: EngineConfig) -> Any:
-        """CUDA, one rank, fused ops on: time the skinny-M GEMV kernels against cuBLAS for this
-        model's projection shapes at the decode batch sizes, before the graphs capture them."""
-        set_skinny_plan(None)
+    def _build_skinny_plan(self, config: EngineConfig) -> SkinnyPlan | None:
+        """CUDA, one rank, Triton available: time the skinny-M GEMV kernels against cuBLAS for
+        this model's projection shapes at the decode batch sizes, before the graphs capture them,
+        and bind the plan to the model's projection ops (kernel/skinny.py)."""
         # (deterministic mode: every GEMM must stay a fixed-shape tile, see layers/batch_invariant.py)
-        ok = is_cuda(self.device) and config.tp_info.size == 1 and read_env().skinny_gemm and not config.deterministic
+        ok = is_cuda(self.device) and config.tp_info.size == 1 and not config.deterministic
         if not (ok and use_fused_on(self.device)):
             return None
         max_m = min(config.cuda_graph_max_bs or config.max_running_req, config.max_running_req)
-        layers = list(getattr(getattr(self.model, "model", None), "layers", []))
         with torch.inference_mode():
-            plan = build_skinny_plan(layers, max_m, self.stream)
-        set_skinny_plan(plan)
+            plan = build_skinny_plan(self.model, max_m, self.stream)
+        if plan is not None:
+            plan.bind(self.model)
         return plan
 
     def _build_cpu_runner(self, config: EngineConfig) -> Any:
@@ -365,15 +372,7 @@ class Engine:
                     raise ValueError(f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}")
         self._move_inputs(batch)
         with torch.inference_mode(), self.ctx.forward_batch(batch):
-            if self.graph_runner.can_use_cuda_graph(batch):
-                logits = self.graph_runner.replay(batch)
-            elif self.cpu_runner is not None and batch.prompt_logprob_rows is None and self.cpu_runner.can_run(batch):
-                logits = self.cpu_runner.forward(batch, self.page_table)
-            elif self.config.deterministic:
-                with BatchInvariantMode():
-                    logits = self.model.forward()
-            else:
-                logits = self.model.forward()
+            logits = pick_runner(self.runners, batch).run(batch)
             for req in batch.reqs:
                 req.complete_one()
             logits = logits[: batch.size]
@@ -409,12 +408,20 @@ class Engine:
         runner = getattr(self, "graph_runner", None)
         if runner is not None:
             runner.destroy()
-        for name in ("cpu_runner", "graph_runner", "attn_backend", "moe_backend", "kv_cache", "page_table", "model"):
+        for name in (
+            "runners",
+            "cpu_runner",
+            "graph_runner",
+            "skinny_plan",
+            "attn_backend",
+            "moe_backend",
+            "kv_cache",
+            "page_table",
+            "model",
+        ):
             if hasattr(self, name):
                 delattr(self, name)
-        set_skinny_plan(None)
         clear_global_ctx()
-        clear_rope_cache()
         if self.config.tp_info.size > 1:
             destroy_process_group()
         clear_tp_info()

@@ -10,15 +10,16 @@ first into the same memory pool.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, cast
 
 import torch
 from torch import nn
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import AttnCap, BaseAttnBackend, DecodeGraphHooks
 from minisgl.core import Batch, Req, get_global_ctx
 from minisgl.engine.graph_base import GraphInputs, capture_forward
 from minisgl.engine.mixed_graph import MixedGraphs
+from minisgl.moe.base import BaseMoeBackend, MoeCap
 from minisgl.utils.device import is_cuda
 from minisgl.utils.logger import init_logger
 
@@ -50,6 +51,7 @@ class GraphRunner:
         vocab_size: int,
         dummy_req: Req,
         max_graph_tokens: int = 0,
+        moe_backend: BaseMoeBackend | None = None,
     ) -> None:
         self.device, self.stream, self.model, self.attn_backend = device, stream, model, attn_backend
         self.dummy_req = dummy_req
@@ -57,8 +59,11 @@ class GraphRunner:
         self.outputs: Dict[int, torch.Tensor] = {}
         self.batch_sizes: List[int] = []
         self.mixed: MixedGraphs | None = None
-        if not is_cuda(device) or not attn_backend.supports_cuda_graph:
+        if not is_cuda(device) or AttnCap.DECODE_GRAPH not in attn_backend.caps:
             return
+        if moe_backend is not None and MoeCap.DECODE_GRAPH not in moe_backend.caps:
+            return  # its routing syncs with the host: not capturable
+        self.hooks = cast(DecodeGraphHooks, attn_backend)
         # A batch never holds more requests than the page table has rows (the last is the dummy's).
         max_reqs = get_global_ctx().page_table.shape[0] - 1  # type: ignore[union-attr]
         if cuda_graph_bs is not None:
@@ -70,7 +75,7 @@ class GraphRunner:
             return
         self.batch_sizes = sizes
         pool = None
-        if max_graph_tokens > 0 and attn_backend.supports_mixed_graph:
+        if max_graph_tokens > 0 and AttnCap.MIXED_GRAPH in attn_backend.caps:
             self.mixed = MixedGraphs(stream, device, model, attn_backend, dummy_req, max_graph_tokens, max_reqs)
             pool = self.mixed.capture(None)
         self._capture(max_seq_len, pool)
@@ -82,13 +87,13 @@ class GraphRunner:
     def _capture(self, max_seq_len: int, pool: Any) -> None:
         max_bs = self.max_graph_bs
         self.inputs = GraphInputs(max_bs, self.dummy_req, self.device)
-        self.attn_backend.init_capture_graph(max_seq_len, self.batch_sizes)
+        self.hooks.init_capture_graph(max_seq_len, self.batch_sizes)
         torch.cuda.synchronize(self.device)
         # inference_mode as in Engine.forward_batch: the captured kernels are the eager ones
         with torch.inference_mode():
             for bs in reversed(self.batch_sizes):  # largest first: later graphs reuse its memory
                 batch = self.inputs.bind(Batch(reqs=[self.dummy_req] * bs, phase="decode"), bs)
-                self.attn_backend.prepare_for_capture(batch)
+                self.hooks.prepare_for_capture(batch)
                 self.graphs[bs], self.outputs[bs], pool = capture_forward(self.model, batch, self.stream, pool)
         torch.cuda.synchronize(self.device)
         logger.info_rank0(f"captured CUDA graphs for decode batch sizes {self.batch_sizes}")
@@ -100,6 +105,13 @@ class GraphRunner:
         if batch.is_prefill:
             return self.mixed is not None and self.mixed.can_run(batch)
         return bool(self.graphs) and batch.padded_size in self.graphs
+
+    # the step-runner protocol (engine/runners.py): decode and mixed-step graphs, one memory pool
+    def can_run(self, batch: Batch) -> bool:
+        return self.can_use_cuda_graph(batch)
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        return self.replay(batch)
 
     def pad_batch(self, batch: Batch) -> None:
         """Pad a decode batch with the dummy request up to the next captured batch size."""
@@ -116,7 +128,7 @@ class GraphRunner:
         bs = batch.padded_size
         # fields filled over batch.reqs only (not padded_reqs): the padding rows are the dummy's
         self.inputs.load(batch, bs)
-        self.attn_backend.prepare_for_replay(batch)
+        self.hooks.prepare_for_replay(batch)
         self.graphs[bs].replay()
         return self.outputs[bs]
 

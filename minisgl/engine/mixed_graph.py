@@ -21,12 +21,12 @@ next to the work.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, cast
 
 import torch
 from torch import nn
 
-from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.base import BaseAttnBackend, MixedGraphHooks
 from minisgl.core import Batch, Req
 from minisgl.engine.graph_base import GraphInputs, capture_forward
 from minisgl.utils.logger import init_logger
@@ -65,7 +65,8 @@ class MixedGraphs:
         max_tokens: int,
         max_reqs: int,
     ) -> None:
-        self.stream, self.device, self.model, self.attn_backend = stream, device, model, attn_backend
+        self.stream, self.device, self.model = stream, device, model
+        self.hooks = cast(MixedGraphHooks, attn_backend)  # the caller checked AttnCap.MIXED_GRAPH
         self.dummy_req = dummy_req
         self.max_reqs = max_reqs
         self.buckets = token_buckets(max_tokens)
@@ -91,12 +92,12 @@ class MixedGraphs:
             return pool
         n = self.max_tokens
         self.inputs = GraphInputs(n, self.dummy_req, self.device)
-        self.attn_backend.init_mixed_graph(self._num_decode(n) + self._num_extend(n))
+        self.hooks.init_mixed_graph(self._num_decode(n) + self._num_extend(n))
         torch.cuda.synchronize(self.device)
         with torch.inference_mode():
             for t in reversed(self.buckets):
                 batch = self.inputs.bind(Batch(reqs=[self.dummy_req], phase="prefill"), t)
-                self.attn_backend.prepare_for_mixed_capture(batch, self._num_decode(t), self._num_extend(t), t)
+                self.hooks.prepare_for_mixed_capture(batch, self._num_decode(t), self._num_extend(t), t)
                 self.graphs[t], self.outputs[t], pool = capture_forward(self.model, batch, self.stream, pool)
         torch.cuda.synchronize(self.device)
         logger.info_rank0(f"captured CUDA graphs for prefill/mixed steps of {self.buckets} tokens")
@@ -114,7 +115,7 @@ class MixedGraphs:
         n = batch.input_ids.shape[0]
         t = self._bucket(n)
         self.inputs.load(batch, t)
-        self.attn_backend.prepare_for_mixed_replay(batch)
+        self.hooks.prepare_for_mixed_replay(batch)
         self.graphs[t].replay()
         return self.outputs[t]
 

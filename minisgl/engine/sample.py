@@ -5,7 +5,7 @@ All-greedy batches take an argmax. Mixed batches give greedy requests a tiny tem
 the full tempered distribution, then top-k, then top-p over the renormalised remainder (keep a
 token while the mass before it is < p, so the best token always survives).
 
-On CUDA with triton (and MINISGL_FUSED_OPS not 0) every draw outside FlashInfer is a Gumbel-max
+On CUDA with triton every draw outside FlashInfer is a Gumbel-max
 draw (minisgl/kernel/triton_sampling.py): argmax(logits / T + Gumbel noise) over the tokens the
 filters keep, one read of the logits and no softmax when nobody filters; each row's noise comes
 from its own seed (random, or the request's per-step seed), so a seeded request draws the same

@@ -2,7 +2,7 @@
 
 `use_fused(x)` is true only for CUDA tensors when triton imports (checked once, lazily: a CPU
 process never imports triton because `x.is_cuda` is tested first). `set_fused_ops_enabled(False)`
-or the environment variable MINISGL_FUSED_OPS=0 turns the kernels off, for A/B comparisons.
+turns the kernels off in this process, for checks that compare them with the torch ops on a GPU.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ from types import ModuleType
 
 import torch
 
-from minisgl.utils.env import read_env
-
-_state: dict = {"enabled": read_env().fused_ops, "module": None, "checked": False}
+_state: dict = {"enabled": True, "module": None, "checked": False}
 
 
 def set_fused_ops_enabled(enabled: bool) -> bool:

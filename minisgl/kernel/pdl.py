@@ -9,12 +9,11 @@ activation, so stream order is kept for everything that matters; it also signals
 `launch_dependents` early so that its own successor can start the same way. CUDA graphs capture
 the launches as programmatic edges.
 
-On by default on sm_90+; MINISGL_PDL=0 turns it off (A/B, or a driver that rejects it). Never on
-in Triton's interpreter (the instructions are inline PTX). The attention kernels use it only for
-launches of at most PDL_MAX_ROWS rows (`pdl_for`): on the H200 it cut the batch-1 step (0.856 ->
-0.800 ms) but made decode steps of batch 8 / 16 / 32 slower (1.288 -> 1.321, 1.473 -> 1.582,
-1.733 -> 1.791 ms; docs/PERFORMANCE.md): there the kernels are long enough that nothing is won by
-starting early, and a dependent launched early holds SM slots while it waits.
+On wherever the GPU has it (sm_90+): it won the batch-1 step on the H200 (docs/PERFORMANCE.md,
+"PDL at decode batch 8-32"). Never on in Triton's interpreter (the instructions are inline PTX).
+The attention kernels use it only for launches of at most PDL_MAX_ROWS rows (`pdl_for`): at
+decode batch 8-32 it made the steps slower, as there the kernels are long enough that nothing is
+won by starting early, and a dependent launched early holds SM slots while it waits.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ _state: Dict[str, Any] = {"enabled": None}
 
 def pdl_enabled() -> bool:
     if _state["enabled"] is None:
-        env = read_env()
-        ok = env.pdl and not env.triton_interpret and torch.cuda.is_available()
+        ok = not read_env().triton_interpret and torch.cuda.is_available()
         _state["enabled"] = bool(ok and torch.cuda.get_device_capability() >= (9, 0))
     return bool(_state["enabled"])
 

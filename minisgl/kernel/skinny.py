@@ -1,29 +1,35 @@
-"""Which decode projections take the skinny-M Triton kernels (minisgl/kernel/triton_gemv.py),
-decided per weight shape and batch size once, at engine init, by measurement.
+"""The CUDA implementation of the projection ops at small batch: which projections take the
+skinny-M Triton kernels (minisgl/kernel/triton_gemv.py), decided per weight shape and batch size
+once, at engine init, by measurement.
 
-A decoder layer's four projections become, at small batch (`decoder_layer_forward`):
+The decoder layer is written once (models/base.py) from two ops: `layers.norm_linear` (residual
+add + RMSNorm, then a projection, then SiLU-and-mul when gated) and the linear layers' own
+`forward`. Each linear declares how its block calls it (`_Linear.fused_kind`: "plain",
+"norm" = pre-norm with the residual add, "gated" = pre-norm + SiLU-gated output). With a plan
+bound to the model (`SkinnyPlan.bind`), an op whose (kind, weight shape, batch bucket) the plan
+covers is one GEMV launch instead of norm + GEMM (+ SiLU); everything else runs the native ops:
 
-    qkv     = gemv(x, W_qkv, pre-norm: input_layernorm, residual add)    # was add+norm, GEMM
-    o       = gemv(attention(qkv), W_o)                                   # was GEMM
-    act     = gemv(o, W_gate_up, pre-norm: post_attention_layernorm,      # was add+norm, GEMM,
-                   residual add, gated: silu(gate) * up)                  #     SiLU-and-mul
-    out     = gemv(act, W_down)                                           # was GEMM
+    qkv = gemv(x, W_qkv, pre-norm: input_layernorm, residual add)         # was add+norm, GEMM
+    o   = gemv(attention(qkv), W_o)                                        # was GEMM
+    act = gemv(o, W_gate_up, pre-norm: post_attention_layernorm,           # was add+norm, GEMM,
+               residual add, gated: silu(gate) * up)                       #     SiLU-and-mul
+    out = gemv(act, W_down)                                                # was GEMM
 
-which is 4 launches where there were 8 (and the attention prologue and the attention itself).
 `build_plan` times, for each distinct (kind, shape) of the model and each batch bucket up to
 `MAX_M`, the fused kernel against what it replaces (cuBLAS plus the separate norm / SiLU
 kernels), each inside a CUDA graph over the model's own per-layer weights (so the weights come
 from HBM, not L2, as in a real step), and keeps the kernel only where it is faster. With no plan
-(CPU, fp32, tensor parallelism, MINISGL_SKINNY_GEMM=0) every layer runs the module path.
+(CPU, fp32, tensor parallelism, deterministic mode) every op runs its native implementation.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
+from torch import nn
 
 from minisgl.utils.logger import init_logger
 
@@ -35,8 +41,6 @@ BUCKETS = (1, 2, 4)
 # kinds: "norm" = pre-norm (+ residual add), "gated" = pre-norm + residual + SiLU-gated, "plain"
 Kind = str
 ShapeKey = Tuple[Kind, int, int]  # (kind, weight rows, K)
-
-_state: Dict[str, Any] = {"plan": None}
 
 
 def _pow2(n: int) -> int:
@@ -89,72 +93,27 @@ class SkinnyPlan:
         bucket = next(b for b in BUCKETS if b >= m)
         return self.table.get((kind, weight.shape[0], weight.shape[1], bucket))
 
-    def covers(self, m: int) -> bool:
-        return 1 <= m <= self.max_m and any(key[3] >= m for key in self.table)
+    def run(
+        self, kind: Kind, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None, norm: Any = None
+    ) -> Tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The fused GEMV for this op (`norm`: the RMSNorm module of a "norm"/"gated" op), or None
+        where the plan keeps the native op. Returns (out, new residual or None)."""
+        if x.dim() != 2 or x.stride(1) != 1:
+            return None
+        cfg = self.config(kind, weight, x.shape[0])
+        if cfg is None:
+            return None
+        from minisgl.kernel.triton_gemv import gemv
 
+        if kind == "plain":
+            return gemv(x, weight, cfg)
+        return gemv(x, weight, cfg, residual=residual, norm_weight=norm.weight, eps=norm.eps, gated=kind == "gated")
 
-def set_plan(plan: SkinnyPlan | None) -> None:
-    _state["plan"] = plan
-
-
-def get_plan() -> SkinnyPlan | None:
-    return _state["plan"]
-
-
-# ---- the decoder layer at small batch ------------------------------------------------------------
-
-
-def fusable_layer(layer: Any) -> bool:
-    """A dense decoder layer whose projections have no bias (the shape this path handles)."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if attn is None or mlp is None or not hasattr(attn, "qkv_proj") or not hasattr(mlp, "gate_up_proj"):
-        return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return all(getattr(lin, "bias", None) is None for lin in linears)
-
-
-def decoder_layer_forward(layer: Any, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor] | None:
-    """DecoderLayer.forward through the skinny kernels, or None when the plan does not cover it
-    (then the caller runs the module path; the arithmetic and rounding points are the same)."""
-    plan = _state["plan"]
-    if plan is None or x.dim() != 2 or not plan.covers(x.shape[0]) or not getattr(layer, "_skinny_ok", False):
-        return None
-    from minisgl.kernel.triton_gemv import gemv
-
-    m = x.shape[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-    w_qkv, w_o = attn.qkv_proj.weight, attn.o_proj.weight
-    w_gu, w_down = mlp.gate_up_proj.weight, mlp.down_proj.weight
-    cfgs = (
-        plan.config("norm", w_qkv, m),
-        plan.config("plain", w_o, m),
-        plan.config("gated", w_gu, m),
-        plan.config("plain", w_down, m),
-    )
-    if residual is None:  # layer 0: the stream starts as x itself
-        h = gemv(x, w_qkv, cfgs[0], norm_weight=ln1.weight, eps=ln1.eps)[0] if cfgs[0] else attn.qkv_proj(ln1(x))
-        residual = x
-    elif cfgs[0] is not None:
-        h, res = gemv(x, w_qkv, cfgs[0], residual=residual, norm_weight=ln1.weight, eps=ln1.eps)
-        assert res is not None
-        residual = res
-    else:
-        h, residual = ln1.forward_with_residual(x, residual)
-        h = attn.qkv_proj(h)
-    a = attn.attn(h)
-    o = gemv(a, w_o, cfgs[1])[0] if cfgs[1] is not None else attn.o_proj(a)
-    if cfgs[2] is not None:
-        act, res = gemv(o, w_gu, cfgs[2], residual=residual, norm_weight=ln2.weight, eps=ln2.eps, gated=True)
-        assert res is not None
-        residual = res
-    else:
-        from minisgl.layers.activation import silu_and_mul
-
-        h2, residual = ln2.forward_with_residual(o, residual)
-        act = silu_and_mul(mlp.gate_up_proj(h2))
-    out = gemv(act, w_down, cfgs[3])[0] if cfgs[3] is not None else mlp.down_proj(act)
-    return out, residual
+    def bind(self, model: nn.Module) -> None:
+        """Hand the plan to every projection op of `model` that may take it (no bias: the kernel
+        adds none). The ops read it as `linear.skinny`; the model owns it from here on."""
+        for lin in fusable_linears(model):
+            lin.skinny = self
 
 
 # ---- the plan: measured at engine init -----------------------------------------------------------
@@ -194,29 +153,31 @@ def _reference(kind: Kind, x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, w
     return triton_ops.silu_and_mul(y) if kind == "gated" else y
 
 
-def build_plan(layers: Sequence[Any], max_m: int, stream: Any, budget_s: float = 20.0) -> SkinnyPlan | None:
-    """Time fused vs module path for each (kind, shape, bucket <= max_m) over the layers' own
-    weights; returns the plan (None if nothing wins). Layers that can take it are marked."""
+def fusable_linears(model: nn.Module) -> List[Any]:
+    """The projection ops of `model` a plan may cover: every linear layer (it declares its
+    `fused_kind`) without a bias, in module order."""
+    return [m for m in model.modules() if getattr(m, "fused_kind", None) is not None and getattr(m, "bias", 0) is None]
+
+
+def build_plan(model: nn.Module, max_m: int, stream: Any, budget_s: float = 20.0) -> SkinnyPlan | None:
+    """Time fused vs module path for each (kind, shape, bucket <= max_m) over the model's own
+    weights; returns the plan (None if nothing wins). The caller binds it to the model."""
     from minisgl.kernel.triton_gemv import gemv
 
-    layers = [la for la in layers if fusable_layer(la)]
-    if not layers or max_m < 1:
+    linears = fusable_linears(model)
+    if not linears or max_m < 1:
         return None
-    p0 = layers[0].self_attn.qkv_proj.weight
+    p0 = linears[0].weight
     if not p0.is_cuda or p0.dtype not in (torch.bfloat16, torch.float16):
         return None
     weights: Dict[ShapeKey, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
-    for la in layers:
-        attn, mlp = la.self_attn, la.mlp
-        ln1, ln2 = la.input_layernorm, la.post_attention_layernorm
-        for kind, lin, nw in (
-            ("norm", attn.qkv_proj, ln1.weight),
-            ("plain", attn.o_proj, ln1.weight),
-            ("gated", mlp.gate_up_proj, ln2.weight),
-            ("plain", mlp.down_proj, ln2.weight),
-        ):
-            w = lin.weight
-            weights.setdefault((kind, w.shape[0], w.shape[1]), []).append((w, nw))
+    norm_weights: Dict[int, torch.Tensor] = {}  # the pre-norm's weight only feeds the timing: ones of K
+    for lin in linears:
+        w = lin.weight
+        k = w.shape[1]
+        if k not in norm_weights:
+            norm_weights[k] = torch.ones(k, dtype=w.dtype, device=w.device)
+        weights.setdefault((lin.fused_kind, w.shape[0], k), []).append((w, norm_weights[k]))
     plan = SkinnyPlan(max_m=min(max_m, MAX_M))
     t_start = time.perf_counter()
     gen = torch.Generator(device=p0.device).manual_seed(0)
@@ -259,8 +220,6 @@ def build_plan(layers: Sequence[Any], max_m: int, stream: Any, budget_s: float =
             )
     if not plan.table:
         return None
-    for la in layers:
-        la._skinny_ok = True
     won = sum(t["fused"] for t in plan.timings)
     plan.build_s = time.perf_counter() - t_start
     logger.info_rank0(f"skinny GEMM plan: {won}/{len(plan.timings)} (shape, batch) cases take the fused kernels ({plan.build_s:.1f}s)")

@@ -44,15 +44,14 @@ LOG2E = 1.4426950408889634
 LONG_EXTEND = 2048
 # fp16 decode dots over an fp8 pool (see _decode_partial_kernel): q * 2^-4 keeps |q| < 2^20 finite
 F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
-# How decode reads an fp8 pool in a bf16 model (the A/B in docs/PERFORMANCE.md): "f16" (default)
-# fp16 dots; MINISGL_FP8_DOT=bf16 widens to bf16 and keeps bf16 dots (9-25% slower kernel)
-FP8_DOT = read_env().fp8_dot
-# Which decode kernel reads an fp8 pool in a 16-bit model: "auto" (default) the CUDA-core kernel
-# (_decode_cc_kernel) for GQA groups of at most CC_MAX_GROUP, the tensor-core kernel otherwise;
-# MINISGL_FP8_DECODE=dot always the tensor-core kernel (A/B), =cc always the CUDA-core kernel.
+# Decode over an fp8 pool in a bf16 model runs fp16 dots (q scaled by F16_Q_SCALE): widening to
+# bf16 with bf16 dots measured slower (docs/PERFORMANCE.md, "Decode over fp8 runs its dots in fp16").
+# Which decode kernel reads an fp8 pool in a 16-bit model: the CUDA-core kernel (_decode_cc_kernel)
+# for GQA groups of at most CC_MAX_GROUP, the tensor-core kernel otherwise ("auto"). Not a user
+# switch: the kernel tests set "dot" or "cc" here to run either kernel at any group.
 # (The tensor-core kernel reading the pool as int32 words, widened before the layout change, was
-# measured and dropped: 7% faster at batch 256, 38% slower at batch 64; docs/PERFORMANCE.md.)
-FP8_DECODE = read_env().fp8_decode
+# measured and dropped; docs/PERFORMANCE.md.)
+FP8_DECODE = "auto"
 # H200, batch 256 x ctx 1000 (docs/PERFORMANCE.md): CUDA-core 140 / 171 / 299 us against the
 # tensor-core kernel's 214 / 215 / 212 us at groups 1 / 2 / 4 (its arithmetic grows with the group,
 # the padded dot's does not)
@@ -595,7 +594,7 @@ def decode_attention(
         num_stages = 2 if fp32 else 3
     direct = S == 1
     pdl = pdl_for(B)
-    f16_dot = FP8_DOT != "bf16" and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     if use_cc_decode(q.dtype, k_cache.dtype, group, D):

@@ -8,7 +8,7 @@ one all-reduce per block.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -18,12 +18,21 @@ from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.layers.base import ShardedModule, narrow_rank
 from minisgl.utils.misc import div_even
 
+if TYPE_CHECKING:
+    from minisgl.kernel.skinny import Kind, SkinnyPlan
+
 
 class _Linear(ShardedModule):
     # Set by the CPU runner (engine/cpu_decode.py) when it keeps this weight in the AMX tile layout,
     # which F.linear cannot read: its C GEMM for the weight, bias included (tp == 1 there), so the
     # module path (prompt logprobs) multiplies through the same kernels as the runner.
     cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # How the owning block calls this projection: "plain" (forward), or through
+    # layers.norm_linear with its pre-norm ("norm") and SiLU-and-mul ("gated"). The CUDA plan
+    # (kernel/skinny.py) measures each projection in that role and, bound here as `skinny`, takes
+    # the fused GEMV where it won.
+    fused_kind: "Kind" = "plain"
+    skinny: "SkinnyPlan | None" = None
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
@@ -35,9 +44,16 @@ class _Linear(ShardedModule):
         assert self.cpu_gemm is not None
         return self.cpu_gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
+    def _skinny(self, x: torch.Tensor) -> torch.Tensor | None:
+        assert self.skinny is not None
+        out = self.skinny.run("plain", x, self.weight) if self.fused_kind == "plain" else None
+        return out[0] if out is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:
             return self._cpu_gemm(x)
+        if self.skinny is not None and (y := self._skinny(x)) is not None:
+            return y
         return F.linear(x, self.weight, self.bias)
 
 
@@ -110,5 +126,7 @@ class RowParallelLinear(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:  # (tp == 1: no all-reduce)
             return self._cpu_gemm(x)
+        if self.skinny is not None and (y := self._skinny(x)) is not None:  # (plans exist at tp == 1 only)
+            return y
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

@@ -2,31 +2,43 @@
 
 The cos/sin table is computed in float32 on the real device (never on meta: the model is built
 on meta and its weights loaded afterwards, but the table is not a weight) and shared by every
-layer with the same parameters.
+layer of one model with the same parameters: the engine builds its model inside
+`rope_tables(device)`, whose cache ends with the build (the model holds its tables, nothing is
+left for Engine.shutdown to clear).
 """
 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
 
 from minisgl.kernel.fused import triton_ops, use_fused
 
+# the device of tables built outside a model build (standalone kernel checks)
 _ROPE_DEVICE: torch.device = torch.device("cpu")
-_ROPE_CACHE: Dict[Tuple[Any, ...], "RotaryEmbedding"] = {}
+# the model builds in progress: (device, tables by parameters), see rope_tables
+_BUILDS: List[Tuple[torch.device, Dict[Tuple[Any, ...], "RotaryEmbedding"]]] = []
 
 
 def set_rope_device(device: torch.device) -> None:
+    """The device of tables built outside `rope_tables` (standalone checks of the kernels)."""
     global _ROPE_DEVICE
     _ROPE_DEVICE = torch.device(device)
 
 
-def clear_rope_cache() -> None:
-    _ROPE_CACHE.clear()
+@contextmanager
+def rope_tables(device: torch.device) -> Iterator[None]:
+    """Layers built inside get their tables on `device`, one per distinct set of parameters."""
+    _BUILDS.append((torch.device(device), {}))
+    try:
+        yield
+    finally:
+        _BUILDS.pop()
 
 
 @dataclass(frozen=True)
@@ -65,16 +77,19 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: RotaryConfig) -> None:
+    def __init__(self, cfg: RotaryConfig, device: torch.device | None = None) -> None:
         super().__init__()
         self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
-        inv_freq = _inv_freq(cfg)
-        t = torch.arange(cfg.max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        # Plain attributes, not buffers: they are not weights and must not be built on meta.
-        self.cos = emb.cos().to(_ROPE_DEVICE)
-        self.sin = emb.sin().to(_ROPE_DEVICE)
+        # Computed on the device it serves (its cos/sin round as that device's do), outside any
+        # `torch.device("meta")` context the caller may be in.
+        with torch.device(device if device is not None else _ROPE_DEVICE):
+            inv_freq = _inv_freq(cfg)
+            t = torch.arange(cfg.max_position, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            # Plain attributes, not buffers: they are not weights and must not be built on meta.
+            self.cos = emb.cos()
+            self.sin = emb.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
@@ -101,9 +116,11 @@ def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: in
 
 
 def get_rope(cfg: RotaryConfig) -> RotaryEmbedding:
-    key = cfg.key() + (str(_ROPE_DEVICE),)
-    if key not in _ROPE_CACHE:
-        # Build outside any `torch.device("meta")` context the caller may be in.
-        with torch.device(_ROPE_DEVICE):
-            _ROPE_CACHE[key] = RotaryEmbedding(cfg)
-    return _ROPE_CACHE[key]
+    """The table for `cfg`: shared within the current `rope_tables` build, else a new one."""
+    if not _BUILDS:
+        return RotaryEmbedding(cfg)
+    device, tables = _BUILDS[-1]
+    key = cfg.key()
+    if key not in tables:
+        tables[key] = RotaryEmbedding(cfg, device)
+    return tables[key]

@@ -3,6 +3,11 @@
 Architectures differ in a few switches (q/k/v bias, per-head q/k RMSNorm, MoE blocks), so each
 architecture module is a small subclass of `CausalLM` that sets them. Submodule names follow the
 HF checkpoints (model.layers.N.self_attn..., lm_head) so weight names map with a few rules.
+
+This is the only definition of the layer: fast paths replace its ops (the norms, `norm_linear`,
+the linear layers, attention, MoE) behind their interfaces, or replay it whole (CUDA graphs, the
+CPU runner). A block (attention, MLP, MoE) takes the residual stream and its pre-norm,
+`block(x, residual, norm) -> (out, residual)`, so the norm can fuse into its first projection.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from torch import nn
 
 from minisgl.core import get_global_ctx
 from minisgl.distributed import get_tp_info
-from minisgl.kernel.skinny import decoder_layer_forward
 from minisgl.layers import (
     AttentionLayer,
     MergedColumnParallelLinear,
@@ -24,8 +28,8 @@ from minisgl.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rope,
-    silu_and_mul,
 )
+from minisgl.layers.norm_linear import norm_linear
 from minisgl.models.config import ModelConfig
 from minisgl.utils.misc import div_even
 
@@ -47,9 +51,11 @@ class SelfAttention(nn.Module):
             q_norm=self.q_norm,
             k_norm=self.k_norm,
         )
+        self.qkv_proj.fused_kind = "norm"  # called through norm_linear below
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+        qkv, residual = norm_linear(norm, self.qkv_proj, x, residual)
+        return self.o_proj(self.attn(qkv)), residual
 
 
 class GatedMLP(nn.Module):
@@ -59,15 +65,14 @@ class GatedMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {act!r}; supported: silu")
         self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate])
         self.down_proj = RowParallelLinear(intermediate, hidden)
+        self.gate_up_proj.fused_kind = "gated"  # called through norm_linear below
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+        act, residual = norm_linear(norm, self.gate_up_proj, x, residual, gated=True)
+        return self.down_proj(act), residual
 
 
 class DecoderLayer(nn.Module):
-    # set by minisgl.kernel.skinny.build_plan on CUDA: small batches take the fused GEMV kernels
-    _skinny_ok: bool = False
-
     def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = self_attn
@@ -76,14 +81,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor]:
-        if self._skinny_ok:
-            fused = decoder_layer_forward(self, x, residual)
-            if fused is not None:
-                return fused
-        h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h)
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.self_attn(x, residual, self.input_layernorm)
+        return self.mlp(h, residual, self.post_attention_layernorm)
 
 
 class DecoderModel(nn.Module):

@@ -10,7 +10,7 @@ from torch import nn
 
 from minisgl.core import get_global_ctx
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.layers import ReplicatedLinear
+from minisgl.layers import ReplicatedLinear, RMSNorm
 from minisgl.layers.base import ShardedModule, narrow_rank
 from minisgl.models.base import GatedMLP
 from minisgl.models.config import ModelConfig
@@ -53,7 +53,12 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
         self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The block protocol of models/base.py: pre-norm, then the experts."""
+        h, residual = norm.forward_with_residual(x, residual)
+        return self.experts_forward(h), residual
+
+    def experts_forward(self, x: torch.Tensor) -> torch.Tensor:
         router_logits = self.gate(x)
         probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.moe.base import BaseMoeBackend
+from minisgl.moe.base import BaseMoeBackend, MoeCap
 from minisgl.utils.env import read_env
 
 INTERPRET = read_env().triton_interpret
@@ -285,6 +285,8 @@ def fused_moe(
 
 class TritonMoeBackend(BaseMoeBackend):
     """Fused Triton MoE on CUDA (or under TRITON_INTERPRET=1); the torch reference elsewhere."""
+
+    caps = MoeCap.DECODE_GRAPH  # fixed launches for every routing (see the module docstring)
 
     def __init__(self, config: Optional[MoeConfig] = None) -> None:
         self.config = config

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from minisgl.attention.base import ATTN_BACKENDS
+from minisgl.attention import ATTN_BACKENDS
 from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
 from minisgl.kvcache.pool import KVCachePool
 
