@@ -1,12 +1,11 @@
-"""The skinny-M GEMV kernels (minisgl/kernel/triton_gemv.py) and the fused decoder layer
-(minisgl/kernel/skinny.py) on a CPU machine.
+"""The skinny-M GEMV kernels (minisgl/kernel/triton_gemv.py) on a CPU machine (the decoder
+layer's ops that take them are tests/test_norm_linear.py's).
 
 1. Through Triton's interpreter (tests/kernel_checks/gemv.py; TRITON_INTERPRET=1, in a subprocess:
    it must be on before triton is imported), against the torch code they replace: F.linear, layers/norm.py's RMSNorm with the
    residual add, layers/activation.py's SiLU-and-mul; one row (broadcast path) and several
    (tl.dot path; float32 only, the interpreter's bf16 dot is broken), K and N not multiples of
-   the tiles, float32 and bfloat16. Then a tiny
-   decoder layer through `decoder_layer_forward` against its own module path.
+   the tiles, float32 and bfloat16.
 2. Every tile `skinny.default_config` picks (Qwen3-0.6B and 14B shapes, every batch bucket)
    compiled ahead of time for sm_90 with the specialisations a launch gets: code the GPU
    compiler rejects (the interpreter accepts more), shared memory over the H200's 227 KiB, and
