@@ -30,6 +30,7 @@ from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
 
 logger = init_logger(__name__)
+_FINISHED = Status.FINISHED  # (read per row per step)
 
 
 class StepRunner(Protocol):
@@ -617,7 +618,7 @@ class Policy:
                     tops = list(zip(plp[2][plp_at + j][:k], plp[1][plp_at + j][:k]))
                     req.prompt_lp.append([targets[j], plp[0][plp_at + j], tops])
                 plp_at += n
-            if not real or req.finished:
+            if not real or req.status is _FINISHED:
                 continue
             token = tokens[i]
             req.append_token(token)

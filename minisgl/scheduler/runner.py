@@ -80,7 +80,7 @@ class Runner:
         pads = batch.padded_reqs[plan.size :]  # the dummy request, up to a CUDA-graph size
         if plan.is_decode:
             rows = plan.rows + [r.table_idx for r in pads]
-            positions = [e - 1 for e in plan.ends] + [r.device_len - 1 for r in pads]
+            positions = plan.starts + [r.device_len - 1 for r in pads]  # a decode row feeds its last token
         else:
             rows, positions = [], []
             for row, start, end in zip(plan.rows + [r.table_idx for r in pads], plan.starts + [r.cached_len for r in pads],
