@@ -1,6 +1,7 @@
-"""The scheduling policy on its own: a fake runner, no Engine and no model.
+"""The scheduling policy and its step loop (`Scheduler` over a given runner) with a fake runner:
+no Engine and no model (torch is imported only for the config's dtype field).
 
-(torch is imported only for the config's dtype field.) The fake runner plays the device: it applies each StepPlan's page-table and token-pool writes to
+The fake runner plays the device: it applies each StepPlan's page-table and token-pool writes to
 dictionaries, checks that every row's cached positions point at KV of exactly its prefix and
 that no plan writes KV into a slot a step still in flight reads, and "samples" a token that is
 a pure function of the row's token-pool contents (so any scheduling of the same requests must
@@ -20,8 +21,9 @@ from minisgl.distributed import DistributedInfo
 from minisgl.sampling_params import SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.plan import StepPlan
-from minisgl.scheduler.policy import Policy, StepFailed
+from minisgl.scheduler.policy import Limits
 from minisgl.scheduler.request import Status, UserRequest
+from minisgl.scheduler.scheduler import Scheduler, StepFailed
 
 EOS = 0
 MAX_SEQ_LEN = 128
@@ -114,21 +116,20 @@ class FakeRunner:
         pass
 
 
-def make_policy(num_pages: int = 512, page_size: int = 1, overlap: bool = False, share_rows: bool = False, **kw: Any) -> Policy:
+def make_policy(num_pages: int = 512, page_size: int = 1, overlap: bool = False, share_rows: bool = False, **kw: Any) -> Scheduler:
+    """The scheduler's policy and loop over a fake runner (share_rows: plan for TP followers)."""
     kw.setdefault("max_running_req", 8)
-    config = SchedulerConfig(model_path="unused", tp_info=DistributedInfo(0, 1), dtype=torch.float32, page_size=page_size, **kw)
-    runner = FakeRunner(num_pages * page_size)
-    return Policy(
-        config, runner, num_pages=num_pages, max_seq_len=MAX_SEQ_LEN, vocab_size=256, eos_ids={EOS}, overlap=overlap, share_rows=share_rows
-    )
+    tp = DistributedInfo(0, 2 if share_rows else 1)
+    config = SchedulerConfig(model_path="unused", tp_info=tp, dtype=torch.float32, page_size=page_size, enable_overlap=overlap, **kw)
+    return Scheduler(config, FakeRunner(num_pages * page_size), Limits(num_pages, MAX_SEQ_LEN, 256, frozenset({EOS})))
 
 
-def runner_of(policy: Policy) -> FakeRunner:
+def runner_of(policy: Scheduler) -> FakeRunner:
     assert isinstance(policy.runner, FakeRunner)
     return policy.runner
 
 
-def drive(policy: Policy, max_steps: int = 5000) -> Tuple[Dict[int, List[int]], Dict[int, str]]:
+def drive(policy: Scheduler, max_steps: int = 5000) -> Tuple[Dict[int, List[int]], Dict[int, str]]:
     tokens: Dict[int, List[int]] = {}
     reasons: Dict[int, str] = {}
     for _ in range(max_steps):
@@ -148,7 +149,7 @@ def collect(outputs: Sequence[Any], tokens: Dict[int, List[int]], reasons: Dict[
             reasons[out.uid] = out.finish_reason
 
 
-def assert_clean(policy: Policy) -> None:
+def assert_clean(policy: Scheduler) -> None:
     """No leak: idle, every row free, every page free or cached unpinned; free after a reset."""
     policy.check_invariants()
     stats = policy.stats()
@@ -170,7 +171,7 @@ def greedy(n: int, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, **kw)
 
 
-def submit(policy: Policy, reqs: Sequence[Tuple[List[int], int]], first_uid: int = 0, **kw: Any) -> None:
+def submit(policy: Scheduler, reqs: Sequence[Tuple[List[int], int]], first_uid: int = 0, **kw: Any) -> None:
     for uid, (prompt, n) in enumerate(reqs, start=first_uid):
         policy.add_request(UserRequest(uid, list(prompt), greedy(n, **kw)))
 
@@ -180,7 +181,7 @@ def check_outputs(tokens: Dict[int, List[int]], reqs: Sequence[Tuple[List[int], 
         assert tokens.get(uid) == reference(prompt, n), f"request {uid}"
 
 
-def first_step(policy: Policy) -> Dict[int, int]:
+def first_step(policy: Scheduler) -> Dict[int, int]:
     """uid -> index of the first plan it appeared in."""
     seen: Dict[int, int] = {}
     for i, plan in enumerate(runner_of(policy).plans):

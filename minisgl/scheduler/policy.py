@@ -3,22 +3,18 @@
 Each step admits waiting requests (matching cached prefixes; optimistic admission reserves the
 prompt and estimates the rest, worst-case reserves everything), picks a prefill batch (chunked
 under a token budget, decode rows riding along) or a decode batch, allocates its pages and
-returns a `StepPlan`; a runner executes the plan and hands back host results, which become
-`TokenOutput`s. When a decode step cannot get pages, the least urgent requests are retracted
-and resume later by recompute.
-
-With overlap scheduling, step N+1 is planned and launched before step N's results are read
-back; results then lag by one step, and pages of requests that finished are released only
-after the step that may still use them completes.
+returns a `StepPlan`; the step's host results (from a runner) become `TokenOutput`s. When a
+decode step cannot get pages, the least urgent requests are retracted and resume later by
+recompute. When steps run, and when finished requests' pages may be reused, is the loop's
+business (`scheduler.py`): the policy releases them on `release_deferred()`.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Protocol, Set
+from typing import Any, Callable, Deque, Dict, FrozenSet, List
 
 from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
@@ -31,31 +27,6 @@ from minisgl.utils.misc import div_ceil
 
 logger = init_logger(__name__)
 _FINISHED = Status.FINISHED  # (read per row per step)
-
-
-class StepRunner(Protocol):
-    """What the policy needs of a runner (`minisgl.scheduler.runner.Runner`, or a fake in tests).
-
-    `launch` must advance every row of the plan as the engine does (`complete_one`: the fed
-    tokens are cached, one more token is on the way) before it returns."""
-
-    def launch(self, plan: StepPlan) -> Any: ...
-    def wait(self, flight: Any) -> None: ...
-    def results(self, flight: Any) -> Any: ...  # a runner.StepResult
-    def synchronize(self) -> None: ...
-    def is_fatal(self, exc: BaseException) -> bool: ...
-    def use_grammar(self, backend: Any) -> None: ...
-
-
-class StepFailed(RuntimeError):
-    """`Scheduler.step()` raised; the requests in `uids` were ended (finish reason "error") and
-    their resources released. `outputs` are the step's results that were ready before the error
-    (abort notices); `__cause__` is the original exception."""
-
-    def __init__(self, uids: List[int], outputs: List[TokenOutput], cause: BaseException) -> None:
-        super().__init__(f"a scheduler step failed ({type(cause).__name__}: {cause}); requests ended: {uids}")
-        self.uids = uids
-        self.outputs = outputs
 
 
 @dataclass
@@ -94,36 +65,30 @@ class _Pick:
     num_decode_rows: int = 0
 
 
-@dataclass
-class _InFlight:
-    plan: StepPlan
-    flight: Any  # the runner's handle
+@dataclass(frozen=True)
+class Limits:
+    """What the policy must know of the engine."""
+
+    num_pages: int
+    max_seq_len: int
+    vocab_size: int
+    eos_ids: FrozenSet[int]
 
 
 class Policy:
     def __init__(
-        self,
-        config: SchedulerConfig,
-        runner: StepRunner,
-        *,
-        num_pages: int,
-        max_seq_len: int,
-        vocab_size: int,
-        eos_ids: Set[int],
-        overlap: bool,
-        share_rows: bool = False,
+        self, config: SchedulerConfig, limits: Limits, *, share_rows: bool = False, on_grammar: Callable[[Any], None] | None = None
     ) -> None:
         if config.max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {config.max_extend_tokens}")
         self.config = config
-        self.runner = runner
-        self.overlap = overlap
+        self._on_grammar = on_grammar  # told the GrammarBackend when the first grammar arrives
         self.page_size = config.page_size
         self.alloc_ahead = max(0, 16 - self.page_size)  # decode tokens of pages allocated ahead
-        self.max_seq_len = max_seq_len
-        self.vocab_size = vocab_size
-        self.eos_ids = eos_ids
-        self.allocator = PageAllocator(num_pages)
+        self.max_seq_len = limits.max_seq_len
+        self.vocab_size = limits.vocab_size
+        self.eos_ids = set(limits.eos_ids)
+        self.allocator = PageAllocator(limits.num_pages)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
         self.waiting = make_queue(config.schedule_policy)  # new and retracted requests
@@ -135,13 +100,12 @@ class Policy:
         # shares of their max_tokens that recently finished requests used: the estimate's target
         self._finished_shares: Deque[float] = deque(maxlen=64)
         self._ratio_target = config.min_new_token_ratio  # where the estimate decays to (see _finish)
-        self._decode_need = 0  # pages the scheduled step's decode rows need (set by _schedule)
+        self._decode_need = 0  # pages the planned step's decode rows need (set by _schedule)
         self._admit_counter = 0
         self._retractions = 0
         self._mixed_steps = 0
         self._peak_running = 0
         self._reserved = 0  # pages promised to admitted requests, not yet allocated
-        self._in_flight: _InFlight | None = None
         self._deferred: List[SchedReq] = []  # finished; released once no in-flight step can touch them
         # page-table / token-pool writes queued for the next plan
         self._pt_writes: List[Write] = []
@@ -158,9 +122,6 @@ class Policy:
         self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
         self._num_constrained = 0  # admitted requests with a grammar (their next mask needs the last token)
         self.grammar: Any = None  # GrammarBackend, created by the first request with a grammar
-        self._host_s = self._wait_s = 0.0
-        self._step_plans: List[StepPlan] = []  # what the current step planned (for _recover)
-        self._processing: _InFlight | None = None  # the step whose results are being read
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -198,7 +159,8 @@ class Policy:
             from minisgl.utils.hf import load_tokenizer
 
             self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
-            self.runner.use_grammar(self.grammar)
+            if self._on_grammar is not None:
+                self._on_grammar(self.grammar)
         return self.grammar
 
     def add_request(self, user: UserRequest) -> None:
@@ -228,118 +190,38 @@ class Policy:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._prefilling or self._running or self._in_flight or self._early)
+        return bool(self.waiting or self._prefilling or self._running or self._early)
 
-    # ---- the loop ----------------------------------------------------------------------------
-    def step(self) -> List[TokenOutput]:
-        """Plan and launch one step; return the tokens of the step that completed.
-
-        If the step raises, the requests it touched are ended (their pages freed, none of their
-        KV kept in the prefix cache) and `StepFailed` names them; the scheduler stays consistent
-        and the next step serves everyone else. Errors that mean the engine itself is broken
-        (out of memory, a CUDA error) propagate unchanged: see `runner.is_fatal`."""
-        outputs, self._early = self._early, []
-        self._step_plans = []
-        try:
-            return outputs + self._step()
-        except Exception as exc:
-            # With TP ranks in lockstep a rank cannot recover alone (the others may wait in a
-            # collective): any failure is fatal there.
-            if self.runner.is_fatal(exc) or self.config.tp_info.size > 1:
-                raise
-            failed = self._recover()
-            raise StepFailed(failed, outputs, exc) from exc
-
-    def _step(self) -> List[TokenOutput]:
-        outputs: List[TokenOutput] = []
-        decodable, need = self._decodable()
-        if self._in_flight is not None and need > self._available_pages():
-            # Retraction frees pages at once: first finish the step that may still write them
-            # (its tokens are real output; finished requests return their pages too).
-            flight, self._in_flight = self._in_flight, None
-            outputs += self._process(flight)
-            self._release_deferred()
-            decodable, need = self._decodable()
-        start = time.perf_counter()
-        pick = self._schedule(decodable, need)
-        launched = self._launch(pick) if pick is not None else None
-        self._host_s += time.perf_counter() - start
-        if pick is not None:
-            self._steps[pick.phase] += 1
-        # Penalties read every generated token on the host, so while any admitted request uses
-        # them the loop runs synchronously (a counter, not a per-step scan of the batch).
-        must_sync = launched is not None and (self._num_penalized > 0 or self._num_constrained > 0)
-        if self.overlap and not must_sync:
-            if self._in_flight is not None:
-                outputs += self._process(self._in_flight)
-            self._in_flight = launched
-        else:
-            if self._in_flight is not None:
-                outputs += self._process(self._in_flight)
-                self._in_flight = None
-            if launched is not None:
-                outputs += self._process(launched)
-        if self._in_flight is None:
-            self._release_deferred()
-        return outputs
-
-    def _recover(self) -> List[int]:
-        """After a failed step: end every request of the plan it made (and of the step it was
-        processing, if that failed), and release what they and earlier finished requests hold.
-        A step still in flight that did not fail is kept: its results are valid."""
-        # Nothing may still write to the pages we free. A device that cannot even synchronize
-        # is broken: that error propagates.
-        self.runner.synchronize()
-        plans = list(self._step_plans)
-        if self._processing is not None:
-            plans.append(self._processing.plan)
-            if self._in_flight is self._processing:
-                self._in_flight = None
-            self._processing = None
-        self._pt_writes.clear()
-        self._tp_writes.clear()
-        failed: List[int] = []
-        for plan in plans:
-            reqs: List[SchedReq] = plan.reqs
-            for i, req in enumerate(reqs):
-                if req.finished or self.active.get(req.uid) is not req:
-                    continue
-                if i < plan.num_decode_rows and req.status is Status.RUNNING:
-                    # A decode row that rode along with a failed prefill: its KV up to this
-                    # step is sound, so it resumes by recompute instead of failing with it.
-                    req.cached_len = req.trusted_len
-                    req.device_len = len(req.token_ids)
-                    self._retract(req)
-                    continue
-                self._finish(req, "error")
-                req.kv_trusted = False
-                failed.append(req.uid)
-        self._release_deferred()  # safe: the device is idle
-        return failed
-
-    def run_until_idle(self) -> List[TokenOutput]:
-        out: List[TokenOutput] = []
-        while self.has_work():
-            out += self.step()
-        return out
+    def take_early(self) -> List[TokenOutput]:
+        """Outputs produced outside a step (abort notices)."""
+        early, self._early = self._early, []
+        return early
 
     # ---- scheduling --------------------------------------------------------------------------
-    def _decodable(self) -> tuple[List[SchedReq], int]:
+    def decodable(self) -> tuple[List[SchedReq], int]:
         """The requests that can decode next, and the pages that step needs beyond theirs
         (0 under worst-case admission: their reservations cover it)."""
         decodable = [r for r in self._running.values() if r.can_decode]
         need = self._decode_page_need(decodable) if self.config.admission == "optimistic" else 0
         return decodable, need
 
-    def _schedule(self, decodable: List[SchedReq], need: int) -> _Pick | None:
-        if need > self._available_pages():
+    def plan_step(self, decodable: List[SchedReq], need: int, in_flight: StepPlan | None) -> StepPlan | None:
+        """The next step (None: nothing to run). `decodable, need` come from `decodable()`; a
+        step that needs retraction must be planned with no step in flight (its pages are
+        freed at once)."""
+        pick = self._schedule(decodable, need, in_flight)
+        return self._plan(pick) if pick is not None else None
+
+    def _schedule(self, decodable: List[SchedReq], need: int, in_flight: StepPlan | None) -> _Pick | None:
+        if need > self.available_pages():
+            assert in_flight is None, "retraction with a step in flight"
             decodable, need = self._retract_until_fits(decodable, need)
         self._decode_need = need
         want_prefill = bool(self.waiting or self._prefilling)
         if want_prefill and decodable and self.config.mixed_batches:
             # One batch: every decode row (one token each) plus prefill chunks in the rest of
             # the token budget, so no stream waits for a whole prefill step.
-            pick = self._schedule_prefill(decodable)
+            pick = self._schedule_prefill(decodable, in_flight)
             if pick is not None:
                 self._last_phase = "prefill"
                 self._mixed_steps += 1
@@ -348,7 +230,7 @@ class Policy:
         elif want_prefill and (not decodable or self._last_phase == "decode"):
             # Without mixing, alternate: a decode step never waits more than one
             # (budget-bounded) prefill step, and prefills still make progress every other step.
-            pick = self._schedule_prefill([])
+            pick = self._schedule_prefill([], in_flight)
             if pick is not None:
                 self._last_phase = "prefill"
                 return pick
@@ -359,7 +241,7 @@ class Policy:
         return None
 
     # ---- admission and retraction ------------------------------------------------------------
-    def _available_pages(self) -> int:
+    def available_pages(self) -> int:
         return self.allocator.num_free + self.cache.evictable_pages - self._reserved
 
     @property
@@ -387,12 +269,9 @@ class Policy:
 
     def _retract_until_fits(self, decodable: List[SchedReq], need: int) -> tuple[List[SchedReq], int]:
         """Take pages back from the least urgent decoders until this decode step's `need`
-        fits; returns who stays and what they need.
-
-        Called with no step in flight (`_step` drains it first), so freed pages are unused."""
-        assert self._in_flight is None, "retraction with a step in flight"
+        fits; returns who stays and what they need (no step is in flight: freed pages are unused)."""
         keep = sorted(decodable, key=urgency)  # the least urgent last
-        while keep and need > self._available_pages():
+        while keep and need > self.available_pages():
             # Everyone may go: prefilling requests hold reserved pages and always progress, and
             # the retracted resume (from the front of the queue) as pages return.
             victim = keep.pop()
@@ -420,10 +299,10 @@ class Policy:
 
     def _fits(self, need_now: int, future: int, expected: int) -> bool:
         if self.config.admission == "optimistic":
-            return need_now + future + expected <= self._available_pages()
-        return need_now <= self._available_pages()
+            return need_now + future + expected <= self.available_pages()
+        return need_now <= self.available_pages()
 
-    def _schedule_prefill(self, decoding: List[SchedReq]) -> _Pick | None:
+    def _schedule_prefill(self, decoding: List[SchedReq], in_flight: StepPlan | None) -> _Pick | None:
         """A prefill step: chunks of admitted prompts, then resumed and new requests, within
         the token budget; `decoding` rows (one token each) go first when mixing."""
         budget = self.config.max_extend_tokens - len(decoding)
@@ -438,14 +317,14 @@ class Policy:
         optimistic = self.config.admission == "optimistic"
         # (only when something may be admitted: it walks every admitted request)
         expected = self._expected_decode_pages() if optimistic and self.waiting else 0
-        in_flight = self._in_flight.plan.reqs if self._in_flight is not None else []
+        flying = in_flight.reqs if in_flight is not None else []
         while budget > 0 and self.free_rows:
             head = self.waiting.peek()
             if head is None:
                 break
             req = head
             if req.status is Status.RETRACTED:  # resume: recompute every token but a cached prefix
-                if any(r is req for r in in_flight):
+                if any(r is req for r in flying):
                     break  # (after a failed step) its last token is still on the way: resume after it
                 ids = req.token_ids
                 match = self.cache.match_prefix(ids[: len(ids) - 1])
@@ -539,17 +418,16 @@ class Policy:
             slots = [p * ps + i for p in req.pages[first_page:end_page] for i in range(ps)]
         self._pt_writes.append((req.table_idx, first_page * ps, slots))
 
-    # ---- planning and launching --------------------------------------------------------------
-    def _launch(self, pick: _Pick) -> _InFlight:
+    # ---- planning ----------------------------------------------------------------------------
+    def _plan(self, pick: _Pick) -> StepPlan:
         reqs = pick.reqs
         decode = pick.phase == "decode"
         plan = StepPlan(pick.phase, [], [], [], [], [], pick.num_decode_rows, reqs=reqs)
-        self._step_plans.append(plan)
         ps = self.page_size
         ahead = self.alloc_ahead
         if self.config.admission == "optimistic" and ahead:
             # ahead of need only while the pool has room to spare for it
-            spare = self._available_pages() - self._decode_need
+            spare = self.available_pages() - self._decode_need
             if spare < 2 * len(reqs) * div_ceil(ahead, ps):
                 ahead = 0
         for req in reqs:
@@ -575,9 +453,15 @@ class Policy:
             plan.releases, self._releases = self._releases, []
             plan.new_rows, self._new_rows = self._new_rows, []
             plan.history, self._history = self._history, {}
-        flight = self.runner.launch(plan)
-        if not decode:  # bookkeeping the next schedule depends on
-            for i in range(pick.num_decode_rows, len(reqs)):  # a mixed step's decode rows are running already
+        return plan
+
+    def launched(self, plan: StepPlan) -> None:
+        """After the runner launched `plan` (its rows advanced by complete_one): where each
+        prefilling request stands for the next plan."""
+        self._steps[plan.phase] += 1
+        if plan.is_prefill:
+            reqs: List[SchedReq] = plan.reqs
+            for i in range(plan.num_decode_rows, len(reqs)):  # a mixed step's decode rows are running already
                 req = reqs[i]
                 if not plan.emits[i]:
                     req.device_len = req.cached_len  # mid-prompt chunk: the next chunk continues here
@@ -585,22 +469,18 @@ class Policy:
                     del self._prefilling[req.uid]
                     self._running[req.uid] = req
                     req.status = Status.RUNNING
-        return _InFlight(plan, flight)
+
+    @property
+    def must_sync(self) -> bool:
+        """Penalties read every generated token on the host, and a grammar's next mask needs the
+        last token: while an admitted request uses either, each step's results are read before
+        the next is planned (a counter, not a per-step scan of the batch)."""
+        return self._num_penalized > 0 or self._num_constrained > 0
 
     # ---- results -----------------------------------------------------------------------------
-    def _process(self, flight: _InFlight) -> List[TokenOutput]:
-        self._processing = flight
-        outputs = self._process_flight(flight)
-        self._processing = None
-        return outputs
-
-    def _process_flight(self, flight: _InFlight) -> List[TokenOutput]:
-        start = time.perf_counter()
-        self.runner.wait(flight.flight)
-        self._wait_s += time.perf_counter() - start
-        self._release_deferred()  # every step before this one has completed
-        result = self.runner.results(flight.flight)
-        plan = flight.plan
+    def consume(self, plan: StepPlan, result: Any) -> List[TokenOutput]:
+        """A launched step's host results (a runner.StepResult): tokens appended, stop
+        conditions checked, prompt logprobs gathered."""
         tokens = result.tokens
         lps = result.logprobs
         plp = result.prompt_logprobs
@@ -657,7 +537,32 @@ class Policy:
             self._ratio_target = min(1.0, max(self.config.min_new_token_ratio, 1.25 * sum(shares) / len(shares)))
         self._deferred.append(req)
 
-    def _release_deferred(self) -> None:
+    def fail(self, plans: List[StepPlan]) -> List[int]:
+        """After a failed step (the device idle): end the requests of `plans`; decode rows of a
+        failed mixed step resume by recompute instead. Returns the ended uids."""
+        self._pt_writes.clear()
+        self._tp_writes.clear()
+        failed: List[int] = []
+        for plan in plans:
+            reqs: List[SchedReq] = plan.reqs
+            for i, req in enumerate(reqs):
+                if req.finished or self.active.get(req.uid) is not req:
+                    continue
+                if i < plan.num_decode_rows and req.status is Status.RUNNING:
+                    # A decode row that rode along with a failed prefill: its KV up to this
+                    # step is sound, so it resumes by recompute instead of failing with it.
+                    req.cached_len = req.trusted_len
+                    req.device_len = len(req.token_ids)
+                    self._retract(req)
+                    continue
+                self._finish(req, "error")
+                req.kv_trusted = False
+                failed.append(req.uid)
+        self.release_deferred()
+        return failed
+
+    def release_deferred(self) -> None:
+        """Release the requests that finished: call when no step in flight may use their pages."""
         for req in self._deferred:
             self._release(req)
         self._deferred = []
@@ -711,13 +616,11 @@ class Policy:
             retractions=self._retractions,
             peak_running=self._peak_running,
             new_token_ratio=self.effective_new_token_ratio,
-            host_s=self._host_s,
-            wait_s=self._wait_s,
         )
 
     def check_invariants(self) -> None:
         """When idle: every page is free or held unpinned by the cache, every row is free."""
-        assert not self.has_work(), "check_invariants() needs an idle scheduler"
+        assert not self.has_work(), "check_invariants() needs an idle policy"
         assert not self.active and not self._deferred, f"requests still hold resources: {list(self.active)}"
         total = self.allocator.num_pages
         assert self.allocator.num_free + self.cache.cached_pages == total, (

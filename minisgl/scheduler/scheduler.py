@@ -1,45 +1,87 @@
-"""The scheduler of one rank: a Policy (host, `policy.py`) driving a Runner (device,
-`runner.py`) over one Engine."""
+"""The scheduler of one rank: the step loop that drives a Policy (host, `policy.py`) and a runner
+(device, `runner.py`; over one Engine unless a runner is given, as the policy tests do).
+
+With overlap scheduling, step N+1 is planned and launched before step N's results are read
+back; results then lag by one step, and pages of requests that finished are released only
+after every step that may still use them has completed.
+"""
 
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Set
+from typing import Any, List, Protocol, Set
 
 import torch
 
 from minisgl.engine import Engine
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.policy import Policy, SchedulerStats, StepFailed
+from minisgl.scheduler.plan import StepPlan
+from minisgl.scheduler.policy import Limits, Policy, SchedulerStats
 from minisgl.scheduler.request import TokenOutput
 from minisgl.scheduler.runner import Runner, is_fatal
 from minisgl.utils.hf import resolve_model_path
 
-__all__ = ["Scheduler", "SchedulerStats", "StepFailed", "is_fatal"]
+__all__ = ["Scheduler", "SchedulerStats", "StepFailed", "StepRunner", "is_fatal"]
+
+
+class StepRunner(Protocol):
+    """What the loop needs of a runner (`runner.Runner`, or a fake in the policy tests).
+
+    `launch` must advance every row of the plan as the engine does (`complete_one`: the fed
+    tokens are cached, one more token is on the way) before it returns."""
+
+    def launch(self, plan: StepPlan) -> Any: ...
+    def wait(self, flight: Any) -> None: ...
+    def results(self, flight: Any) -> Any: ...  # a runner.StepResult
+    def synchronize(self) -> None: ...
+    def is_fatal(self, exc: BaseException) -> bool: ...
+    def use_grammar(self, backend: Any) -> None: ...
+
+
+class StepFailed(RuntimeError):
+    """`Scheduler.step()` raised; the requests in `uids` were ended (finish reason "error") and
+    their resources released. `outputs` are the step's results that were ready before the error
+    (abort notices); `__cause__` is the original exception."""
+
+    def __init__(self, uids: List[int], outputs: List[TokenOutput], cause: BaseException) -> None:
+        super().__init__(f"a scheduler step failed ({type(cause).__name__}: {cause}); requests ended: {uids}")
+        self.uids = uids
+        self.outputs = outputs
+
+
+@dataclass
+class _InFlight:
+    plan: StepPlan
+    flight: Any  # the runner's handle
 
 
 class Scheduler(Policy):
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, runner: StepRunner | None = None, limits: Limits | None = None) -> None:
         if config.max_extend_tokens < 1:  # before the engine is built
             raise ValueError(f"max_extend_tokens must be >= 1, got {config.max_extend_tokens}")
-        self.engine = Engine(config)
-        self.device = self.engine.device
-        # On a CPU the forward runs to completion inside the launch: there is nothing for the
-        # host to overlap, and reading results a step late only delays every token by a step.
-        # An explicit enable_overlap still wins (the tests run both ways).
-        overlap = config.overlap and (config.enable_overlap is not None or self.device.type != "cpu")
-        model_config = self.engine.config.model_config
-        super().__init__(
-            config,
-            self._make_runner(self.engine),
-            num_pages=self.engine.num_pages,
-            max_seq_len=self.engine.max_seq_len,
-            vocab_size=model_config.vocab_size,
-            eos_ids=set(model_config.eos_token_ids) | _generation_eos(config.model_path),
-            overlap=overlap,
-            share_rows=config.tp_info.size > 1,
-        )
+        if runner is None:
+            self.engine = Engine(config)
+            self.device = self.engine.device
+            model_config = self.engine.config.model_config
+            eos = set(model_config.eos_token_ids) | _generation_eos(config.model_path)
+            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos))
+            runner = self._make_runner(self.engine)
+            # On a CPU the forward runs to completion inside the launch: there is nothing for
+            # the host to overlap, and reading results a step late only delays every token by a
+            # step. An explicit enable_overlap still wins (the tests run both ways).
+            self.overlap = config.overlap and (config.enable_overlap is not None or self.device.type != "cpu")
+        else:
+            assert limits is not None, "a scheduler over a given runner needs its limits"
+            self.overlap = config.overlap
+        self.runner = runner
+        super().__init__(config, limits, share_rows=config.tp_info.size > 1, on_grammar=runner.use_grammar)
+        self._in_flight: _InFlight | None = None
+        self._processing: _InFlight | None = None  # the step whose results are being read
+        self._step_plans: List[StepPlan] = []  # what the current step planned (for _recover)
+        self._host_s = self._wait_s = 0.0
 
     def _make_runner(self, engine: Engine) -> Runner:
         return Runner(engine)
@@ -49,12 +91,111 @@ class Scheduler(Policy):
         assert isinstance(self.runner, Runner)
         return self.runner.token_pool
 
+    def has_work(self) -> bool:
+        return self._in_flight is not None or super().has_work()
+
+    # ---- the loop ----------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> List[TokenOutput]:
-        return super().step()
+        """Plan and launch one step; return the tokens of the step that completed.
+
+        If the step raises, the requests it touched are ended (their pages freed, none of their
+        KV kept in the prefix cache) and `StepFailed` names them; the scheduler stays consistent
+        and the next step serves everyone else. Errors that mean the engine itself is broken
+        (out of memory, a CUDA error) propagate unchanged: see `runner.is_fatal`."""
+        outputs = self.take_early()
+        self._step_plans = []
+        try:
+            return outputs + self._step()
+        except Exception as exc:
+            # With TP ranks in lockstep a rank cannot recover alone (the others may wait in a
+            # collective): any failure is fatal there.
+            if self.runner.is_fatal(exc) or self.config.tp_info.size > 1:
+                raise
+            failed = self._recover()
+            raise StepFailed(failed, outputs, exc) from exc
+
+    def _step(self) -> List[TokenOutput]:
+        outputs: List[TokenOutput] = []
+        decodable, need = self.decodable()
+        if self._in_flight is not None and need > self.available_pages():
+            # Retraction frees pages at once: first finish the step that may still write them
+            # (its tokens are real output; finished requests return their pages too).
+            flight, self._in_flight = self._in_flight, None
+            outputs += self._process(flight)
+            self.release_deferred()
+            decodable, need = self.decodable()
+        start = time.perf_counter()
+        plan = self.plan_step(decodable, need, self._in_flight.plan if self._in_flight is not None else None)
+        launched = None
+        if plan is not None:
+            self._step_plans.append(plan)
+            launched = _InFlight(plan, self.runner.launch(plan))
+            self.launched(plan)
+        self._host_s += time.perf_counter() - start
+        must_sync = launched is not None and self.must_sync
+        if self.overlap and not must_sync:
+            if self._in_flight is not None:
+                outputs += self._process(self._in_flight)
+            self._in_flight = launched
+        else:
+            if self._in_flight is not None:
+                outputs += self._process(self._in_flight)
+                self._in_flight = None
+            if launched is not None:
+                outputs += self._process(launched)
+        if self._in_flight is None:
+            self.release_deferred()
+        return outputs
+
+    def _process(self, flight: _InFlight) -> List[TokenOutput]:
+        self._processing = flight
+        outputs = self._process_flight(flight)
+        self._processing = None
+        return outputs
+
+    def _process_flight(self, flight: _InFlight) -> List[TokenOutput]:
+        start = time.perf_counter()
+        self.runner.wait(flight.flight)
+        self._wait_s += time.perf_counter() - start
+        self.release_deferred()  # every step before this one has completed
+        return self.consume(flight.plan, self.runner.results(flight.flight))
+
+    def _recover(self) -> List[int]:
+        """After a failed step: end every request of the plan it made (and of the step it was
+        processing, if that failed), and release what they and earlier finished requests hold.
+        A step still in flight that did not fail is kept: its results are valid."""
+        # Nothing may still write to the pages we free. A device that cannot even synchronize
+        # is broken: that error propagates.
+        self.runner.synchronize()
+        plans = list(self._step_plans)
+        if self._processing is not None:
+            plans.append(self._processing.plan)
+            if self._in_flight is self._processing:
+                self._in_flight = None
+            self._processing = None
+        return self.fail(plans)
+
+    def run_until_idle(self) -> List[TokenOutput]:
+        out: List[TokenOutput] = []
+        while self.has_work():
+            out += self.step()
+        return out
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        stats = super().stats()
+        stats.host_s, stats.wait_s = self._host_s, self._wait_s
+        return stats
+
+    def check_invariants(self) -> None:
+        assert not self.has_work(), "check_invariants() needs an idle scheduler"
+        super().check_invariants()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
 
 
 def _generation_eos(model_path: str) -> Set[int]:
