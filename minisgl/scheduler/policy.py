@@ -486,6 +486,7 @@ class Policy:
         plp = result.prompt_logprobs
         counts = plan.prompt_logprobs.counts if plp is not None and plan.prompt_logprobs is not None else None
         plp_at = 0
+        share = self._share_rows
         outputs: List[TokenOutput] = []
         for i, (req, real) in enumerate(zip(plan.reqs, plan.emits)):
             n = counts[i] if counts is not None else 0
@@ -506,13 +507,12 @@ class Policy:
             out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
             if req.sampling_params.prompt_logprobs is not None and req.num_output == 1:
                 out.prompt_logprobs, req.prompt_lp = req.prompt_lp, []
-            row_lp = lps[i] if lps is not None else None
-            if row_lp is not None:
-                out.logprob, out.top_logprobs = row_lp
+            if lps is not None and lps[i] is not None:
+                out.logprob, out.top_logprobs = lps[i]
             matcher = req.grammar_matcher
             if matcher is not None and not matcher.accept_token(token):
                 logger.warning("request %d: token %d is outside its grammar", req.uid, token)
-            if self._share_rows and (matcher is not None or req.sampling_params.has_penalties):
+            if share and (matcher is not None or req.sampling_params.has_penalties):
                 self._history.setdefault(req.uid, []).append(token)  # the followers' sampler reads it
             if token in req.stop_ids or (matcher is not None and matcher.is_terminated()):
                 self._finish(req, "stop")
