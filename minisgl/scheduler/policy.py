@@ -58,6 +58,37 @@ class SchedulerStats:
         return self.cache_hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+class NewTokenEstimate:
+    """Optimistic admission's estimate: the share of its remaining max_tokens a running request
+    is expected to still generate. It starts at init_new_token_ratio and moves each step (time
+    constant new_token_ratio_decay_steps) toward 1.25x the share that recently finished requests
+    used (toward min_new_token_ratio before any finished): optimism grows until a retraction
+    says stop, which raises it."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.ratio = config.init_new_token_ratio
+        # shares of their max_tokens that recently finished requests used: the estimate's target
+        self._shares: Deque[float] = deque(maxlen=64)
+        self._target = config.min_new_token_ratio
+
+    @property
+    def effective(self) -> float:
+        return min(1.0, self.ratio * self.config.schedule_conservativeness)
+
+    def step(self) -> None:
+        keep = 1.0 - 1.0 / self.config.new_token_ratio_decay_steps
+        self.ratio = self._target + (self.ratio - self._target) * keep
+
+    def finished(self, share: float) -> None:
+        shares = self._shares
+        shares.append(share)
+        self._target = min(1.0, max(self.config.min_new_token_ratio, 1.25 * sum(shares) / len(shares)))
+
+    def retracted(self) -> None:
+        self.ratio = min(1.0, self.ratio * 1.5 + 0.05)
+
+
 @dataclass
 class _Pick:
     reqs: List[SchedReq]
@@ -96,10 +127,7 @@ class Policy:
         self.active: Dict[int, SchedReq] = {}  # admitted, not yet released (retracted ones too)
         self._prefilling: Dict[int, SchedReq] = {}  # in order of admission
         self._running: Dict[int, SchedReq] = {}  # decoding, in order of prefill completion
-        self.new_token_ratio = config.init_new_token_ratio
-        # shares of their max_tokens that recently finished requests used: the estimate's target
-        self._finished_shares: Deque[float] = deque(maxlen=64)
-        self._ratio_target = config.min_new_token_ratio  # where the estimate decays to (see _finish)
+        self.estimate = NewTokenEstimate(config)
         self._decode_need = 0  # pages the planned step's decode rows need (set by _schedule)
         self._admit_counter = 0
         self._retractions = 0
@@ -225,7 +253,7 @@ class Policy:
             if pick is not None:
                 self._last_phase = "prefill"
                 self._mixed_steps += 1
-                self._decay_new_token_ratio()
+                self.estimate.step()
                 return pick
         elif want_prefill and (not decodable or self._last_phase == "decode"):
             # Without mixing, alternate: a decode step never waits more than one
@@ -236,7 +264,7 @@ class Policy:
                 return pick
         if decodable:
             self._last_phase = "decode"
-            self._decay_new_token_ratio()
+            self.estimate.step()
             return _Pick(decodable, "decode")
         return None
 
@@ -247,7 +275,7 @@ class Policy:
     @property
     def effective_new_token_ratio(self) -> float:
         """The share of its remaining max_tokens a running request is expected to generate."""
-        return min(1.0, self.new_token_ratio * self.config.schedule_conservativeness)
+        return self.estimate.effective
 
     def _future_pages(self, length: int, remaining: int, held: int) -> int:
         """Pages a request of `length` tokens holding `held` pages is expected to still need."""
@@ -277,7 +305,7 @@ class Policy:
             victim = keep.pop()
             need -= self._decode_page_need([victim])
             self._retract(victim)
-        self.new_token_ratio = min(1.0, self.new_token_ratio * 1.5 + 0.05)
+        self.estimate.retracted()
         return keep, need
 
     def _retract(self, req: SchedReq) -> None:
@@ -290,12 +318,6 @@ class Policy:
         req.status = Status.RETRACTED
         self.waiting.requeue(req)
         logger.debug("retracted request %d at %d tokens", req.uid, len(req.token_ids))
-
-    def _decay_new_token_ratio(self) -> None:
-        """Each step moves the estimate toward what finished requests used (with a margin), or
-        toward the minimum before any finished: optimism grows until a retraction says stop."""
-        keep = 1.0 - 1.0 / self.config.new_token_ratio_decay_steps
-        self.new_token_ratio = self._ratio_target + (self.new_token_ratio - self._ratio_target) * keep
 
     def _fits(self, need_now: int, future: int, expected: int) -> bool:
         if self.config.admission == "optimistic":
@@ -532,9 +554,7 @@ class Policy:
             self.waiting.remove(req)
         req.status, req.finish_reason = Status.FINISHED, reason
         if reason in ("stop", "length") and req.output_len > 0:
-            shares = self._finished_shares
-            shares.append(req.num_output / req.output_len)
-            self._ratio_target = min(1.0, max(self.config.min_new_token_ratio, 1.25 * sum(shares) / len(shares)))
+            self.estimate.finished(req.num_output / req.output_len)
         self._deferred.append(req)
 
     def fail(self, plans: List[StepPlan]) -> List[int]:
