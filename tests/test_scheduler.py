@@ -16,11 +16,14 @@ from sched_helpers import (
     assert_idle_and_clean,
     assert_match_ref,
     greedy,
+    llm_kwargs,
     refs_for,
 )
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo
+from minisgl.llm import LLM
+from minisgl.sampling_params import GrammarSpec
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
 
 PROMPTS, MAX_TOKENS = WORKLOAD
@@ -267,3 +270,69 @@ def test_stats_count_prompts_hits_and_tokens(tiny_dir):
         assert 0 < st.cache_hit_rate < 1
         assert st.cached_pages >= 40 and st.free_pages == st.total_pages
         assert st.kv_usage == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# tp > 1: the followers run rank 0's plans with only what the plans carry
+# ---------------------------------------------------------------------------------------------
+
+EMAIL = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+TEXTS = ["email me: ada@lab.org or bob@mail.com", "The quick brown fox jumps over the lazy dog", "answer: yes no maybe"] * 10
+
+
+def _tiny_llama_with_tokenizer(out: Any) -> str:
+    """A tiny random Llama (4 query heads, 2 KV heads: tp=2 divides it) and a byte-level BPE
+    tokenizer trained here, so grammars can be compiled."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(TEXTS, vocab_size=300, min_frequency=2, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    tok.save_pretrained(out)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(5)
+    config = LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, bos_token_id=eos, eos_token_id=eos,
+    )  # fmt: skip
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    return str(out)
+
+
+def test_tp2_followers_sample_from_what_the_plan_carries(tmp_path_factory):
+    """Penalties (the token history), min_tokens + logit_bias, a seed and a grammar (compiled
+    and advanced on every rank): tp=2 gives tp=1's tokens and the ranks' token pools agree.
+    Greedy draws are not broadcast, so a follower with a wrong history or mask would write other
+    tokens into its pool."""
+    if TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2:
+        pytest.skip("tp=2 on CUDA needs two GPUs")
+    path = _tiny_llama_with_tokenizer(tmp_path_factory.mktemp("tp_bpe_llama"))
+    prompts = ["The quick", "The quick", "answer:", "mail to ", "brown fox"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=8.0, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, min_tokens=8, logit_bias={7: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=40, grammar=GrammarSpec("regex", EMAIL)),
+    ]
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True)
+    kw = llm_kwargs(max_running_req=4, max_extend_tokens=8, page_size=4, max_seq_len_override=96, num_page_override=4 * 96 // 4 + 8)
+
+    def run(llm: LLM) -> List[List[int]]:
+        # the greedy rows alone (no draw to broadcast: each rank's pool gets its own argmax), then a seeded one
+        return [r.token_ids for r in llm.generate(prompts[:4], params)] + [llm.generate(prompts[4:], seeded)[0].token_ids]
+
+    with LLM(path, **kw) as llm1:
+        ref = run(llm1)
+        plain = [r.token_ids for r in llm1.generate(prompts[:4], [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 4)]
+    assert ref[0] != plain[0] and ref[1] != plain[1], "the penalties change nothing here: the test would prove little"
+    assert ref[3][: len(plain[3])] != plain[3], "the grammar changes nothing here"
+    llm2 = LLM(path, tp=2, **kw)
+    try:
+        out = run(llm2)
+        fps = llm2.scheduler.rank_fingerprints()
+        assert_idle_and_clean(llm2.scheduler)
+    finally:
+        llm2.shutdown()
+    assert out == ref
+    assert fps[0] == fps[1], "a follower sampled other tokens than rank 0"

@@ -72,7 +72,7 @@ def test_failure_while_reading_results(tiny_model_dir: Any) -> None:
         fired = []
 
         def faulty(flight: Any) -> Any:
-            if not fired and flight.batch.is_decode:
+            if not fired and flight.plan.is_decode:
                 fired.append(True)
                 raise RuntimeError("injected while processing")
             return real(flight)

@@ -1,4 +1,5 @@
-"""Continuous batching over one Engine: admission, chunked prefill, decode, prefix cache, overlap."""
+"""Continuous batching over one Engine: a host-only policy (admission, chunked prefill,
+retraction, prefix cache) that plans each step, and a runner that executes the plan."""
 
 import importlib
 from typing import TYPE_CHECKING, Any
@@ -10,9 +11,10 @@ from minisgl.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from minisgl.scheduler.request import UserRequest
-    from minisgl.scheduler.scheduler import Scheduler, StepFailed, is_fatal
+    from minisgl.scheduler.runner import is_fatal
+    from minisgl.scheduler.scheduler import Scheduler, StepFailed
 
-_LAZY = {"Scheduler": "scheduler", "StepFailed": "scheduler", "is_fatal": "scheduler", "UserRequest": "request"}
+_LAZY = {"Scheduler": "scheduler", "StepFailed": "scheduler", "is_fatal": "runner", "UserRequest": "request"}
 
 
 def __getattr__(name: str) -> Any:

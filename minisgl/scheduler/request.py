@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any, List
 
@@ -23,8 +24,18 @@ class UserRequest:
     strict_max_tokens: bool = False
 
 
+class Status(enum.Enum):
+    """Where a request is; the policy's queues and maps only order requests of one status."""
+
+    WAITING = "waiting"  # queued, never admitted
+    PREFILLING = "prefilling"  # holds a row and pages, its prompt (or resume) is being prefilled
+    RUNNING = "running"  # decoding
+    RETRACTED = "retracted"  # pages taken back; queued to resume by recompute
+    FINISHED = "finished"  # ended (stop, length, abort, error); resources released after its last step
+
+
 class SchedReq(Req):
-    """A running request: the engine's Req plus its pages, cache pin and stop state.
+    """A request in the scheduler: the engine's Req plus its status, pages, cache pin and stop state.
 
     While the prompt is being prefilled in chunks, `device_len` stops at the end of the current
     chunk (< prefill_len); the token sampled after a non-final chunk is discarded.
@@ -35,22 +46,21 @@ class SchedReq(Req):
     survived) before it samples its next token.
     """
 
-    def __init__(self, user: UserRequest, table_idx: int, output_len: int, match: MatchResult, page_size: int) -> None:
-        cached = match.num_pages * page_size
+    def __init__(self, user: UserRequest, output_len: int) -> None:
         super().__init__(
             input_ids=torch.tensor(user.input_ids, dtype=torch.int32),
-            table_idx=table_idx,
-            cached_len=cached,
+            table_idx=-1,
+            cached_len=0,
             output_len=output_len,
             uid=user.uid,
             sampling_params=user.sampling_params,
-            cache_handle=match.handle,
+            cache_handle=None,
         )
-        self.pages: List[int] = list(match.pages)  # page i holds positions [i*page_size, (i+1)*page_size)
-        self.num_cached_prompt = cached
-        self.matched_len = cached  # tokens whose pages came from the prefix cache (this admission)
+        self.status = Status.WAITING
+        self.pages: List[int] = []  # page i holds positions [i*page_size, (i+1)*page_size)
+        self.num_cached_prompt = 0
+        self.matched_len = 0  # tokens whose pages came from the prefix cache (this admission)
         self.reserved_pages = 0  # pages promised to this request but not yet allocated
-        self.finished = False
         self.finish_reason: str | None = None
         self.stop_ids: set[int] = set()
         self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache
@@ -63,18 +73,26 @@ class SchedReq(Req):
         self.num_retractions = 0
         self.trusted_len = 0  # cached_len before the current mixed step (a failure rolls back to it)
 
-    def resume(self, table_idx: int, match: MatchResult, page_size: int) -> None:
-        """Re-admit a retracted request: prefill all its tokens but the cached prefix."""
+    def admit(self, table_idx: int, match: MatchResult, page_size: int) -> None:
+        """Take a row: prefill every token (prompt, or prompt + generated on a resume) but the
+        prefix `match` found in the cache."""
         self.table_idx = table_idx
         self.cache_handle = match.handle
         self.pages = list(match.pages)
         self.cached_len = self.matched_len = match.num_pages * page_size
+        if self.status is Status.WAITING:
+            self.num_cached_prompt = self.cached_len
         self.prefill_len = len(self._ids)
         self.device_len = self.prefill_len
+        self.status = Status.PREFILLING
 
     @property
-    def is_retracted(self) -> bool:
-        return self.table_idx < 0
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def holds_row(self) -> bool:
+        return self.table_idx >= 0
 
     _ids: List[int]
     _ids_tensor: torch.Tensor | None
@@ -111,7 +129,7 @@ class SchedReq(Req):
 
     @property
     def can_decode(self) -> bool:
-        return not self.finished and self.prefill_done and self.device_len < self.max_device_len
+        return self.status is Status.RUNNING and self.prefill_done and self.device_len < self.max_device_len
 
 
-__all__ = ["UserRequest", "TokenOutput", "SchedReq", "field"]
+__all__ = ["UserRequest", "TokenOutput", "SchedReq", "Status", "field"]

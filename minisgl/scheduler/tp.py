@@ -1,37 +1,46 @@
-"""Tensor-parallel scheduling: rank 0 leads, every other rank follows the same schedule.
+"""Tensor-parallel scheduling: rank 0 plans, every rank runs the plan.
 
-Every rank owns a Scheduler (and its Engine, one shard of the model). The scheduler is a
-deterministic function of the calls it receives (requests, aborts, cache resets, steps), so if
-every rank receives the same calls in the same order, every rank builds the same batches, and
-the collectives inside the model line up. Only rank 0 hears from the outside world (the LLM API
-or the tokenizer worker); it records each mutating call it applies, and at every step it
-broadcasts the recorded calls plus the action ("step", "noop", "exit") over the gloo CPU group
-(`minisgl.distributed.broadcast_message`: one int64 broadcast for the action and byte count, a
-second for the pickled calls only when there are any, so a plain decode step costs one round). Followers apply the calls, then step, and throw their
-outputs away: only rank 0 returns tokens. The sampled tokens agree because the engine
-broadcasts rank 0's draw (see Engine.forward_batch).
+Rank 0 owns the only Policy (admission, pages, prefix cache: `LeaderScheduler`); only it hears
+from the outside world (the LLM API or the tokenizer worker). Each step it broadcasts the
+StepPlan it is about to launch over the gloo CPU group (`minisgl.distributed.broadcast_message`,
+the plan pickled), then launches it; every other rank (`Follower`) owns an Engine (one shard of
+the model) and a Runner, and executes the same plan, so the collectives inside the model line
+up. Idle, rank 0 sends a "noop" about once a second so a dead rank is noticed; "exit" ends the
+followers. The sampled tokens agree because the engine broadcasts rank 0's draw (see
+Engine.forward_batch); the token pool and page table of every rank receive the same writes.
+
+What a follower needs besides the rows, it keeps per request from the plan (`NewRow`): the
+SamplingParams (temperature, seed, bias, min_tokens with its stop ids), and for penalties the
+prompt and, each step, the tokens rank 0 accepted since the last plan (`plan.history`; rank 0
+runs synchronously while such a request is admitted, so the history is complete when the next
+plan is made). Grammar masks are computed on every rank: each rank compiles the grammar and
+advances its matcher with the same history, which is deterministic, so the masks agree without
+sending a vocabulary-sized bitmask per row per step.
 
 Why a torch.distributed broadcast and not a second transport (ZeroMQ PUB/SUB): the ranks are
 already connected by the process group, so there is no extra address to configure per node, the
 broadcast is itself the per-step barrier that keeps ranks in lockstep, and a rank that dies
 breaks the gloo connection, which every other rank sees at its next step.
-
-Only calls that change scheduling state are recorded: a request rank 0 rejects (validation
-error) raises before it is recorded, so followers never see it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import multiprocessing as mp
 import pickle
 import time
 import traceback
-from typing import Any, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
 
 from minisgl.distributed import DistributedInfo, broadcast_message
+from minisgl.engine import Engine
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.request import TokenOutput, UserRequest
+from minisgl.scheduler.plan import NewRow, StepPlan
+from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
+from minisgl.scheduler.runner import Flight, Runner
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
@@ -39,54 +48,52 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 HEARTBEAT_S = 1.0
-Op = Tuple[Any, ...]  # ("add", UserRequest) | ("abort", uid) | ("reset_cache",)
 ACTIONS = ("step", "noop", "exit", "fingerprint")  # sent as their index
 
 
-def _send(ops: List[Op], action: str) -> None:
-    broadcast_message(ACTIONS.index(action), pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL) if ops else b"")
+def _send(action: str, plan: StepPlan | None = None) -> None:
+    data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) if plan is not None else b""
+    broadcast_message(ACTIONS.index(action), data)
 
 
-def _recv() -> Tuple[List[Op], str]:
+def _recv() -> Tuple[str, StepPlan | None]:
     code, data = broadcast_message(0)
-    return (pickle.loads(data) if data else []), ACTIONS[code]
+    return ACTIONS[code], (pickle.loads(data) if data else None)
 
 
 class TPRankLost(RuntimeError):
     """A collective with the other TP ranks failed: one of them is gone."""
 
 
+class _PublishingRunner(Runner):
+    """Rank 0's runner: sends each plan to the followers just before launching it."""
+
+    def __init__(self, engine: Engine, publish: Callable[[str, StepPlan | None], None]) -> None:
+        super().__init__(engine)
+        self._publish = publish
+
+    def launch(self, plan: StepPlan) -> Flight:
+        self._publish("step", plan)
+        return super().launch(plan)
+
+
 class LeaderScheduler(Scheduler):
-    """Rank 0's scheduler: a Scheduler that shares its inputs with the followers each step."""
+    """Rank 0's scheduler: plans for every rank."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         assert config.tp_info.rank == 0 and config.tp_info.size > 1
-        super().__init__(config)
-        self._ops: List[Op] = []
         self._closed = False
         self._busy = False  # inside a step or a broadcast: a SIGTERM waits until it is over
         self._stop_requested = False
         self._last_publish = time.monotonic()
+        super().__init__(config)
 
-    def add_request(self, req: UserRequest) -> None:
-        super().add_request(req)  # raises on a bad request: then nothing is recorded
-        self._ops.append(("add", req))
-
-    def abort(self, uid: int) -> bool:
-        found = super().abort(uid)
-        if found:  # a miss changes nothing on any rank
-            self._ops.append(("abort", uid))
-        return found
-
-    def reset_prefix_cache(self) -> int:
-        freed = super().reset_prefix_cache()
-        self._ops.append(("reset_cache",))
-        return freed
+    def _make_runner(self, engine: Engine) -> Runner:
+        return _PublishingRunner(engine, self._publish)
 
     def step(self) -> List[TokenOutput]:
         self._busy = True
         try:
-            self._publish("step")
             return super().step()
         finally:
             self._busy = False
@@ -117,16 +124,16 @@ class LeaderScheduler(Scheduler):
             raise SystemExit(0)
 
     def rank_fingerprints(self) -> List[str]:
-        """Every rank's fingerprint of its scheduling state and token pool (see `fingerprint`);
-        all equal when the ranks are in lockstep. For tests and debugging: it is a collective."""
+        """Every rank's fingerprint of its device state (see `fingerprint`); all equal when the
+        ranks are in lockstep. For tests and debugging: it is a collective."""
         self._publish("fingerprint")
-        return _gather_fingerprints(self)
+        assert isinstance(self.runner, Runner)
+        return _gather_fingerprints(self.runner)
 
-    def _publish(self, action: str) -> None:
-        ops, self._ops = self._ops, []
+    def _publish(self, action: str, plan: StepPlan | None = None) -> None:
         self._last_publish = time.monotonic()
         try:
-            _send(ops, action)
+            _send(action, plan)
         except RuntimeError as exc:
             raise TPRankLost(f"TP rank 0 lost contact with the other ranks (one died?): {exc}") from exc
 
@@ -140,82 +147,120 @@ class LeaderScheduler(Scheduler):
         super().shutdown()
 
 
-def apply_op(scheduler: Scheduler, op: Op) -> None:
-    kind = op[0]
-    if kind == "add":
-        scheduler.add_request(op[1])
-    elif kind == "abort":
-        scheduler.abort(op[1])
-    elif kind == "reset_cache":
-        scheduler.reset_prefix_cache()
-    else:
-        raise ValueError(f"unknown scheduler op {kind!r} from rank 0")
+class Follower:
+    """A TP rank r > 0: an Engine and a Runner that execute rank 0's plans, and the request
+    objects the engine's sampler reads (their lengths set from each plan)."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self.device = self.engine.device
+        self.num_pages = self.engine.num_pages
+        self.runner = Runner(self.engine)
+        self.reqs: Dict[int, SchedReq] = {}
+        self.grammar: Any = None
+        self._last: Flight | None = None
+
+    def execute(self, plan: StepPlan) -> None:
+        for uid in plan.releases:
+            self.reqs.pop(uid, None)
+        for new in plan.new_rows:
+            self.reqs[new.uid] = self._new_req(new)
+        for uid, tokens in plan.history.items():
+            req = self.reqs[uid]
+            for token in tokens:
+                req.append_token(token)
+                if req.grammar_matcher is not None:
+                    req.grammar_matcher.accept_token(token)
+        reqs = [self.reqs[uid] for uid in plan.uids]
+        for req, row, start, end in zip(reqs, plan.rows, plan.starts, plan.ends):
+            req.table_idx, req.cached_len, req.device_len = row, start, end
+        plan.reqs = reqs
+        flight = self.runner.launch(plan)
+        # Overlap as rank 0 does: the previous step completes while this one is queued.
+        if self._last is not None:
+            self.runner.wait(self._last)
+        self._last = flight
+
+    def _new_req(self, new: NewRow) -> SchedReq:
+        # output_len 0: a follower never decides when a request ends, rank 0 does
+        req = SchedReq(UserRequest(new.uid, new.prompt, new.params), output_len=0)
+        req.stop_ids = set(new.stop_ids)
+        if new.params.grammar is not None:
+            if self.grammar is None:
+                from minisgl.scheduler.grammar import GrammarBackend
+                from minisgl.utils.hf import load_tokenizer
+
+                self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.engine.config.model_config.vocab_size)
+                self.runner.use_grammar(self.grammar)
+            req.grammar_matcher = self.grammar.matcher(new.params.grammar)
+        return req
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
 
 
-def follow(scheduler: Scheduler) -> None:
-    """A follower rank's loop: mirror rank 0's calls until it says exit."""
-    while True:
-        try:
-            ops, action = _recv()
-        except RuntimeError as exc:
-            raise TPRankLost(f"TP rank {scheduler.config.tp_info.rank} lost contact with rank 0: {exc}") from exc
-        for op in ops:
-            apply_op(scheduler, op)
-        if action == "exit":
-            return
-        if action == "noop":
-            continue
-        if action == "fingerprint":
-            _gather_fingerprints(scheduler)
-            continue
-        scheduler.step()  # outputs are rank 0's to return
+def follow(follower: Follower) -> None:
+    """A follower rank's loop: run rank 0's plans until it says exit."""
+    with torch.inference_mode():
+        while True:
+            try:
+                action, plan = _recv()
+            except RuntimeError as exc:
+                raise TPRankLost(f"TP rank {follower.config.tp_info.rank} lost contact with rank 0: {exc}") from exc
+            if action == "exit":
+                return
+            if action == "noop":
+                continue
+            if action == "fingerprint":
+                _gather_fingerprints(follower.runner)
+                continue
+            assert plan is not None
+            follower.execute(plan)
 
 
-def fingerprint(scheduler: Scheduler) -> str:
-    """A digest of what must agree over ranks: the token pool on the device (every sampled token
-    is written there), the free pages and rows, and the requests in each state."""
-    import hashlib
-
+def fingerprint(runner: Runner) -> str:
+    """A digest of what must agree over ranks: the token pool (every sampled token is written
+    there) and the page table (every page the policy handed out)."""
+    runner.synchronize()
     h = hashlib.sha256()
-    pool = scheduler.token_pool.to("cpu")
-    h.update(pool.numpy().tobytes())
-    h.update(repr(scheduler.allocator._free).encode())  # order too: it decides the next pages
-    h.update(repr((scheduler.free_rows, [r.uid for r in scheduler.running], [r.uid for r in scheduler.prefilling],
-                   [r.uid for r in scheduler.waiting], scheduler.cache.cached_pages)).encode())  # fmt: skip
+    h.update(runner.token_pool.to("cpu").numpy().tobytes())
+    h.update(runner.engine.page_table.to("cpu").numpy().tobytes())
     return h.hexdigest()
 
 
-def _gather_fingerprints(scheduler: Scheduler) -> List[str]:
+def _gather_fingerprints(runner: Runner) -> List[str]:
     import torch.distributed as dist
 
     from minisgl.distributed import get_cpu_group
 
     out: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, fingerprint(scheduler), group=get_cpu_group())
+    dist.all_gather_object(out, fingerprint(runner), group=get_cpu_group())
     return out
 
 
-def make_scheduler(config: SchedulerConfig) -> Scheduler:
-    """The scheduler of this rank: a plain one at tp=1 or on a follower, the leader on rank 0."""
-    if config.tp_info.size > 1 and config.tp_info.rank == 0:
-        return LeaderScheduler(config)
+def make_scheduler(config: SchedulerConfig) -> Any:
+    """This rank's part: a Scheduler at tp=1, the LeaderScheduler on rank 0, a Follower on the
+    other ranks (typed Any so rank 0's callers keep their Scheduler attributes)."""
+    if config.tp_info.size > 1:
+        return LeaderScheduler(config) if config.tp_info.rank == 0 else Follower(config)
     return Scheduler(config)
 
 
-def run_server_follower(scheduler: Scheduler, ready_conn: Any) -> None:
+def run_server_follower(follower: Follower, ready_conn: Any) -> None:
     """A TP server's rank r > 0 after its engine is built: report ready, follow rank 0, exit 0
     when rank 0 says exit and 1 when it vanishes (the launcher reports which rank exited)."""
-    rank = scheduler.config.tp_info.rank
-    ready_conn.send(("ready", {"rank": rank, "num_pages": scheduler.allocator.num_pages, "device": str(scheduler.device)}))
+    rank = follower.config.tp_info.rank
+    ready_conn.send(("ready", {"rank": rank, "num_pages": follower.num_pages, "device": str(follower.device)}))
     ready_conn.close()
-    logger.info("TP rank %d ready on %s", rank, scheduler.device)
+    logger.info("TP rank %d ready on %s", rank, follower.device)
     try:
-        follow(scheduler)
+        follow(follower)
     except TPRankLost as exc:
         logger.error("%s; this rank exits", exc)
         raise SystemExit(1) from None
     finally:
-        scheduler.shutdown()
+        follower.shutdown()
 
 
 # ---- offline: rank 0 in this process, ranks 1..N-1 spawned -----------------------------------
@@ -226,7 +271,7 @@ def _worker_main(config: SchedulerConfig, conn: Any) -> None:
     setup_child_process(f"minisgl-tp{config.tp_info.rank}", read_env().log_level.lower())
     conn.send(("started", None))  # imports done: rank 0 may start its engine
     try:
-        scheduler = Scheduler(config)
+        follower = Follower(config)
     except BaseException as exc:
         try:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -235,9 +280,9 @@ def _worker_main(config: SchedulerConfig, conn: Any) -> None:
         raise SystemExit(1) from None
     conn.send(("ready", None))
     try:
-        follow(scheduler)
+        follow(follower)
     finally:
-        scheduler.shutdown()
+        follower.shutdown()
         conn.close()
 
 

@@ -1,0 +1,659 @@
+"""The scheduling policy: host only, on integers and lists.
+
+Each step admits waiting requests (matching cached prefixes; optimistic admission reserves the
+prompt and estimates the rest, worst-case reserves everything), picks a prefill batch (chunked
+under a token budget, decode rows riding along) or a decode batch, allocates its pages and
+returns a `StepPlan`; the step's host results (from a runner) become `TokenOutput`s. When a
+decode step cannot get pages, the least urgent requests are retracted and resume later by
+recompute. When steps run, and when finished requests' pages may be reused, is the loop's
+business (`scheduler.py`): the policy releases them on `release_deferred()`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Dict, FrozenSet, List
+
+from minisgl.kvcache import PageAllocator, create_cache_manager
+from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
+from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
+from minisgl.scheduler.queue import make_queue, urgency
+from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
+from minisgl.utils.logger import init_logger
+from minisgl.utils.misc import div_ceil
+
+logger = init_logger(__name__)
+_FINISHED = Status.FINISHED  # (read per row per step)
+
+
+class NewTokenEstimate:
+    """Optimistic admission's estimate: the share of its remaining max_tokens a running request
+    is expected to still generate. It starts at init_new_token_ratio and moves each step (time
+    constant new_token_ratio_decay_steps) toward 1.25x the share that recently finished requests
+    used (toward min_new_token_ratio before any finished): optimism grows until a retraction
+    says stop, which raises it."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.ratio = config.init_new_token_ratio
+        # shares of their max_tokens that recently finished requests used: the estimate's target
+        self._shares: Deque[float] = deque(maxlen=64)
+        self._target = config.min_new_token_ratio
+
+    @property
+    def effective(self) -> float:
+        return min(1.0, self.ratio * self.config.schedule_conservativeness)
+
+    def step(self) -> None:
+        keep = 1.0 - 1.0 / self.config.new_token_ratio_decay_steps
+        self.ratio = self._target + (self.ratio - self._target) * keep
+
+    def finished(self, share: float) -> None:
+        shares = self._shares
+        shares.append(share)
+        self._target = min(1.0, max(self.config.min_new_token_ratio, 1.25 * sum(shares) / len(shares)))
+
+    def retracted(self) -> None:
+        self.ratio = min(1.0, self.ratio * 1.5 + 0.05)
+
+
+@dataclass
+class _Pick:
+    reqs: List[SchedReq]
+    phase: str
+    num_decode_rows: int = 0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the policy must know of the engine."""
+
+    num_pages: int
+    max_seq_len: int
+    vocab_size: int
+    eos_ids: FrozenSet[int]
+
+
+class Policy:
+    def __init__(
+        self, config: SchedulerConfig, limits: Limits, *, share_rows: bool = False, on_grammar: Callable[[Any], None] | None = None
+    ) -> None:
+        if config.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be >= 1, got {config.max_extend_tokens}")
+        self.config = config
+        self._on_grammar = on_grammar  # told the GrammarBackend when the first grammar arrives
+        self.page_size = config.page_size
+        self.alloc_ahead = max(0, 16 - self.page_size)  # decode tokens of pages allocated ahead
+        self.max_seq_len = limits.max_seq_len
+        self.vocab_size = limits.vocab_size
+        self.eos_ids = set(limits.eos_ids)
+        self.allocator = PageAllocator(limits.num_pages)
+        self.cache = create_cache_manager(config.cache_type, self.page_size)
+        self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
+        self.waiting = make_queue(config.schedule_policy)  # new and retracted requests
+        self._queued: Dict[int, SchedReq] = {}  # uid -> a new request in `waiting`
+        self.active: Dict[int, SchedReq] = {}  # admitted, not yet released (retracted ones too)
+        self._prefilling: Dict[int, SchedReq] = {}  # in order of admission
+        self._running: Dict[int, SchedReq] = {}  # decoding, in order of prefill completion
+        self.estimate = NewTokenEstimate(config)
+        self._decode_need = 0  # pages the planned step's decode rows need (set by _schedule)
+        self._admit_counter = 0
+        self._retractions = 0
+        self._mixed_steps = 0
+        self._peak_running = 0
+        self._reserved = 0  # pages promised to admitted requests, not yet allocated
+        self._deferred: List[SchedReq] = []  # finished; released once no in-flight step can touch them
+        # page-table / token-pool writes queued for the next plan
+        self._pt_writes: List[Write] = []
+        self._tp_writes: List[Write] = []
+        # what a runner with its own request objects (a TP follower) needs besides the rows
+        self._share_rows = share_rows
+        self._new_rows: List[NewRow] = []
+        self._releases: List[int] = []
+        self._history: Dict[int, List[int]] = {}
+        self._last_phase = "decode"
+        self._early: List[TokenOutput] = []  # outputs produced outside a step (aborts)
+        self._prompt_tokens = self._hit_tokens = self._generated = 0
+        self._steps = {"prefill": 0, "decode": 0}
+        self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
+        self._num_constrained = 0  # admitted requests with a grammar (their next mask needs the last token)
+        self.grammar: Any = None  # GrammarBackend, created by the first request with a grammar
+
+    # ---- views -------------------------------------------------------------------------------
+    @property
+    def running(self) -> List[SchedReq]:
+        return list(self._running.values())
+
+    @property
+    def prefilling(self) -> List[SchedReq]:
+        return list(self._prefilling.values())
+
+    @property
+    def retracted(self) -> List[SchedReq]:
+        return self.waiting.retracted
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate(self, req: UserRequest) -> None:
+        """Raise InvalidRequest (a ValueError) naming what is wrong with the request (nothing is
+        changed). The same checks as the API server's, so the offline API and the server agree."""
+        if req.uid in self._queued or req.uid in self.active:
+            raise InvalidRequest(f"request uid {req.uid} is already in use")
+        check_token_ids(req.input_ids, self.vocab_size, "input_ids")
+        # max_tokens against the context: check_context refuses (strict) or clips (a default)
+        req.sampling_params.validate(self.vocab_size)
+        if req.sampling_params.priority != 0 and self.config.schedule_policy != "priority":
+            raise InvalidRequest(
+                "priority scheduling is off: start the server with --schedule-policy priority to use 'priority'", param="priority"
+            )
+        if req.sampling_params.grammar is not None:
+            self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
+        check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
+
+    def _grammar_backend(self) -> Any:
+        if self.grammar is None:
+            from minisgl.scheduler.grammar import GrammarBackend
+            from minisgl.utils.hf import load_tokenizer
+
+            self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
+            if self._on_grammar is not None:
+                self._on_grammar(self.grammar)
+        return self.grammar
+
+    def add_request(self, user: UserRequest) -> None:
+        self.validate(user)
+        params = user.sampling_params
+        output_len = check_context(len(user.input_ids), params.max_tokens, self.max_seq_len, strict=False)
+        req = SchedReq(user, output_len)
+        req.stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            req.stop_ids |= self.eos_ids
+        self.waiting.push(req)
+        self._queued[req.uid] = req
+
+    def abort(self, uid: int) -> bool:
+        """Stop a request wherever it is; its pages are freed. Returns whether it was found."""
+        req = self._queued.pop(uid, None)
+        if req is not None:  # never admitted: nothing to release
+            self.waiting.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "abort"
+            self._early.append(TokenOutput(uid, None, True, "abort", prompt_tokens=req.prompt_len))
+            return True
+        req = self.active.get(uid)
+        if req is None or req.finished:
+            return False
+        self._finish(req, "abort")
+        self._early.append(TokenOutput(uid, None, True, "abort", prompt_tokens=req.prompt_len))
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._prefilling or self._running or self._early)
+
+    def take_early(self) -> List[TokenOutput]:
+        """Outputs produced outside a step (abort notices)."""
+        early, self._early = self._early, []
+        return early
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def decodable(self) -> tuple[List[SchedReq], int]:
+        """The requests that can decode next, and the pages that step needs beyond theirs
+        (0 under worst-case admission: their reservations cover it)."""
+        decodable = [r for r in self._running.values() if r.can_decode]
+        need = self._decode_page_need(decodable) if self.config.admission == "optimistic" else 0
+        return decodable, need
+
+    def plan_step(self, decodable: List[SchedReq], need: int, in_flight: StepPlan | None) -> StepPlan | None:
+        """The next step (None: nothing to run). `decodable, need` come from `decodable()`; a
+        step that needs retraction must be planned with no step in flight (its pages are
+        freed at once)."""
+        pick = self._schedule(decodable, need, in_flight)
+        return self._plan(pick) if pick is not None else None
+
+    def _schedule(self, decodable: List[SchedReq], need: int, in_flight: StepPlan | None) -> _Pick | None:
+        if need > self.available_pages():
+            assert in_flight is None, "retraction with a step in flight"
+            decodable, need = self._retract_until_fits(decodable, need)
+        self._decode_need = need
+        want_prefill = bool(self.waiting or self._prefilling)
+        if want_prefill and decodable and self.config.mixed_batches:
+            # One batch: every decode row (one token each) plus prefill chunks in the rest of
+            # the token budget, so no stream waits for a whole prefill step.
+            pick = self._schedule_prefill(decodable, in_flight)
+            if pick is not None:
+                self._last_phase = "prefill"
+                self._mixed_steps += 1
+                self.estimate.step()
+                return pick
+        elif want_prefill and (not decodable or self._last_phase == "decode"):
+            # Without mixing, alternate: a decode step never waits more than one
+            # (budget-bounded) prefill step, and prefills still make progress every other step.
+            pick = self._schedule_prefill([], in_flight)
+            if pick is not None:
+                self._last_phase = "prefill"
+                return pick
+        if decodable:
+            self._last_phase = "decode"
+            self.estimate.step()
+            return _Pick(decodable, "decode")
+        return None
+
+    # ---- admission and retraction ------------------------------------------------------------
+    def available_pages(self) -> int:
+        return self.allocator.num_free + self.cache.evictable_pages - self._reserved
+
+    @property
+    def effective_new_token_ratio(self) -> float:
+        """The share of its remaining max_tokens a running request is expected to generate."""
+        return self.estimate.effective
+
+    def _future_pages(self, length: int, remaining: int, held: int) -> int:
+        """Pages a request of `length` tokens holding `held` pages is expected to still need."""
+        expected = length + math.ceil(max(0, remaining) * self.effective_new_token_ratio)
+        return max(0, div_ceil(expected, self.page_size) - held)
+
+    def _expected_decode_pages(self) -> int:
+        """What admitted requests are expected to still take from the pool while decoding."""
+        total = 0
+        for r in self._running.values():
+            total += self._future_pages(r.device_len, r.output_len - r.num_output, len(r.pages))
+        for r in self._prefilling.values():
+            total += self._future_pages(r.prefill_len, r.output_len - r.num_output, len(r.pages) + r.reserved_pages)
+        return total
+
+    def _decode_page_need(self, reqs: List[SchedReq]) -> int:
+        ps = self.page_size
+        return sum(max(0, div_ceil(r.device_len, ps) - len(r.pages)) for r in reqs)
+
+    def _retract_until_fits(self, decodable: List[SchedReq], need: int) -> tuple[List[SchedReq], int]:
+        """Take pages back from the least urgent decoders until this decode step's `need`
+        fits; returns who stays and what they need (no step is in flight: freed pages are unused)."""
+        keep = sorted(decodable, key=urgency)  # the least urgent last
+        while keep and need > self.available_pages():
+            # Everyone may go: prefilling requests hold reserved pages and always progress, and
+            # the retracted resume (from the front of the queue) as pages return.
+            victim = keep.pop()
+            need -= self._decode_page_need([victim])
+            self._retract(victim)
+        self.estimate.retracted()
+        return keep, need
+
+    def _retract(self, req: SchedReq) -> None:
+        """Return a decoding request's row and pages (its KV goes to the prefix cache, so a
+        resume finds what survives) and queue it to resume before any new request."""
+        del self._running[req.uid]
+        self._release_pages(req)
+        req.num_retractions += 1
+        self._retractions += 1
+        req.status = Status.RETRACTED
+        self.waiting.requeue(req)
+        logger.debug("retracted request %d at %d tokens", req.uid, len(req.token_ids))
+
+    def _fits(self, need_now: int, future: int, expected: int) -> bool:
+        if self.config.admission == "optimistic":
+            return need_now + future + expected <= self.available_pages()
+        return need_now <= self.available_pages()
+
+    def _schedule_prefill(self, decoding: List[SchedReq], in_flight: StepPlan | None) -> _Pick | None:
+        """A prefill step: chunks of admitted prompts, then resumed and new requests, within
+        the token budget; `decoding` rows (one token each) go first when mixing."""
+        budget = self.config.max_extend_tokens - len(decoding)
+        if budget <= 0:
+            return None
+        ps = self.page_size
+        reqs: List[SchedReq] = []
+        for req in self._prefilling.values():
+            if budget <= 0:
+                break
+            budget = self._add_chunk(req, budget, reqs)
+        optimistic = self.config.admission == "optimistic"
+        # (only when something may be admitted: it walks every admitted request)
+        expected = self._expected_decode_pages() if optimistic and self.waiting else 0
+        flying = in_flight.reqs if in_flight is not None else []
+        while budget > 0 and self.free_rows:
+            head = self.waiting.peek()
+            if head is None:
+                break
+            req = head
+            if req.status is Status.RETRACTED:  # resume: recompute every token but a cached prefix
+                if any(r is req for r in flying):
+                    break  # (after a failed step) its last token is still on the way: resume after it
+                ids = req.token_ids
+                match = self.cache.match_prefix(ids[: len(ids) - 1])
+                need = div_ceil(len(ids), ps) - match.num_pages
+                future = self._future_pages(len(ids), req.output_len - req.num_output, div_ceil(len(ids), ps))
+            else:
+                params = req.sampling_params
+                # a request that wants its prompt's logprobs needs every prompt token's logits: no cache hit
+                wants_prompt_lp = params.prompt_logprobs is not None
+                match = self.cache.match_prefix(req.token_ids[: 0 if wants_prompt_lp else req.prompt_len - 1])
+                prompt_pages = div_ceil(req.prompt_len, ps)
+                if optimistic:  # the prompt is reserved; its decoding is an estimate
+                    need = prompt_pages - match.num_pages
+                    future = self._future_pages(req.prompt_len, req.output_len, prompt_pages)
+                else:  # worst case: prompt and every token it may generate
+                    need = div_ceil(req.prompt_len + req.output_len, ps) - match.num_pages
+                    future = 0
+            if not self._fits(need, future, expected):
+                self.cache.unlock(match.handle)
+                break  # wait for running requests to finish and return pages
+            self.waiting.pop()
+            first = req.status is Status.WAITING
+            if first:
+                self._start(req)
+            req.admit(self.free_rows.pop(), match, ps)
+            if first:
+                self._hit_tokens += req.cached_len
+            self._admitted(req, need)
+            expected += future
+            budget = self._add_chunk(req, budget, reqs)
+        if not reqs:
+            return None
+        running = len(self._running) + len(self._prefilling)
+        self._peak_running = max(self._peak_running, running)
+        for r in decoding:
+            r.trusted_len = r.cached_len  # what survives if this step fails (see _recover)
+        return _Pick(decoding + reqs, "prefill", len(decoding))
+
+    def _start(self, req: SchedReq) -> None:
+        """A new request's first admission: it becomes active."""
+        del self._queued[req.uid]
+        self.active[req.uid] = req
+        params = req.sampling_params
+        self._num_penalized += params.has_penalties
+        if params.grammar is not None:
+            req.grammar_matcher = self._grammar_backend().matcher(params.grammar)
+            self._num_constrained += 1
+        self._prompt_tokens += req.prompt_len
+        if self._share_rows:
+            self._new_rows.append(NewRow(req.uid, req.token_ids[: req.prompt_len], params, sorted(req.stop_ids)))
+
+    def _admitted(self, req: SchedReq, reserve: int) -> None:
+        self._admit_counter += 1
+        req.admit_seq = self._admit_counter
+        req.reserved_pages = reserve
+        self._reserved += reserve
+        self._write_prompt(req)
+        self._prefilling[req.uid] = req
+
+    def _add_chunk(self, req: SchedReq, budget: int, reqs: List[SchedReq]) -> int:
+        chunk = min(req.prefill_len - req.cached_len, budget)
+        req.device_len = req.cached_len + chunk
+        reqs.append(req)
+        return budget - chunk
+
+    def _write_prompt(self, req: SchedReq) -> None:
+        n = req.prefill_len
+        self._tp_writes.append((req.table_idx, 0, req.token_ids[:n]))
+        if req.pages:  # matched prefix: point the page table at the cached slots
+            self._queue_page_table(req, 0, len(req.pages))
+
+    def _alloc_pages(self, req: SchedReq, upto_tokens: int) -> None:
+        """Make sure pages cover token positions [0, upto_tokens) of `req`."""
+        need = div_ceil(upto_tokens, self.page_size) - len(req.pages)
+        if need <= 0:
+            return
+        if self.allocator.num_free < need:
+            self.allocator.free(self.cache.evict(need - self.allocator.num_free))
+        start = len(req.pages)
+        req.pages += self.allocator.alloc(need)
+        take = min(need, req.reserved_pages)
+        req.reserved_pages -= take
+        self._reserved -= take
+        self._queue_page_table(req, start, len(req.pages))
+
+    def _queue_page_table(self, req: SchedReq, first_page: int, end_page: int) -> None:
+        ps = self.page_size
+        if ps == 1:
+            slots = req.pages[first_page:end_page]
+        else:
+            slots = [p * ps + i for p in req.pages[first_page:end_page] for i in range(ps)]
+        self._pt_writes.append((req.table_idx, first_page * ps, slots))
+
+    # ---- planning ----------------------------------------------------------------------------
+    def _plan(self, pick: _Pick) -> StepPlan:
+        reqs = pick.reqs
+        decode = pick.phase == "decode"
+        plan = StepPlan(pick.phase, [], [], [], [], [], pick.num_decode_rows, reqs=reqs)
+        ps = self.page_size
+        ahead = self.alloc_ahead
+        if self.config.admission == "optimistic" and ahead:
+            # ahead of need only while the pool has room to spare for it
+            spare = self.available_pages() - self._decode_need
+            if spare < 2 * len(reqs) * div_ceil(ahead, ps):
+                ahead = 0
+        for req in reqs:
+            if req.device_len > len(req.pages) * ps:
+                # Allocate a few steps ahead: with page_size 1 a decode step would otherwise
+                # allocate, and write the page table, for every request every step.
+                upto = min(req.device_len + ahead, req.max_device_len) if decode or req.prefill_done else req.device_len
+                self._alloc_pages(req, upto)
+        plan.uids = [r.uid for r in reqs]
+        plan.rows = [r.table_idx for r in reqs]
+        plan.ends = [r.device_len for r in reqs]
+        if decode:
+            plan.starts = [e - 1 for e in plan.ends]
+            plan.emits = [True] * len(reqs)
+        else:
+            plan.starts = [r.cached_len for r in reqs]
+            # a request emits a real token once its whole prompt (or resume) has KV
+            plan.emits = [r.device_len >= r.prefill_len for r in reqs]
+            plan.prompt_logprobs = _prompt_logprob_plan(reqs)
+        plan.page_writes, self._pt_writes = self._pt_writes, []
+        plan.token_writes, self._tp_writes = self._tp_writes, []
+        if self._share_rows:
+            plan.releases, self._releases = self._releases, []
+            plan.new_rows, self._new_rows = self._new_rows, []
+            plan.history, self._history = self._history, {}
+        return plan
+
+    def launched(self, plan: StepPlan) -> None:
+        """After the runner launched `plan` (its rows advanced by complete_one): where each
+        prefilling request stands for the next plan."""
+        self._steps[plan.phase] += 1
+        if plan.is_prefill:
+            reqs: List[SchedReq] = plan.reqs
+            for i in range(plan.num_decode_rows, len(reqs)):  # a mixed step's decode rows are running already
+                req = reqs[i]
+                if not plan.emits[i]:
+                    req.device_len = req.cached_len  # mid-prompt chunk: the next chunk continues here
+                else:
+                    del self._prefilling[req.uid]
+                    self._running[req.uid] = req
+                    req.status = Status.RUNNING
+
+    @property
+    def must_sync(self) -> bool:
+        """Penalties read every generated token on the host, and a grammar's next mask needs the
+        last token: while an admitted request uses either, each step's results are read before
+        the next is planned (a counter, not a per-step scan of the batch)."""
+        return self._num_penalized > 0 or self._num_constrained > 0
+
+    # ---- results -----------------------------------------------------------------------------
+    def consume(self, plan: StepPlan, result: Any) -> List[TokenOutput]:
+        """A launched step's host results (a runner.StepResult): tokens appended, stop
+        conditions checked, prompt logprobs gathered."""
+        tokens = result.tokens
+        lps = result.logprobs
+        plp = result.prompt_logprobs
+        counts = plan.prompt_logprobs.counts if plp is not None and plan.prompt_logprobs is not None else None
+        plp_at = 0
+        share = self._share_rows
+        outputs: List[TokenOutput] = []
+        for i, (req, real) in enumerate(zip(plan.reqs, plan.emits)):
+            n = counts[i] if counts is not None else 0
+            if n:  # this chunk's prompt logprobs (rows in batch order)
+                assert plp is not None
+                k = req.sampling_params.prompt_logprobs or 0
+                at = len(req.prompt_lp)  # logprobs so far = prompt position of the next one
+                targets = req.token_ids[at + 1 : at + 1 + n]
+                for j in range(n):
+                    tops = list(zip(plp[2][plp_at + j][:k], plp[1][plp_at + j][:k]))
+                    req.prompt_lp.append([targets[j], plp[0][plp_at + j], tops])
+                plp_at += n
+            if not real or req.status is _FINISHED:
+                continue
+            token = tokens[i]
+            req.append_token(token)
+            self._generated += 1
+            out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
+            if req.sampling_params.prompt_logprobs is not None and req.num_output == 1:
+                out.prompt_logprobs, req.prompt_lp = req.prompt_lp, []
+            if lps is not None and lps[i] is not None:
+                out.logprob, out.top_logprobs = lps[i]
+            matcher = req.grammar_matcher
+            if matcher is not None and not matcher.accept_token(token):
+                logger.warning("request %d: token %d is outside its grammar", req.uid, token)
+            if share and (matcher is not None or req.sampling_params.has_penalties):
+                self._history.setdefault(req.uid, []).append(token)  # the followers' sampler reads it
+            if token in req.stop_ids or (matcher is not None and matcher.is_terminated()):
+                self._finish(req, "stop")
+            elif req.num_output >= req.output_len:
+                self._finish(req, "length")
+            out.finished, out.finish_reason = req.finished, req.finish_reason
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, req: SchedReq, reason: str) -> None:
+        status = req.status
+        if status is Status.RUNNING:
+            del self._running[req.uid]
+        elif status is Status.PREFILLING:
+            del self._prefilling[req.uid]
+        elif status is Status.RETRACTED:
+            self.waiting.remove(req)
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if reason in ("stop", "length") and req.output_len > 0:
+            self.estimate.finished(req.num_output / req.output_len)
+        self._deferred.append(req)
+
+    def fail(self, plans: List[StepPlan]) -> List[int]:
+        """After a failed step (the device idle): end the requests of `plans`; decode rows of a
+        failed mixed step resume by recompute instead. Returns the ended uids."""
+        self._pt_writes.clear()
+        self._tp_writes.clear()
+        failed: List[int] = []
+        for plan in plans:
+            reqs: List[SchedReq] = plan.reqs
+            for i, req in enumerate(reqs):
+                if req.finished or self.active.get(req.uid) is not req:
+                    continue
+                if i < plan.num_decode_rows and req.status is Status.RUNNING:
+                    # A decode row that rode along with a failed prefill: its KV up to this
+                    # step is sound, so it resumes by recompute instead of failing with it.
+                    req.cached_len = req.trusted_len
+                    req.device_len = len(req.token_ids)
+                    self._retract(req)
+                    continue
+                self._finish(req, "error")
+                req.kv_trusted = False
+                failed.append(req.uid)
+        self.release_deferred()
+        return failed
+
+    def release_deferred(self) -> None:
+        """Release the requests that finished: call when no step in flight may use their pages."""
+        for req in self._deferred:
+            self._release(req)
+        self._deferred = []
+
+    def _release(self, req: SchedReq) -> None:
+        """Return a finished request's row and pages, and drop its counters."""
+        self._release_pages(req)
+        self._num_penalized -= req.sampling_params.has_penalties
+        if req.grammar_matcher is not None:
+            self._num_constrained -= 1
+            req.grammar_matcher = None
+        del self.active[req.uid]
+        if self._share_rows:
+            self._releases.append(req.uid)
+            self._history.pop(req.uid, None)
+
+    def _release_pages(self, req: SchedReq) -> None:
+        """Return a request's row and pages; its full pages go to the prefix cache (after a
+        failed step only the prefix it found there: its own KV cannot be trusted)."""
+        if not req.holds_row:  # released when it was retracted
+            return
+        known = min(req.cached_len, len(req.token_ids)) if req.kv_trusted else req.matched_len
+        full = min(known // self.page_size, len(req.pages))
+        ids = req.token_ids[: full * self.page_size]
+        to_free, _ = self.cache.insert(ids, req.pages[:full])
+        to_free += req.pages[full:]
+        self.cache.unlock(req.cache_handle)
+        req.cache_handle = None
+        self.allocator.free(to_free)
+        self._reserved -= req.reserved_pages
+        req.reserved_pages = 0
+        req.pages = []
+        self.free_rows.append(req.table_idx)
+        req.table_idx = -1
+
+    # ---- introspection -----------------------------------------------------------------------
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self._running) + len(self._prefilling),
+            num_waiting=len(self.waiting),
+            total_pages=self.allocator.num_pages,
+            free_pages=self.allocator.num_free + self.cache.evictable_pages,
+            cached_pages=self.cache.cached_pages,
+            prompt_tokens=self._prompt_tokens,
+            cache_hit_tokens=self._hit_tokens,
+            generated_tokens=self._generated,
+            prefill_steps=self._steps["prefill"],
+            decode_steps=self._steps["decode"],
+            mixed_steps=self._mixed_steps,
+            num_retracted=self.waiting.num_retracted,
+            retractions=self._retractions,
+            peak_running=self._peak_running,
+            new_token_ratio=self.effective_new_token_ratio,
+        )
+
+    def check_invariants(self) -> None:
+        """When idle: every page is free or held unpinned by the cache, every row is free."""
+        assert not self.has_work(), "check_invariants() needs an idle policy"
+        assert not self.active and not self._deferred, f"requests still hold resources: {list(self.active)}"
+        total = self.allocator.num_pages
+        assert self.allocator.num_free + self.cache.cached_pages == total, (
+            f"page leak: {self.allocator.num_free} free + {self.cache.cached_pages} cached != {total}"
+        )
+        assert self.cache.evictable_pages == self.cache.cached_pages, "a cached page is still pinned"
+        assert len(self.free_rows) == self.config.max_running_req, "a table row leaked"
+        assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
+        assert self._reserved == 0, f"{self._reserved} pages still reserved"
+        assert self._num_penalized == 0, "a finished request is still counted as using penalties"
+        assert self._num_constrained == 0, "a finished request is still counted as constrained"
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unpinned cached page; returns how many were freed."""
+        freed = self.cache.reset()
+        self.allocator.free(freed)
+        return len(freed)
+
+
+def _wants_prompt_logprobs(req: SchedReq) -> bool:
+    # a resumed request sent its prompt logprobs before it was retracted
+    return req.sampling_params.prompt_logprobs is not None and req.num_retractions == 0
+
+
+def _prompt_logprob_plan(reqs: List[SchedReq]) -> PromptLogprobs | None:
+    """Prefill: the flattened token rows whose logits give prompt logprobs (position p
+    predicts prompt token p + 1), and those target tokens."""
+    if not any(_wants_prompt_logprobs(r) for r in reqs):
+        return None
+    rows: List[int] = []
+    targets: List[int] = []
+    counts: List[int] = []  # per request of the batch: prompt logprobs this step produces
+    offset = 0
+    for req in reqs:
+        count = 0
+        if _wants_prompt_logprobs(req):
+            last = min(req.device_len, req.prompt_len - 1)  # the last prompt token predicts nothing here
+            for p in range(req.cached_len, last):
+                rows.append(offset + p - req.cached_len)
+                targets.append(req.token_ids[p + 1])
+            count = max(0, last - req.cached_len)
+        counts.append(count)
+        offset += req.device_len - req.cached_len
+    return PromptLogprobs(rows, targets, counts)
