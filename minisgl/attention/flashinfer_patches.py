@@ -3,9 +3,8 @@ CPU tests check them).
 
 `plan()` of the decode and prefill wrappers takes `max(kv_lens_arr_host).item()` of a host tensor
 of batch size. Python's max iterates the tensor element by element: one 0-d tensor and one
-comparison op per request, ~0.3 ms of host time per decode step at batch 256 (cProfile of the
-offline recipe on the H200, docs/PERFORMANCE.md "FlashInfer, round three") — more than the rest
-of the backend's per-step metadata. Those modules look `max` up in their own globals before the
+comparison op per request, which at large batches costs more host time per decode step than the
+rest of the backend's per-step metadata (cProfile of the offline recipe, docs/PERFORMANCE.md). Those modules look `max` up in their own globals before the
 builtins, so pointing that name at `tensor_max` there changes nothing else.
 """
 

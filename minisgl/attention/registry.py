@@ -50,9 +50,9 @@ def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
 def resolve_attention_backend(name: str, device: torch.device) -> str:
     """'auto' -> triton on CUDA if importable, else flashinfer, else torch.
 
-    Triton first: on the H200 it measured 1.06-1.09x FlashInfer on the offline recipe with bf16
-    K/V and 1.5x with fp8 K/V (docs/PERFORMANCE.md, FlashInfer round three), and it captures
-    prefill and mixed steps in CUDA graphs, which the FlashInfer backend does not."""
+    Triton first: it was the faster of the two on the H200's offline recipe, with bf16 and even
+    more with fp8 K/V (the figures are in docs/PERFORMANCE.md), and it captures prefill and mixed
+    steps in CUDA graphs, which the FlashInfer backend does not."""
     if name != "auto":
         ATTN_BACKENDS.get(name)  # validates
         return name

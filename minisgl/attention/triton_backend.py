@@ -107,7 +107,7 @@ class TritonAttnBackend(BaseAttnBackend):
         """The metadata rows as one [K, bs] device tensor. Its row stride is padded to an even
         length so every row starts 16-byte aligned: Triton specialises kernels on pointer
         alignment, and a batch of odd size would otherwise compile a second variant of each
-        kernel the first time an even one comes (~1 s of JIT in the middle of serving)."""
+        kernel the first time an even one comes (a JIT compile in the middle of serving)."""
         pad = [0] * (bs % 2)
         return make_device_tensor([r + pad for r in rows], torch.int64, self.device)[:, :bs]
 

@@ -1,7 +1,7 @@
 """CUDA graphs for decode (and, through engine/mixed_graph.py, for steps with prompt tokens).
 
-A decode step of a small model is dominated by kernel launches (~60 ms of host time for an
-eager 28-layer forward on the H200 host), so decode steps replay graphs captured once per
+A decode step of a small model is dominated by kernel launches (an eager 28-layer forward costs
+far more host time than the GPU needs for it), so decode steps replay graphs captured once per
 batch size. Batches are padded with the dummy request (whose KV writes land on the dummy page)
 up to the next captured size; larger batches and non-CUDA devices run eagerly. Prefill and
 mixed steps of up to `max_graph_tokens` tokens replay the graphs of `MixedGraphs`, captured

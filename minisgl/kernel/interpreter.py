@@ -1,6 +1,6 @@
 """Make Triton's CPU interpreter (TRITON_INTERPRET=1) agree with the GPU where our checks need it.
 
-For the CPU tests and the benchmark scripts' --smoke/--quick modes only; nothing on a serving path
+For the CPU tests (tests/kernel_checks) only; nothing on a serving path
 imports this. Three differences are mended:
   * float32 -> bfloat16 conversion: the interpreter truncates, the GPU (and torch) round to
     nearest even, so bf16 results could not be held to the GPU's rounding;

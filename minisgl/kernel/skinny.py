@@ -49,13 +49,12 @@ def _pow2(n: int) -> int:
 
 def default_config(kind: Kind, n_w: int, k: int, m: int) -> Any:
     """The tile for (shape, batch bucket), or None to leave the bucket to cuBLAS without timing
-    it. From the H200 sweep (benchmark/gpu_gemv_tune.py, docs/PERFORMANCE.md): at one row, ~512
-    programs of whole weight rows with long K tiles beat cuBLAS 1.7-6x on every Qwen3-0.6B
-    projection; at 2-4 rows the broadcast path beats it 1.6-4x on the plain projections (o, down:
-    cuBLAS picks a 10-12 µs kernel for o_proj there), while the pre-norm ones only tie. From 8
-    rows on, the tl.dot tiles that won in isolation (gate_up, 1.17x) made the whole step ~8%
-    slower at batch 8 and 16 (benchmark/latency.py), so they are not offered. The init
-    measurement then keeps a tile only where it beats the module path on this GPU."""
+    it. From the H200 sweep (tools/gemv_tune.py; figures in docs/PERFORMANCE.md): at one row, ~512
+    programs of whole weight rows with long K tiles beat cuBLAS on every Qwen3-0.6B projection;
+    at 2-4 rows the broadcast path beats it on the plain projections (o, down), while the pre-norm
+    ones only tie. From 8 rows on, the tl.dot tiles that won in isolation made the whole step
+    slower (benchmark/latency.py), so they are not offered. The init measurement then keeps a tile
+    only where it beats the module path on this GPU."""
     from minisgl.kernel.triton_gemv import GemvConfig
 
     n_out = n_w // 2 if kind == "gated" else n_w

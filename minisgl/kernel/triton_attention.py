@@ -52,13 +52,12 @@ F16_Q_SCALE: tl.constexpr = tl.constexpr(0.0625)
 # (The tensor-core kernel reading the pool as int32 words, widened before the layout change, was
 # measured and dropped; docs/PERFORMANCE.md.)
 FP8_DECODE = "auto"
-# H200, batch 256 x ctx 1000 (docs/PERFORMANCE.md): CUDA-core 140 / 171 / 299 us against the
-# tensor-core kernel's 214 / 215 / 212 us at groups 1 / 2 / 4 (its arithmetic grows with the group,
-# the padded dot's does not)
+# The CUDA-core kernel wins at groups 1 and 2 and loses from 4 on (H200, docs/PERFORMANCE.md): its
+# arithmetic grows with the group, the padded dot's does not.
 CC_MAX_GROUP = 2
 # the CUDA-core kernel's tile: (keys per tile, num_warps) and its page-table / K-V prefetch depth
 # (see _decode_cc_kernel), whatever the batch: a mixed step's decode rows and a graph replay take
-# the same tile. benchmark/kv_fp8_sweep.py sets them.
+# the same tile. tools/kv_fp8_sweep.py sets them.
 CC_TILE = (64, 4)
 CC_PREFETCH = 2
 # Triton's interpreter runs no inline PTX: the CUDA-core kernel widens fp8 from the bits there
@@ -505,7 +504,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def decode_tile(batch_size: int, dtype: torch.dtype) -> int:
-    """BLOCK_N for decode. Measured on the H200 (Qwen3-0.6B heads, benchmark/tune_triton_attention.py):
+    """BLOCK_N for decode. Measured on the H200 (Qwen3-0.6B heads, tools/tune_triton_attention.py):
     128-token tiles win at batch >= 128 and for long chunks at small batch, 64 in between."""
     if dtype == torch.float32:
         return 32
@@ -654,7 +653,7 @@ def extend_attention(
         block_m, block_n, warps, stages = 32, 32, 4, 2
     elif max_extend_len > LONG_EXTEND:  # long chunks: benchmark/long_context.py's sweep (H200)
         block_m, block_n, warps, stages = 128, 64, 4, 3
-    else:  # measured best of the sweep in benchmark/tune_triton_attention.py (H200)
+    else:  # measured best of the sweep in tools/tune_triton_attention.py (H200)
         block_m, block_n, warps, stages = 64, 64, 4, 3
     grid = (B, Hq, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](

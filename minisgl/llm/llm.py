@@ -31,8 +31,8 @@ from minisgl.utils.torch_utils import auto_dtype, parse_dtype
 
 OFFLINE_MAX_EXTEND_TOKENS = 16384
 # On a CPU the prefill is compute-bound and its activations are what a chunk keeps in cache:
-# the offline recipe of benchmark/cpu.py (64 prompts, 12k prompt tokens) measured 7.5 s at
-# 4096-token chunks against 8.1 s at 8192 or 16384 and 7.7 s at 3072 (docs/PERFORMANCE.md).
+# benchmark/cpu.py's offline recipe ran fastest at 4096-token chunks, of 3072 to 16384
+# (docs/PERFORMANCE.md).
 CPU_OFFLINE_MAX_EXTEND_TOKENS = 4096
 Message = Dict[str, Any]
 Prompt = Union[str, List[int], List[Message]]
@@ -74,8 +74,8 @@ class LLM:
         # engine so a failure here cannot leave an engine (and its global Context) behind.
         self.tokenizer = _load_tokenizer_if_any(path)
         # Offline, nobody waits on inter-token latency, so on CUDA prefill takes bigger steps than the
-        # server's 8192: each prefill step is an eager forward whose launch cost (~30 ms of host
-        # time on the H200 machine) the GPU mostly idles through, so fewer steps win throughput.
+        # server's 8192: each prefill step is an eager forward whose launch cost the GPU mostly
+        # idles through, so fewer steps win throughput.
         config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS if target.type == "cuda" else CPU_OFFLINE_MAX_EXTEND_TOKENS)
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")

@@ -23,8 +23,8 @@ REPLACEMENT = "\ufffd"
 def raw_decoder(tokenizer: Any) -> Any:
     """The tokenizers-library object under a fast HF tokenizer, when decoding through it gives
     exactly what `tokenizer.decode` gives (no clean-up of tokenization spaces), else None. HF's
-    decode wraps that one Rust call in ~10 µs of Python (argument conversion, kwargs, checks);
-    detokenization calls it twice per token of every stream."""
+    decode wraps that one Rust call in several times its cost of Python (argument conversion,
+    kwargs, checks); detokenization calls it twice per token of every stream."""
     raw = getattr(tokenizer, "_tokenizer", None)
     if raw is None or not callable(getattr(raw, "decode", None)) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None

@@ -1,7 +1,7 @@
 """Large prompts are encoded in helper processes, off the tokenizer worker's loop.
 
 The worker's loop also detokenizes every running request, and the tokenizers library holds the
-GIL while it encodes (measured: a 1 MB prompt blocks a Python thread for ~0.5 s), so one client's
+GIL while it encodes (a megabyte prompt blocks a Python thread for a noticeable time), so one client's
 large prompt would pause everyone's stream. Prompts of at least `threshold_chars` characters go to
 a `ProcessPoolExecutor` of `--num-tokenizer-workers` processes, each with its own copy of the
 tokenizer; the loop polls the futures and carries on. Small prompts (nearly all of them) are

@@ -39,7 +39,7 @@ def torch_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def cpu_has_fast_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 GEMMs run 4-5x faster than fp32 on such CPUs."""
+    """AVX512-BF16 or AMX: bf16 GEMMs run several times faster than fp32 on such CPUs."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
