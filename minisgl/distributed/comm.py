@@ -148,27 +148,33 @@ def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
 
 
 # ---- host messages over the CPU group --------------------------------------------------------
+# Payloads up to this size ride in the first broadcast (a decode step's plan at batch 256 is a
+# few KiB): one gloo round per scheduler step; larger ones take a second round.
+INLINE_BYTES = 16 << 10
+
+
 def broadcast_message(code: int, data: bytes = b"", src: int = 0) -> Tuple[int, bytes]:
     """Send a small code (0 <= code < 256) and optional bytes from rank `src` to every rank of
-    the CPU group; returns (code, bytes) on every rank. One gloo broadcast of a single int64
-    carries the code and the byte count, a second one the bytes, only when there are any, so a
-    message without payload (the scheduler's plain "step") costs one round."""
+    the CPU group; returns (code, bytes) on every rank. One gloo broadcast of a fixed-size frame
+    carries the code, the byte count and up to INLINE_BYTES of the bytes; only a longer payload
+    takes a second broadcast."""
     group = _CPU_GROUP
     assert group is not None, "broadcast_message needs tp > 1 (no CPU group)"
     is_src = dist.get_rank() == src
+    frame = torch.zeros(8 + INLINE_BYTES, dtype=torch.uint8)
     if is_src:
         assert 0 <= code < 256, code
-        header = torch.tensor([(len(data) << 8) | code], dtype=torch.int64)
-    else:
-        header = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
-    value = int(header.item())
+        frame[:8] = torch.tensor([(len(data) << 8) | code], dtype=torch.int64).view(torch.uint8)
+        if 0 < len(data) <= INLINE_BYTES:
+            frame[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(frame, src=src, group=group)
+    value = int(frame[:8].view(torch.int64).item())
     code, n = value & 0xFF, value >> 8
-    if n == 0:
-        return code, b""
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
-    dist.broadcast(payload, src=src, group=group)
-    return code, data if is_src else payload.numpy().tobytes()
+    if n > INLINE_BYTES:
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(n, dtype=torch.uint8)
+        dist.broadcast(payload, src=src, group=group)
+        return code, data if is_src else payload.numpy().tobytes()
+    return code, data if is_src else frame[8 : 8 + n].numpy().tobytes()
 
 
 def all_reduce_min_int(value: int) -> int:

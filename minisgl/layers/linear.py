@@ -40,21 +40,19 @@ class _Linear(ShardedModule):
         self.weight = nn.Parameter(torch.empty(out_local, in_local), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False) if bias else None
 
-    def _cpu_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.cpu_gemm is not None
-        return self.cpu_gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-
-    def _skinny(self, x: torch.Tensor) -> torch.Tensor | None:
-        assert self.skinny is not None
-        out = self.skinny.run("plain", x, self.weight) if self.fused_kind == "plain" else None
-        return out[0] if out is not None else None
+    def _fast(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The bound fast implementation's output (bias included), or None for F.linear.
+        Both exist at tp == 1 only, so a row-parallel layer needs no all-reduce after them."""
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        if self.skinny is not None and self.fused_kind == "plain":
+            out = self.skinny.run("plain", x, self.weight)
+            return out[0] if out is not None else None
+        return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_gemm is not None:
-            return self._cpu_gemm(x)
-        if self.skinny is not None and (y := self._skinny(x)) is not None:
-            return y
-        return F.linear(x, self.weight, self.bias)
+        y = self._fast(x)
+        return y if y is not None else F.linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(_Linear):
@@ -124,9 +122,8 @@ class RowParallelLinear(_Linear):
         return narrow_rank(full, 1, self.in_local, get_tp_info().rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_gemm is not None:  # (tp == 1: no all-reduce)
-            return self._cpu_gemm(x)
-        if self.skinny is not None and (y := self._skinny(x)) is not None:  # (plans exist at tp == 1 only)
+        y = self._fast(x)
+        if y is not None:
             return y
         y = all_reduce(F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

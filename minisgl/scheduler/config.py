@@ -74,6 +74,8 @@ class SchedulerConfig(EngineConfig):
     )
 
     def __post_init__(self) -> None:
+        if self.max_extend_tokens < 1:
+            raise ValueError(f"max_extend_tokens must be >= 1, got {self.max_extend_tokens}")
         if self.admission not in ("optimistic", "worst-case"):
             raise ValueError(f"admission must be 'optimistic' or 'worst-case', got {self.admission!r}")
         if self.schedule_policy not in ("fcfs", "priority"):

@@ -82,8 +82,6 @@ class Policy:
     def __init__(
         self, config: SchedulerConfig, limits: Limits, *, share_rows: bool = False, on_grammar: Callable[[Any], None] | None = None
     ) -> None:
-        if config.max_extend_tokens < 1:
-            raise ValueError(f"max_extend_tokens must be >= 1, got {config.max_extend_tokens}")
         self.config = config
         self._on_grammar = on_grammar  # told the GrammarBackend when the first grammar arrives
         self.page_size = config.page_size

@@ -14,7 +14,7 @@ from typing import List, Tuple
 
 import torch
 
-from minisgl.core import Batch, Req
+from minisgl.core import Batch
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.scheduler.plan import StepPlan, Write
 from minisgl.utils.device import create_stream, make_device_tensor, record_stream, stream_context
@@ -74,7 +74,7 @@ class Runner:
         engine = self.engine
         self._flush(engine.page_table, plan.page_writes)
         self._flush(self.token_pool, plan.token_writes)
-        batch = Batch(reqs=list[Req](plan.reqs), phase="decode" if plan.is_decode else "prefill")
+        batch = Batch(reqs=list(plan.reqs), phase="decode" if plan.is_decode else "prefill")
         batch.num_decode_rows = plan.num_decode_rows
         engine.graph_runner.pad_batch(batch)
         pads = batch.padded_reqs[plan.size :]  # the dummy request, up to a CUDA-graph size

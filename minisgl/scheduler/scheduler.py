@@ -60,8 +60,6 @@ class _InFlight:
 
 class Scheduler(Policy):
     def __init__(self, config: SchedulerConfig, runner: StepRunner | None = None, limits: Limits | None = None) -> None:
-        if config.max_extend_tokens < 1:  # before the engine is built
-            raise ValueError(f"max_extend_tokens must be >= 1, got {config.max_extend_tokens}")
         if runner is None:
             self.engine = Engine(config)
             self.device = self.engine.device

@@ -128,41 +128,22 @@ def field_values(cls: type, namespace: Mapping[str, Any]) -> Dict[str, Any]:
 # ---- argparse types shared by the configs -------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _bounded(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Callable[[str], Any]:
+    """An argparse type: `convert` the text, then refuse what `ok` rejects, naming what is expected."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not 0.0 < value <= 1e6:  # also refuses nan and inf
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1e6], got {value}")
-    return value
-
-
-def ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {value}")
-    return value
+positive_int = _bounded(int, lambda v: v >= 1, "a positive integer")
+nonnegative_int = _bounded(int, lambda v: v >= 0, "a non-negative integer")
+positive_float = _bounded(float, lambda v: 0.0 < v <= 1e6, "a number in (0, 1e6]")  # also refuses nan and inf
+ratio = _bounded(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")

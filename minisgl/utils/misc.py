@@ -1,6 +1,9 @@
-"""Tiny arithmetic helpers."""
+"""Small helpers: arithmetic, and lazy package exports."""
 
 from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Dict
 
 
 def div_ceil(a: int, b: int) -> int:
@@ -25,3 +28,15 @@ def div_even(a: int, b: int, allow_replicate: bool = False) -> int:
 
 def gib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 30):.2f} GiB"
+
+
+def lazy_exports(package: str, where: Dict[str, str]) -> Callable[[str], Any]:
+    """A package's module-level `__getattr__` that imports `package.<where[name]>` only when
+    `name` is first read: the package's light parts stay importable without its heavy ones."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+
+    return __getattr__
