@@ -548,3 +548,52 @@ def test_chat_route_returns_reasoning_and_tool_calls() -> None:
     # without tools the same text is reasoning + content
     plain = client.post("/v1/chat/completions", json={"messages": body["messages"], "max_tokens": 50}).json()["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"]["content"].startswith("<tool_call>")
+
+
+def test_a_non_streaming_client_that_hangs_up_aborts_its_request() -> None:
+    """The route's half of a non-streaming disconnect, without a clock: the hang-up arrives only
+    after the request has produced output (delivered by the test), so the request is certainly
+    still running when the server notices; every unfinished choice must be aborted."""
+    import asyncio
+
+    from minisgl.server.frontend import RequestStream
+    from minisgl.server.routes.common import APIError, collect
+
+    class Sent:
+        metrics = None
+
+        def __init__(self) -> None:
+            self.msgs: List[Any] = []
+            self.forgotten = 0
+
+        def _send(self, msg: Any) -> None:
+            self.msgs.append(msg)
+
+        def _forget(self, stream: Any) -> None:
+            self.forgotten += 1
+
+    class HangingUpClient:
+        def __init__(self) -> None:
+            self.hang_up = asyncio.Event()
+
+        async def receive(self) -> Dict[str, Any]:
+            await self.hang_up.wait()
+            return {"type": "http.disconnect"}
+
+    async def scenario() -> None:
+        frontend, client = Sent(), HangingUpClient()
+        stream = RequestStream(frontend, [7, 8])  # type: ignore[arg-type]  # n=2: two choices
+        task = asyncio.ensure_future(collect(client, stream))  # type: ignore[arg-type]
+        stream._deliver(7, ReplyMsg(uid=7, text="a", num_tokens=1, completion_tokens=1))
+        stream._deliver(8, ReplyMsg(uid=8, text="b", num_tokens=1, finished=True, finish_reason="length"))
+        await asyncio.sleep(0)  # the route consumes what arrived and waits for more
+        assert not task.done()
+        client.hang_up.set()
+        with pytest.raises(APIError) as err:
+            await task
+        assert err.value.status == 499
+        # only the unfinished choice is aborted; the stream is unregistered
+        assert frontend.msgs == [AbortReq(7)]
+        assert stream.done and frontend.forgotten >= 1
+
+    asyncio.run(scenario())
