@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Any, Callable, Dict
 
 import pytest
 
@@ -87,3 +87,27 @@ def _no_leaked_engine(request: pytest.FixtureRequest):
     leaked = minisgl.core._GLOBAL_CTX is not None
     minisgl.core.clear_global_ctx()
     assert not leaked, "test left a global Context set (an Engine was not shut down)"
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: str) -> str:
+    """The server tests' model (tests/server_helpers.py), built once per session."""
+    from server_helpers import build_tiny_chat_model
+
+    return str(build_tiny_chat_model(tmp_path_factory.getbasetemp() / "tiny_chat_llama", embedded_model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    """The scheduler and LLM tests' checkpoint (sched_helpers.TINY)."""
+    from sched_helpers import TINY
+
+    return tiny_model_dir(TINY)
+
+
+@pytest.fixture(scope="session")
+def refs(hf_oracle: Callable[[str], HFOracle]) -> Any:
+    """HF's greedy outputs of the shared workload on `tiny_dir` (sched_helpers.refs_for), once."""
+    from sched_helpers import TINY, refs_for
+
+    return refs_for(hf_oracle(TINY))

@@ -20,11 +20,6 @@ from minisgl.llm import LLM
 N_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir(TINY)
-
-
 def make_llm(path: Any, deterministic: bool = True, **kw: Any) -> LLM:
     kw.setdefault("max_running_req", 16)
     kw.setdefault("max_seq_len_override", 256)

@@ -24,7 +24,6 @@ from sched_helpers import (
     check_workload,
     greedy,
     hf_generate,
-    refs_for,
     running_llm,
     teacher_forced_logits,
 )
@@ -36,18 +35,8 @@ PROMPTS, MAX_TOKENS = WORKLOAD
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir(TINY)
-
-
-@pytest.fixture(scope="module")
 def oracle(hf_oracle):
     return hf_oracle(TINY)
-
-
-@pytest.fixture(scope="module")
-def refs(oracle):
-    return refs_for(oracle)
 
 
 def _params(max_tokens: List[int], **kw) -> List[SamplingParams]:

@@ -13,7 +13,6 @@ import pytest
 import torch
 from helpers import TEST_ATTENTION_BACKEND, TEST_DEVICE
 from sched_helpers import assert_idle_and_clean, assert_match_ref
-from test_scheduler import refs, tiny_dir  # noqa: F401  (fixtures)
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import DistributedInfo

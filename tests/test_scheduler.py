@@ -11,13 +11,11 @@ import pytest
 import torch
 from helpers import TEST_ATTENTION_BACKEND, TEST_DEVICE
 from sched_helpers import (
-    TINY,
     WORKLOAD,
     assert_idle_and_clean,
     assert_match_ref,
     greedy,
     llm_kwargs,
-    refs_for,
 )
 
 from minisgl.core import SamplingParams
@@ -27,16 +25,6 @@ from minisgl.sampling_params import GrammarSpec
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
 
 PROMPTS, MAX_TOKENS = WORKLOAD
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tiny_model_dir):
-    return tiny_model_dir(TINY)
-
-
-@pytest.fixture(scope="module")
-def refs(hf_oracle):
-    return refs_for(hf_oracle(TINY))
 
 
 @contextmanager

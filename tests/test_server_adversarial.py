@@ -22,8 +22,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-from test_server import REPO, ServerProcess, free_port, tiny_chat_model  # noqa: F401  (fixture)
-from test_server import _assert_error as assert_error_body
+from server_helpers import REPO, ServerProcess, assert_error_body, free_port
 
 API_KEY = "adversary-key"
 MAX_SEQ_LEN = 512

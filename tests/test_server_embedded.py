@@ -8,7 +8,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-from test_server import ServerProcess
+from server_helpers import ServerProcess
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

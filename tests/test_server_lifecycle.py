@@ -11,7 +11,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-from test_server import REPO, ServerProcess, pids_alive, tiny_chat_model  # noqa: F401  (fixture)
+from server_helpers import REPO, ServerProcess, pids_alive
 
 EXTRA = ("--dtype", "float32", "--max-seq-len", "256", "--num-pages", "2048")
 

@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-from test_server import ServerProcess, build_tiny_chat_model
+from server_helpers import ServerProcess, build_tiny_chat_model
 
 CTX = 768
 MODEL = "tiny_chat_llama_4k"

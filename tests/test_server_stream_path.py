@@ -10,11 +10,11 @@ from typing import Any, List
 
 import httpx
 import pytest
+from test_server_tokenizer_modes import N_NEW, PROMPTS, bare_model, config_only, ids_server, reference  # noqa: F401  (fixtures)
 
 from minisgl.message import ReplyMsg
 from minisgl.server.routes.common import ChunkWriter, coalesce
 from minisgl.tokenizer.worker import merge_replies
-from tests.test_server_tokenizer_modes import N_NEW, PROMPTS, bare_model, config_only, ids_server, reference, tiny_chat_model  # noqa: F401  # noqa: F401
 
 
 def _reply(uid: int, text: str, ids: List[int], **kw: Any) -> ReplyMsg:

@@ -18,8 +18,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-
-from tests.test_server import REPO, ServerProcess, tiny_chat_model  # noqa: F401
+from server_helpers import REPO, ServerProcess
 
 PROMPTS = [[1, 450, 4996, 17354, 1701], [1, 9038, 2501, 263, 931, 29892], [17, 28, 39, 41]]
 N_NEW = 12

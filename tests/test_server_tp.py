@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 import httpx
 import pytest
 from helpers import TEST_DEVICE
-from test_server import ServerProcess, free_port, pids_alive, tiny_chat_model  # noqa: F401  (fixture)
+from server_helpers import ServerProcess, free_port, pids_alive
 
 if TEST_DEVICE.startswith("cuda"):
     import torch
@@ -149,7 +149,7 @@ def test_two_nodes_serve_and_stop_together(servers: Dict[str, ServerProcess], ti
 
 
 def test_bad_tp_layouts_are_refused() -> None:
-    from test_server import REPO
+    from server_helpers import REPO
 
     for argv, message in (
         (["--tp", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"], "not divisible by --nnodes"),

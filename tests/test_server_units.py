@@ -10,7 +10,6 @@ from typing import Any, Dict, List
 
 import pytest
 import zmq
-from test_server import tiny_chat_model  # noqa: F401  (fixture)
 
 from minisgl.message import (
     AbortMsg,

@@ -12,7 +12,7 @@ import time
 from typing import List
 
 import pytest
-from test_server import REPO, tiny_chat_model  # noqa: F401  (fixture)
+from server_helpers import REPO
 
 ARGS = ("--dtype", "float32", "--max-seq-len", "256", "--num-pages", "2048", "--log-level", "warning")
 MAX_TOKENS = 12
