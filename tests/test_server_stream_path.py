@@ -1,16 +1,13 @@
 """The streaming path's batching: the tokenizer worker merges a request's replies of one flush,
 the API server writes a stream's ready chunks at once, and many concurrent streams still get
-every token exactly once and in order (checked end to end against the offline LLM)."""
+every token exactly once and in order (end to end against the offline LLM: that test,
+test_many_streams_get_every_token_in_order, runs on test_server_tokenizer_modes.py's server)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from typing import Any, List
-
-import httpx
-import pytest
-from test_server_tokenizer_modes import N_NEW, PROMPTS, bare_model, config_only, ids_server, reference  # noqa: F401  (fixtures)
 
 from minisgl.message import ReplyMsg
 from minisgl.server.routes.common import ChunkWriter, coalesce
@@ -78,27 +75,3 @@ def test_chunk_writer_is_valid_json() -> None:
     assert obj == {"id": "id-1", "object": "text_completion", "created": w.head["created"], "model": "m\u00e9",
                    "choices": [{"index": 0, "text": "h\u00e9\n\"", "token_ids": [1]}], "usage": None}  # fmt: skip
     assert json.loads(ChunkWriter("i", "o", "m", include_usage=False).choice({"index": 0})[6:])["choices"] == [{"index": 0}]
-
-
-@pytest.mark.parametrize("n_streams", [48])
-def test_many_streams_get_every_token_in_order(ids_server: Any, reference: Any, n_streams: int) -> None:  # noqa: F811
-    """Concurrent streams (more than the scheduler's 16 rows): the ids of every stream, chunks
-    concatenated, equal the offline LLM's greedy ids; no token is lost or repeated by merging."""
-
-    async def one(client: httpx.AsyncClient, i: int) -> List[int]:
-        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True, "stream": True}
-        ids: List[int] = []
-        async with client.stream("POST", ids_server.base_url + "/v1/completions", json=body) as resp:
-            assert resp.status_code == 200
-            async for line in resp.aiter_lines():
-                if line.startswith("data: {"):
-                    ids += json.loads(line[6:])["choices"][0]["token_ids"]
-        return ids
-
-    async def run() -> List[List[int]]:
-        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n_streams)) as client:
-            return await asyncio.gather(*(one(client, i) for i in range(n_streams)))
-
-    got = asyncio.run(run())
-    assert got == [reference["ids"][i % len(PROMPTS)] for i in range(n_streams)]
-    ids_server.wait_idle()

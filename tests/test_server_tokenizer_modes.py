@@ -9,6 +9,7 @@ folder with random weights (--load-format dummy), checked against `LLM(use_dummy
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -261,3 +262,27 @@ def test_continuous_usage_stats(ids_server: ServerProcess) -> None:
     assert all(c["usage"]["prompt_tokens"] == len(PROMPTS[2]) for c in chunks)
     assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"] for c in chunks)
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == N_NEW
+
+
+@pytest.mark.parametrize("n_streams", [48])
+def test_many_streams_get_every_token_in_order(ids_server: ServerProcess, reference: Dict[str, Any], n_streams: int) -> None:
+    """Concurrent streams (more than the scheduler's 16 rows): the ids of every stream, chunks
+    concatenated, equal the offline LLM's greedy ids; no token is lost or repeated by merging."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> List[int]:
+        body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": N_NEW, "temperature": 0, "ignore_eos": True, "stream": True}
+        ids: List[int] = []
+        async with client.stream("POST", ids_server.base_url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    ids += json.loads(line[6:])["choices"][0]["token_ids"]
+        return ids
+
+    async def run() -> List[List[int]]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=n_streams)) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n_streams)))
+
+    got = asyncio.run(run())
+    assert got == [reference["ids"][i % len(PROMPTS)] for i in range(n_streams)]
+    ids_server.wait_idle()
