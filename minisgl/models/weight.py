@@ -109,7 +109,6 @@ class CheckpointTensor:
             out[i:j].copy_(self._read_rows(i, j).narrow(dim, start, length))
         return out
 
-
     def rows(self, start: int, length: int) -> "CheckpointTensor":
         """Rows [start, start + length) of dim 0, still unread (they are contiguous in the file)."""
         if not 0 <= start <= start + length <= self.shape[0]:
