@@ -259,7 +259,7 @@ def test_llm_greedy_matches_hf(name, path, phi3_dir, phi3_hf):
     hf = phi3_hf(name)
     prompts = random_prompts([3, 9, 20, 30], seed=NAMES.index(name) + 310)
     max_tokens = 16  # the 20- and 30-token prompts decode across position 32
-    kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, **_path_kwargs(path))
+    kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128, **_path_kwargs(path))
     with running_llm(phi3_dir(name), **kw) as llm:
         engine = llm.scheduler.engine
         log = _record_runners(engine)
@@ -319,7 +319,7 @@ def test_bf16_cpu_fast_path_agrees_with_hf_bf16(tmp_path):
     path = build_phi3(tmp_path / "phi35_bf16", seed=40, dtype=torch.bfloat16, **VARIANTS["phi35"])
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     prompts = random_prompts([7, 25], seed=330)
-    with running_llm(path, dtype="bfloat16", max_running_req=2) as llm:
+    with running_llm(path, dtype="bfloat16", max_running_req=2, max_seq_len_override=128) as llm:
         assert llm.scheduler.engine.cpu_runner is not None
         results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     for ids, res in zip(prompts, results):
@@ -388,8 +388,17 @@ def test_model_configs(phi3_dir, tmp_path):
     assert phi4.architecture == "Phi3ForCausalLM"
     # a sliding window shorter than the context (Phi-3-mini-4k: 2047 of 4096) cuts the context to it
     windowed = build_phi3(tmp_path / "window", seed=50, sliding_window=47)
-    assert cfg(windowed).rotary_config.max_position == 47
+    assert cfg(windowed).rotary_config.max_position == 47 and cfg(windowed).context_cut_by_window == 47
     assert cfg(build_phi3(tmp_path / "wide", seed=50, sliding_window=4096)).rotary_config.max_position == 128
+    with pytest.raises(ValueError, match=r"--max-seq-len 48 is longer than this model's sliding window \(sliding_window=47\)"):
+        with running_engine(windowed, max_seq_len=48):
+            pass
+    # within the window the window masks nothing: HF (which masks it) agrees
+    ids = random_prompts([40], seed=360)[0]
+    with running_engine(windowed, max_seq_len=47) as engine:
+        PageAllocator(engine).allocate(0, len(ids) + 1)
+        ours = prefill_logits(engine, [make_req(ids, 0, output_len=1)])[0]
+    assert (ours - HFOracle(windowed).logits(ids)[-1]).abs().max().item() < LOGIT_ATOL
 
 
 def test_what_we_refuse_is_named():

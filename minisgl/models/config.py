@@ -27,8 +27,9 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
-def _context_len(hf: Any) -> int:
-    """max_position_embeddings, cut to the sliding window where a config attends through one.
+def _window_cut(hf: Any) -> int | None:
+    """The sliding window where a config attends through one shorter than max_position_embeddings:
+    the context is cut to it (RotaryConfig.max_position, and so the engine's max_seq_len).
 
     No backend here masks a sliding window; within the window the mask hides nothing (a query
     attends to the keys less than `sliding_window` positions back, transformers'
@@ -40,7 +41,7 @@ def _context_len(hf: Any) -> int:
         window = None
     if window is not None and int(window) < hf.max_position_embeddings:
         return int(window)
-    return int(hf.max_position_embeddings)
+    return None
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class ModelConfig:
     attention_bias: bool
     rotary_config: RotaryConfig
     eos_token_ids: List[int] = field(default_factory=list)
+    # the sliding window the context was cut to (_window_cut), else None
+    context_cut_by_window: int | None = None
     # Mixture of experts (Qwen3-MoE); num_experts == 0 means dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -106,11 +109,12 @@ class ModelConfig:
             rotary_config=RotaryConfig(
                 head_dim=head_dim,
                 rotary_dim=int(head_dim * partial),
-                max_position=_context_len(hf),
+                max_position=_window_cut(hf) or hf.max_position_embeddings,
                 base=theta,
                 scaling=scaling,
             ),
             eos_token_ids=eos_ids,
+            context_cut_by_window=_window_cut(hf),
             num_experts=int(num_experts) if "moe" in getattr(hf, "model_type", "") else 0,
             num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
             moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0),
