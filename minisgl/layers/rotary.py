@@ -79,7 +79,7 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
 def _cos_sin_table(cfg: RotaryConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position, [max_position, rotary_dim] each (float32)."""
     t = torch.arange(cfg.max_position, dtype=torch.float32)
-    if _rope_type(cfg) == "longrope":
+    if _rope_type(cfg) in ("longrope", "su"):  # "su": LongRoPE's name in the first Phi-3 configs
         return _longrope_table(cfg, t)
     freqs = torch.outer(t, _inv_freq(cfg))
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -91,16 +91,18 @@ def _longrope_table(cfg: RotaryConfig, t: torch.Tensor) -> Tuple[torch.Tensor, t
     inv_freq = 1 / (ext * base^(2i/d)) with ext = short_factor or long_factor, and cos/sin times
     attention_factor (default sqrt(1 + ln(factor) / ln(original)), factor = max_position / original).
 
-    transformers picks one set per forward: long once its longest position reaches
-    original_max_position_embeddings (`dynamic_rope_update`: seq_len = max(position_ids) + 1 >
-    original). A paged engine rotates each token once, when its K is stored, so the choice here is
-    per position: row p uses the short factors for p < original and the long ones from there on.
-    That is transformers' answer for every sequence within original_max_position_embeddings, and
-    for every decode step past it after a prompt within it (generate rotates position p >= original
-    with the long set and keeps the earlier K as it stored them). It differs only for a prompt
-    longer than original, which transformers rotates whole with the long set; vLLM and SGLang
-    instead switch every token of a batch to the long set when any position in it exceeds original,
-    which makes one request's rotation depend on its batch mates. docs/MODELS.md says the same."""
+    Which set, per token: row p holds the short factors for p < original_max_position_embeddings
+    and the long ones from there on. transformers picks one set per forward by its longest position
+    (`dynamic_rope_update`: long once max(position_ids) + 1 > original), and its generate drops the
+    cache at the crossing and recomputes the whole sequence with the long set (Phi3's
+    `prepare_inputs_for_generation`). A paged engine rotates each token once, when its K is stored,
+    and never recomputes stored K, so the choice is per position: identical to transformers for
+    every sequence within original_max_position_embeddings; past it the tokens before the crossing
+    keep the short set (transformers' forward fed one token at a time past the original length).
+    vLLM and SGLang instead rotate every token of a batch with the long set once any position in it
+    exceeds the original length, which makes one request's rotation depend on its batch mates. One
+    table indexed by position is what every path reads (module path, fused CUDA prologue, graphs,
+    the CPU C loop). docs/MODELS.md says the same."""
     scaling = cfg.scaling or {}
     for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
         if key not in scaling:
