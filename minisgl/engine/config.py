@@ -125,7 +125,13 @@ class EngineConfig:
 
     @property
     def max_seq_len(self) -> int:
+        window = self.model_config.context_cut_by_window
         if self.max_seq_len_override is not None:
+            if window is not None and self.max_seq_len_override > window:
+                raise ValueError(
+                    f"--max-seq-len {self.max_seq_len_override} is longer than this model's sliding window "
+                    f"(sliding_window={window}); sliding-window attention is not implemented, so its context is at most {window}"
+                )
             return self.max_seq_len_override
         return self.model_config.rotary_config.max_position
 

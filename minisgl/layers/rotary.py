@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF's rotate-half layout) with default, linear and llama3 scaling.
+"""Rotary position embedding (HF's rotate-half layout) with default, linear, llama3 and longrope scaling.
 
 The cos/sin table is computed in float32 on the real device (never on meta: the model is built
 on meta and its weights loaded afterwards, but the table is not a weight) and shared by every
@@ -73,7 +73,63 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, longrope")
+
+
+def _cos_sin_table(cfg: RotaryConfig) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position, [max_position, rotary_dim] each (float32)."""
+    t = torch.arange(cfg.max_position, dtype=torch.float32)
+    if _rope_type(cfg) in ("longrope", "su"):  # "su": LongRoPE's name in the first Phi-3 configs
+        return _longrope_table(cfg, t)
+    freqs = torch.outer(t, _inv_freq(cfg))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _longrope_table(cfg: RotaryConfig, t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """LongRoPE (Phi-3.5, Phi-4-mini) as transformers computes it (`_compute_longrope_parameters`):
+    inv_freq = 1 / (ext * base^(2i/d)) with ext = short_factor or long_factor, and cos/sin times
+    attention_factor (default sqrt(1 + ln(factor) / ln(original)), factor = max_position / original).
+
+    Which set, per token: row p holds the short factors for p < original_max_position_embeddings
+    and the long ones from there on. transformers picks one set per forward by its longest position
+    (`dynamic_rope_update`: long once max(position_ids) + 1 > original), and its generate drops the
+    cache at the crossing and recomputes the whole sequence with the long set (Phi3's
+    `prepare_inputs_for_generation`). A paged engine rotates each token once, when its K is stored,
+    and never recomputes stored K, so the choice is per position: identical to transformers for
+    every sequence within original_max_position_embeddings; past it the tokens before the crossing
+    keep the short set (transformers' forward fed one token at a time past the original length).
+    vLLM and SGLang instead rotate every token of a batch with the long set once any position in it
+    exceeds the original length, which makes one request's rotation depend on its batch mates. One
+    table indexed by position is what every path reads (module path, fused CUDA prologue, graphs,
+    the CPU C loop). docs/MODELS.md says the same."""
+    scaling = cfg.scaling or {}
+    for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+        if key not in scaling:
+            raise ValueError(f"rope_scaling type 'longrope' needs the field {key!r}")
+    original = int(scaling["original_max_position_embeddings"])
+    factor = float(scaling.get("factor") or cfg.max_position / original)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    dim = cfg.rotary_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    cos, sin = [], []
+    for key, rows in (("short_factor", t[:original]), ("long_factor", t[original:])):
+        ext = [float(f) for f in scaling[key]]
+        if len(ext) != dim // 2:
+            raise ValueError(f"rope_scaling.{key} has {len(ext)} entries; the rotary dimension {dim} needs {dim // 2}")
+        inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * cfg.base**exponents)
+        freqs = torch.outer(rows, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos.append(emb.cos() * attention_factor)
+        sin.append(emb.sin() * attention_factor)
+    return torch.cat(cos), torch.cat(sin)
+
+
+def _rope_type(cfg: RotaryConfig) -> str:
+    scaling = cfg.scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default")) or "default"
 
 
 class RotaryEmbedding(nn.Module):
@@ -83,13 +139,8 @@ class RotaryEmbedding(nn.Module):
         # Computed on the device it serves (its cos/sin round as that device's do), outside any
         # `torch.device("meta")` context the caller may be in.
         with torch.device(device if device is not None else _ROPE_DEVICE):
-            inv_freq = _inv_freq(cfg)
-            t = torch.arange(cfg.max_position, dtype=torch.float32)
-            freqs = torch.outer(t, inv_freq)
-            emb = torch.cat([freqs, freqs], dim=-1)
             # Plain attributes, not buffers: they are not weights and must not be built on meta.
-            self.cos = emb.cos()
-            self.sin = emb.sin()
+            self.cos, self.sin = _cos_sin_table(cfg)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""

@@ -47,6 +47,13 @@ def _qwen3_moe() -> Type[nn.Module]:
     return Qwen3MoeForCausalLM
 
 
+@MODELS.register("Phi3ForCausalLM")
+def _phi3() -> Type[nn.Module]:
+    from minisgl.models.phi3 import Phi3ForCausalLM
+
+    return Phi3ForCausalLM
+
+
 def create_model(config: ModelConfig) -> nn.Module:
     return MODELS.get(config.architecture)()(config)
 

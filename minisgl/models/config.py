@@ -18,7 +18,30 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
         scaling = dict(params)
     elif getattr(hf, "rope_scaling", None):
         scaling = dict(hf.rope_scaling)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        # transformers 4 kept these at the top level; LongRoPE needs both (layers/rotary.py)
+        original = scaling.get("original_max_position_embeddings", getattr(hf, "original_max_position_embeddings", None))
+        if original is not None:
+            scaling["original_max_position_embeddings"] = original
+            scaling.setdefault("factor", hf.max_position_embeddings / original)  # transformers' default
     return float(theta if theta is not None else 10000.0), scaling
+
+
+def _window_cut(hf: Any) -> int | None:
+    """The sliding window where a config attends through one shorter than max_position_embeddings:
+    the context is cut to it (RotaryConfig.max_position, and so the engine's max_seq_len).
+
+    No backend here masks a sliding window; within the window the mask hides nothing (a query
+    attends to the keys less than `sliding_window` positions back, transformers'
+    `sliding_window_overlay`), so a context of at most `sliding_window` tokens is exact. Phi-3-mini-4k
+    sets 2047 of 4096, Mistral-7B-v0.1 4096 of 32768; Qwen2/3 configs with use_sliding_window
+    false come from transformers with no window."""
+    window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "use_sliding_window", True) is False:
+        window = None
+    if window is not None and int(window) < hf.max_position_embeddings:
+        return int(window)
+    return None
 
 
 @dataclass(frozen=True)
@@ -38,6 +61,8 @@ class ModelConfig:
     attention_bias: bool
     rotary_config: RotaryConfig
     eos_token_ids: List[int] = field(default_factory=list)
+    # the sliding window the context was cut to (_window_cut), else None
+    context_cut_by_window: int | None = None
     # Mixture of experts (Qwen3-MoE); num_experts == 0 means dense.
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -61,7 +86,9 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope_params(hf)
-        partial = float(getattr(hf, "partial_rotary_factor", 1.0) or 1.0)
+        # transformers 5 keeps it in rope_parameters (and on the config), 4 on the config
+        rope_params = getattr(hf, "rope_parameters", None) or {}
+        partial = float(rope_params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
@@ -82,11 +109,12 @@ class ModelConfig:
             rotary_config=RotaryConfig(
                 head_dim=head_dim,
                 rotary_dim=int(head_dim * partial),
-                max_position=hf.max_position_embeddings,
+                max_position=_window_cut(hf) or hf.max_position_embeddings,
                 base=theta,
                 scaling=scaling,
             ),
             eos_token_ids=eos_ids,
+            context_cut_by_window=_window_cut(hf),
             num_experts=int(num_experts) if "moe" in getattr(hf, "model_type", "") else 0,
             num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
             moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0),

@@ -4,13 +4,16 @@ Peak memory matters (a 14B model in bf16 is 28 GB): tensors are read one at a ti
 from the file into their own buffers (no mmap, whose resident pages would count a second copy);
 a sharded parameter reads only this rank's slice (CheckpointTensor.narrow), so at tp=N a rank
 reads and holds about 1/N of the checkpoint; each piece is cast and moved to the device; merged
-parameters (q/k/v, gate/up, experts) wait only until their last part arrives.
+parameters (q/k/v, gate/up, experts) wait only until their last part arrives. A checkpoint tensor
+that already holds several parts (Phi-3's qkv_proj and gate_up_proj: `Fused`) is split into its
+parts first, each then sharded like a separate tensor (rank r takes its heads of q, of k and of v).
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Iterator, List, Sequence, Tuple, cast
 
@@ -106,6 +109,36 @@ class CheckpointTensor:
             out[i:j].copy_(self._read_rows(i, j).narrow(dim, start, length))
         return out
 
+    def rows(self, start: int, length: int) -> "CheckpointTensor":
+        """Rows [start, start + length) of dim 0, still unread (they are contiguous in the file)."""
+        if not 0 <= start <= start + length <= self.shape[0]:
+            raise IndexError(f"rows({start}, {length}) outside {tuple(self.shape)} of {self.name}")
+        row_bytes = self._nbytes // self.shape[0] if self.shape[0] else 0
+        shape = [length, *self.shape[1:]]
+        return CheckpointTensor(self._f, self._path, self.name, self._offset + start * row_bytes, length * row_bytes, shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """The `part` of a checkpoint tensor that stacks several parts of one merged parameter on dim 0,
+    in file order: ((part, rows in the checkpoint), ...), e.g. (("q", 3072), ("k", 3072), ("v", 3072))."""
+
+    parts: Tuple[Tuple[Any, int], ...]
+
+    def split(self, full: Any) -> List[Tuple[Any, Any]]:
+        """(part, its rows of `full`) for each part; nothing is read from the file yet."""
+        total = sum(n for _, n in self.parts)
+        if full.shape[0] != total:
+            raise ValueError(
+                f"fused checkpoint tensor {getattr(full, 'name', '')!r} has {full.shape[0]} rows, its parts "
+                f"{', '.join(f'{p}: {n}' for p, n in self.parts)} need {total}"
+            )
+        out, start = [], 0
+        for part, n in self.parts:
+            out.append((part, full.rows(start, n) if isinstance(full, CheckpointTensor) else full.narrow(0, start, n)))
+            start += n
+        return out
+
 
 def iter_checkpoint(path: Path) -> Iterator[Tuple[str, CheckpointTensor]]:
     """Yield (name, CheckpointTensor) of one .safetensors file in file order; nothing is read
@@ -148,27 +181,29 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             mapped = model.map_weight_name(ckpt_name)  # type: ignore[operator]
             if mapped is None:
                 continue
-            name, part = mapped
+            name, fused_or_part = mapped
             module_path, _, param_name = name.rpartition(".")
             try:
                 module: Any = model.get_submodule(module_path)  # a ShardedModule (parts/shard/merge)
             except AttributeError:
                 raise ValueError(f"checkpoint weight {ckpt_name!r} does not belong to {type(model).__name__}") from None
-            # A sharded layer narrows `full`, which reads only this rank's slice from the file.
-            piece: Any = module.shard(param_name, cast(Any, full), part) if isinstance(module, ShardedModule) else full
-            if isinstance(piece, CheckpointTensor):
-                piece = piece.read()  # replicated
-            target_dtype = dtype if piece.is_floating_point() else piece.dtype
-            local = piece.to(device=device, dtype=target_dtype)
-            del piece
-            parts = module.parts(param_name) if isinstance(module, ShardedModule) else None
-            if part is None or parts is None:
-                out[name] = local
-                continue
-            bucket = pending.setdefault(name, {})
-            bucket[part] = local
-            if len(bucket) == len(parts):
-                out[name] = module.merge(param_name, pending.pop(name))
+            pieces = fused_or_part.split(full) if isinstance(fused_or_part, Fused) else [(fused_or_part, full)]
+            for part, tensor in pieces:
+                # A sharded layer narrows `tensor`, which reads only this rank's slice from the file.
+                piece: Any = module.shard(param_name, cast(Any, tensor), part) if isinstance(module, ShardedModule) else tensor
+                if isinstance(piece, CheckpointTensor):
+                    piece = piece.read()  # replicated
+                target_dtype = dtype if piece.is_floating_point() else piece.dtype
+                local = piece.to(device=device, dtype=target_dtype)
+                del piece
+                parts = module.parts(param_name) if isinstance(module, ShardedModule) else None
+                if part is None or parts is None:
+                    out[name] = local
+                    continue
+                bucket = pending.setdefault(name, {})
+                bucket[part] = local
+                if len(bucket) == len(parts):
+                    out[name] = module.merge(param_name, pending.pop(name))
     if pending:
         name, bucket = next(iter(pending.items()))
         raise ValueError(
