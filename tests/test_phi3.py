@@ -164,9 +164,16 @@ def hf_stepwise_greedy(hf: HFOracle, ids: List[int], n: int) -> Tuple[List[int],
     return tokens, logits
 
 
+_REFERENCES: Dict[Tuple[str, Tuple[int, ...], int], Tuple[List[int], List[torch.Tensor]]] = {}
+
+
 def reference(name: str, hf: HFOracle, ids: List[int], n: int) -> Tuple[List[int], List[torch.Tensor]]:
-    """HF generate, or for the LongRoPE shapes HF stepwise (identical while within ORIGINAL)."""
-    return hf.greedy(ids, n) if name == "phi3" else hf_stepwise_greedy(hf, ids, n)
+    """HF generate, or for the LongRoPE shapes HF stepwise (identical while within ORIGINAL);
+    memoized: every path and both runs of a test compare with the same HF outputs."""
+    key = (name, tuple(ids), n)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = hf.greedy(ids, n) if name == "phi3" else hf_stepwise_greedy(hf, ids, n)
+    return _REFERENCES[key]
 
 
 NAMES = sorted(VARIANTS)
