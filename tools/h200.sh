@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU-machine run of the project, as named parts of one script (device tool, one H200).
 #
-#   bash tools/h200.sh PART...        from the repo root; headlines on stdout, logs in $OUT/logs.tgz
+#   COMMIT=<sha> bash tools/h200.sh PART...   from the repo root; headlines on stdout, logs in $OUT/logs.tgz
 #
 # What a call carries (the device tool sends the checkout only; set these up once, in the checkout):
 #   .peers  cp -r /work/shared/peers .peers && echo /.peers/ >> .git/info/exclude
@@ -95,7 +95,8 @@ CUDA_TESTS="tests/test_attention_cuda.py tests/test_triton_ops_cuda.py tests/tes
   tests/test_sampling_extras.py tests/test_kv_dtype.py tests/test_deterministic.py tests/test_retraction.py
   tests/test_prompt_logprobs.py tests/test_structured_output.py tests/test_phi3.py"
 
-{ echo "date $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') parts: $*"
+# the device's copy carries the working tree but not its .git: the caller names the commit (COMMIT=)
+{ echo "date $(date -u +%FT%TZ) commit ${COMMIT:-unnamed (pass COMMIT=)} parts: $*"
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"; } | tee "$LOGS/env.txt"
 for part in "$@"; do
