@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from latency import copy_bandwidth, decode_step_time  # noqa: E402
 
 from minisgl.core import SamplingParams  # noqa: E402
+from minisgl.engine.cpu_decode import bound_gemms  # noqa: E402
 from minisgl.scheduler import UserRequest  # noqa: E402
 from minisgl.utils.hf import resolve_model_path  # noqa: E402
 
@@ -59,9 +60,8 @@ def step_weight_bytes(engine: Any) -> Dict[str, int]:
         seen[p.data_ptr()] = p.numel() * p.element_size()
     dense = sum(seen.values())
     out = {"dense": dense}
-    runner = getattr(engine, "cpu_runner", None)
-    if runner is not None and runner.quantized:
-        lins = [runner.lm_head] + [x for L in runner.layers for x in (L.qkv, L.o, L.gate_up, L.down)]
+    lins = bound_gemms(engine.model)
+    if any(lin.quant is not None for lin in lins):
         gemm = {lin.dense.data_ptr() for lin in lins}
         emb = engine.model.model.embed_tokens.weight
         q = sum(v for ptr, v in seen.items() if ptr not in gemm and ptr != emb.data_ptr())  # norms

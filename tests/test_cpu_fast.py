@@ -1,6 +1,8 @@
-"""The CPU decode runner (engine/cpu_decode.py, kernel/cpu) and weight-only quantization.
+"""The CPU forward (the C kernels behind the layers' ops, the decode loop: engine/cpu_decode.py,
+kernel/cpu) and weight-only quantization.
 
-- fp32 through the runner's C kernels equals the module path (and so HF) on the tiny models;
+- fp32 through the C kernels equals the torch ops (and so HF) on the tiny models; the decode
+  loop is bitwise the module path;
 - the GGUF's Q4_1 codes map onto the int4 kernel without loss (dequantized == transformers');
 - fp32 + the GGUF's int4 codes is token-exact (tie-aware) against HF fp32 on the same weights;
 - bf16 agrees with HF bf16 under the tie-aware rule with a bf16-sized tie threshold;
@@ -17,6 +19,7 @@ import pytest
 import torch
 from helpers import PageAllocator, allocated_reqs, assert_greedy_match, make_req, prepare_batch, run_generation, running_engine
 
+from minisgl.engine.cpu_decode import bound_gemms
 from minisgl.layers.quant import Int4Weight, Int8Weight, QuantLinear
 
 EOS = 2
@@ -308,50 +311,47 @@ def test_gguf_codes_equal_transformers_dequantization(embedded_model_dir):
     assert torch.equal(head, sd["model.embed_tokens.weight"].float())
 
 
-# ---- the runner on tiny models (fp32, exact) -----------------------------------------------------
-@pytest.mark.parametrize(
-    "name,kernels,kv",
-    [("llama", True, "auto"), ("qwen3", True, "auto"), ("mistral", True, "auto"), ("qwen3", False, "auto"),
-     ("llama", True, "int8"), ("mistral", True, "int8"), ("qwen3", False, "int8")],
-)  # fmt: skip
-def test_runner_matches_module_path(tiny_model_dir, name, kernels, kv, monkeypatch, request):
-    """The same prompts through the runner (C kernels for prefill and decode, or without them the
-    torch-op decode step) and through the module path: identical greedy tokens, and decode
-    logits within float32 noise. With the int8 KV pool (kv_int8.c against the pool's reference
-    store and gather) as with the fp32 one."""
-    from minisgl.kernel.cpu import cpu_kernels
+# ---- the CPU path on tiny models (fp32, exact) ------------------------------------------------
+def _module_logits(engine, batch):
+    from minisgl.engine.runners import ModuleRunner
 
-    monkeypatch.setenv("MINISGL_CPU_KERNELS", "1" if kernels else "0")
-    cpu_kernels.cache_clear()
+    with torch.inference_mode(), engine.ctx.forward_batch(batch):
+        return ModuleRunner(engine.model).run(batch).float()
+
+
+@pytest.mark.parametrize("name,kv", [("llama", "auto"), ("qwen3", "auto"), ("mistral", "auto"), ("llama", "int8"), ("mistral", "int8")])
+def test_cpu_ops_match_the_torch_ops(tiny_model_dir, name, kv, monkeypatch, request):
+    """The same prompts through the CPU path (the C kernels behind the layers' ops and the cpu
+    attention backend, prefill and decode) and through the torch ops alone (no C kernels, the
+    torch backend): identical greedy tokens, and decode and prefill logits within float32
+    noise. With the int8 KV pool (kv_int8.c against the pool's reference store and gather) as
+    with the fp32 one."""
+    from minisgl.kernel.cpu import cpu_kernels
+    from minisgl.kernel.cpu.attention import CpuAttnBackend
+
     request.addfinalizer(cpu_kernels.cache_clear)  # later tests see the environment's setting
     prompts = [[3, 17, 42, 9, 100, 7], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 200]]
     outs, logits = {}, {}
     for fast in (False, True):
+        monkeypatch.setenv("MINISGL_CPU_KERNELS", "1" if fast else "0")
+        cpu_kernels.cache_clear()
         with running_engine(tiny_model_dir(name), max_running_req=2, cpu_fast_decode=fast, kv_cache_dtype=kv) as engine:
-            assert (engine.cpu_runner is not None) == fast
+            assert isinstance(engine.attn_backend, CpuAttnBackend) == fast
             if fast:
-                assert (engine.cpu_runner.kernels is not None) == kernels, "the C kernels did not build"
+                assert engine.attn_backend.kernels is not None, "the C kernels did not build"
             outs[fast] = _generate(engine, prompts, 8)
             reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 6) for row, (p, o) in
                     enumerate(zip(prompts, outs[fast]))]  # fmt: skip
-            fn = engine.cpu_runner.forward if fast else (lambda b, pt: engine.model.forward())
-            batch = prepare_batch(engine, reqs, "decode")
-            with torch.inference_mode(), engine.ctx.forward_batch(batch):
-                logits[fast] = fn(batch, engine.page_table).float()
-            # a prefill of both prompts, the second over a cached prefix of 4 tokens (the runner
-            # takes prefills on its C kernels; its last layer runs only the LM head's rows)
+            logits[fast] = _module_logits(engine, prepare_batch(engine, reqs, "decode"))
+            # a prefill of both prompts, the second over a cached prefix of 4 tokens
             reqs = [make_req(prompts[0], 0, output_len=1), make_req(prompts[1], 1, output_len=1, cached_len=4)]
-            batch = prepare_batch(engine, reqs, "prefill")
-            if not fast or engine.cpu_runner.can_run(batch):
-                with torch.inference_mode(), engine.ctx.forward_batch(batch):
-                    logits[fast, "prefill"] = fn(batch, engine.page_table).float()[:2]
+            logits[fast, "prefill"] = _module_logits(engine, prepare_batch(engine, reqs, "prefill"))[:2]
     # int8 K/V: a 1-ulp difference in an fp32 K value (C rotary vs torch's) can move its code by
     # one step, ~1% of that value; anything wrong with codes, scales or slots is O(1)
     tol = 1e-4 if kv == "auto" else 3e-3
     assert outs[True] == outs[False]
     assert (logits[True] - logits[False]).abs().max().item() < tol
-    if kernels:
-        assert (logits[True, "prefill"] - logits[False, "prefill"]).abs().max().item() < tol
+    assert (logits[True, "prefill"] - logits[False, "prefill"]).abs().max().item() < tol
 
 
 def test_quantization_is_validated(tiny_model_dir):
@@ -369,7 +369,7 @@ def test_quantization_is_validated(tiny_model_dir):
 @pytest.mark.parametrize("method", ["int4", "int8"])
 def test_rtn_quantization_runs_on_any_checkpoint(tiny_model_dir, method):
     with running_engine(tiny_model_dir("qwen3"), max_running_req=2, quantization=method) as engine:
-        assert engine.cpu_runner.quantized
+        assert any(g.quant is not None for g in bound_gemms(engine.model))
         out = _generate(engine, [[3, 17, 42, 9]], 6)[0]
     assert len(out) == 6 and all(0 <= t < 256 for t in out)
 
@@ -379,11 +379,13 @@ def test_rtn_quantization_runs_on_any_checkpoint(tiny_model_dir, method):
     [("llama", None, "auto"), ("qwen3", None, "auto"), ("qwen3", "int4", "auto"), ("qwen3", "int8", "auto"),
      ("llama", None, "int8"), ("qwen3", "int4", "int8")],
 )  # fmt: skip
-def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant, kv):
-    """bf16 decode batches of <= 8 rows run all layers in one C call (kernel/cpu/decode_loop.c):
-    the same kernels in the same order as the per-call loop, so logits and the K/V written are
-    bitwise equal (llama: q/k/v/o biases; qwen3: q/k norms, a tied head; int4/int8 codes for up to
-    4 rows, the dense weight on AMX past them)."""
+def test_decode_loop_equals_the_module_path(tiny_model_dir, name, quant, kv):
+    """bf16 decode batches run all layers in one C call (kernel/cpu/decode_loop.c, the
+    `CpuDecodeLoop` step runner): the same kernels in the same order as the module path's ops
+    on the CPU, so logits and the K/V written are bitwise equal (llama: q/k/v/o biases; qwen3:
+    q/k norms, a tied head; int4/int8 codes for up to 4 rows, the dense weight past them). Each
+    batch size the loop takes is compared; on a CPU without AMX that is one row."""
+    from minisgl.engine.cpu_decode import CpuDecodeLoop
     from minisgl.kernel.cpu import cpu_kernels
 
     kern = cpu_kernels()
@@ -394,27 +396,29 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
     sizes = (1, 3, 6)
     with running_engine(tiny_model_dir(name), max_running_req=8, dtype=torch.bfloat16, quantization=quant,
                         kv_cache_dtype=kv) as engine:  # fmt: skip
-        runner = engine.cpu_runner
+        loop = engine.cpu_runner
+        assert isinstance(loop, CpuDecodeLoop) and loop in engine.runners, "the decode loop was not built"
         pool_state = lambda: (engine.kv_cache.buffer.clone(), None if kv == "auto" else engine.kv_cache.scales.clone())  # noqa: E731
-        assert runner._fused is not None, "the layer table was not built"
         outs = _generate(engine, prompts, 4)
         results = {}
-        for fused in (True, False):
-            table = runner._fused
-            if not fused:
-                runner._fused = None
-            pool = pool_state()
-            for size in sizes:
-                reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 2) for row, (p, o) in
-                        enumerate(zip(prompts[:size], outs))]  # fmt: skip
-                batch = prepare_batch(engine, reqs, "decode")
+        pool = pool_state()
+        compared = []
+        for size in sizes:
+            reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 2) for row, (p, o) in
+                    enumerate(zip(prompts[:size], outs))]  # fmt: skip
+            batch = prepare_batch(engine, reqs, "decode")
+            if not loop.can_run(batch):
+                continue
+            compared.append(size)
+            for fused in (True, False):
                 with torch.inference_mode(), engine.ctx.forward_batch(batch):
-                    results[fused, size] = (runner.forward(batch, engine.page_table).clone(), *pool_state())
+                    got = loop.run(batch) if fused else engine.model.forward()
+                results[fused, size] = (got.clone(), *pool_state())
                 engine.kv_cache.buffer.copy_(pool[0])
                 if pool[1] is not None:
                     engine.kv_cache.scales.copy_(pool[1])
-            runner._fused = table
-    for size in sizes:
+    assert 1 in compared
+    for size in compared:
         assert torch.equal(results[True, size][0], results[False, size][0]), f"logits, {size} rows"
         assert torch.equal(results[True, size][1], results[False, size][1]), f"K/V, {size} rows"
         if kv != "auto":
@@ -424,8 +428,8 @@ def test_fused_decode_layers_equal_the_per_call_loop(tiny_model_dir, name, quant
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_prefill_gate_up_silu_in_one_pass_changes_no_bits(tiny_model_dir, name):
     """A bf16 engine keeps its projections in VNNI tiles and runs gate_up and SiLU as one pass
-    (`CpuDecodeRunner._mlp_act`) for prefills and decode batches on AMX: the logits are bitwise
-    those of the two-step MLP on the same tiles."""
+    (`_Linear.forward_silu_and_mul` on its bound `QuantLinear`) for prefills and decode batches on
+    AMX: the logits are bitwise those of the two-step MLP on the same tiles."""
     from minisgl.kernel.cpu import cpu_kernels
 
     kern = cpu_kernels()
@@ -433,9 +437,8 @@ def test_prefill_gate_up_silu_in_one_pass_changes_no_bits(tiny_model_dir, name):
         pytest.skip("no C compiler or no AMX here")
     prompts = [[(7 * i + 3) % 250 + 1 for i in range(90)], [(11 * i + 5) % 250 + 1 for i in range(40)]]
     with running_engine(tiny_model_dir(name), max_running_req=2, dtype=torch.bfloat16) as engine:
-        runner = engine.cpu_runner
-        gate_ups = [L.gate_up for L in runner.layers]
-        assert all(g.vnni and g.amx_silu is not None for g in gate_ups)
+        gate_ups = [layer.mlp.gate_up_proj.cpu_gemm for layer in engine.model.model.layers]
+        assert all(g is not None and g.vnni and g.amx_silu is not None for g in gate_ups)
         fused = gate_ups[0].amx_silu
         calls: List[int] = []
         results = {}
@@ -445,19 +448,18 @@ def test_prefill_gate_up_silu_in_one_pass_changes_no_bits(tiny_model_dir, name):
                 g.amx_silu = (lambda *a: calls.append(a[2]) or fused(*a)) if on else None
             batch = prepare_batch(engine, reqs, "prefill")
             with torch.inference_mode(), engine.ctx.forward_batch(batch):
-                results[on] = runner.forward(batch, engine.page_table).clone()
+                results[on] = engine.model.forward().clone()
         for g in gate_ups:
             g.amx_silu = fused
-    # every layer's 130 rows but the last layer's (only its two LM-head rows)
-    assert calls == [130] * (len(gate_ups) - 1) + [2], calls
+    assert calls == [130] * len(gate_ups), calls  # every layer's 130 rows
     assert torch.equal(results[True], results[False])
 
 
-def test_module_path_reads_vnni_weights(tiny_model_dir, monkeypatch):
+def test_module_path_reads_vnni_weights(tiny_model_dir, monkeypatch, request):
     """Prompt logprobs take the module path, whose linear layers cannot read the VNNI tiles
-    themselves: they multiply through the runner's kernels (`_Linear.cpu_gemm`). Against the
-    float32 engine's logprobs they are as close as a bf16 engine on plain weights
-    (MINISGL_CPU_VNNI=0) is."""
+    themselves: they multiply through the bound C GEMMs (`_Linear.cpu_gemm`). Against the float32
+    engine's logprobs they are as close as a bf16 engine on plain weights and torch's GEMMs
+    (MINISGL_CPU_KERNELS=0) is."""
     from sched_helpers import greedy, running_llm
 
     from minisgl.kernel.cpu import cpu_kernels
@@ -465,10 +467,12 @@ def test_module_path_reads_vnni_weights(tiny_model_dir, monkeypatch):
     kern = cpu_kernels()
     if kern is None or not kern.has_amx:
         pytest.skip("no C compiler or no AMX here")
+    request.addfinalizer(cpu_kernels.cache_clear)
     prompt = [(13 * i + 1) % 250 + 1 for i in range(70)]
     got = {}
-    for label, dtype, vnni in (("vnni", "bfloat16", "1"), ("plain", "bfloat16", "0"), ("fp32", "float32", "1")):
-        monkeypatch.setenv("MINISGL_CPU_VNNI", vnni)
+    for label, dtype, kernels in (("vnni", "bfloat16", "1"), ("plain", "bfloat16", "0"), ("fp32", "float32", "1")):
+        monkeypatch.setenv("MINISGL_CPU_KERNELS", kernels)
+        cpu_kernels.cache_clear()
         with running_llm(tiny_model_dir("qwen3"), dtype=dtype) as llm:
             proj = llm.scheduler.engine.model.model.layers[0].mlp.gate_up_proj
             assert (proj.weight.dim() == 5) == (label == "vnni") and (proj.cpu_gemm is not None) == (label == "vnni")
@@ -499,7 +503,7 @@ def test_embedded_fp32_gguf_int4_is_exact(embedded_model_dir, embedded_oracle, e
     dequantized: greedy decoding stays token-exact (tie-aware) against HF fp32."""
     ids = _chat_ids(embedded_tokenizer, QUESTIONS[0])
     with running_engine(embedded_model_dir, max_running_req=1, max_seq_len=96, quantization="gguf") as engine:
-        assert engine.cpu_runner.quantized
+        assert any(g.quant is not None for g in bound_gemms(engine.model))
         ours = _generate(engine, [ids], 10)[0]
     ref, ref_logits = embedded_oracle.greedy(ids, 10)
     assert assert_greedy_match(ours, ref, ref_logits, eos_ids=[EOS], label="fp32 int4") >= 8

@@ -501,7 +501,7 @@ def test_auto_attention_backend_prefers_triton_then_flashinfer(monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
     monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
     assert resolve_attention_backend("auto", cuda) == "triton"
-    assert resolve_attention_backend("auto", cpu) == "torch"
+    assert resolve_attention_backend("auto", cpu) == "cpu"
     assert resolve_attention_backend("flashinfer", cuda) == "flashinfer"
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
     assert resolve_attention_backend("auto", cuda) == "flashinfer"
@@ -515,12 +515,12 @@ def test_step_runners_are_listed_once_and_tried_in_order(tiny_model_dir):
     """Engine.forward_batch runs a step on the first runner of its list that accepts it; the
     module path is last and accepts every batch. A runner put first takes the steps it accepts."""
     from minisgl.engine.graph import GraphRunner
-    from minisgl.engine.runners import CpuRunnerShim, ModuleRunner
+    from minisgl.engine.runners import ModuleRunner
 
     with running_engine(tiny_model_dir("llama")) as engine:
         kinds = [type(r) for r in engine.runners]
         assert kinds[0] is GraphRunner and kinds[-1] is ModuleRunner
-        assert (CpuRunnerShim in kinds) == (engine.cpu_runner is not None)
+        assert (engine.cpu_runner in engine.runners) == (engine.cpu_runner is not None)
         alloc = PageAllocator(engine)
         req = make_req([1, 2, 3], 0, output_len=2)
         alloc.allocate(0, 5)
@@ -545,22 +545,26 @@ def test_step_runners_are_listed_once_and_tried_in_order(tiny_model_dir):
         assert Fake.seen == [1] and out.next_tokens_cpu.tolist() == [7]
 
 
-def test_cpu_runner_shim_leaves_prompt_logprob_steps_to_the_module_path():
-    from minisgl.engine.runners import CpuRunnerShim, ModuleRunner, pick_runner
+def test_cpu_decode_loop_leaves_prompt_logprob_steps_to_the_module_path(tiny_model_dir):
+    """The C decode loop is a step runner of the engine's list; it takes decode steps only, and
+    never a step that asks for prompt logprobs (it yields the last rows' logits alone)."""
+    from minisgl.engine.cpu_decode import CpuDecodeLoop
+    from minisgl.engine.runners import ModuleRunner, pick_runner
 
-    class Legacy:  # today's CPU runner interface: can_run(batch), forward(batch, page_table)
-        def can_run(self, batch):
-            return True
-
-        def forward(self, batch, page_table):
-            return page_table
-
-    table = torch.zeros(2, 2)
-    shim, module = CpuRunnerShim(Legacy(), table), ModuleRunner(torch.nn.Identity())
-    batch = Batch(reqs=[], phase="prefill")
-    assert pick_runner([shim, module], batch) is shim and shim.run(batch) is table
-    batch.prompt_logprob_rows = torch.zeros(1, dtype=torch.long)
-    assert pick_runner([shim, module], batch) is module
+    with running_engine(tiny_model_dir("llama"), dtype=torch.bfloat16, max_running_req=2) as engine:
+        loop = engine.cpu_runner
+        if loop is None:
+            pytest.skip("no C decode loop here (no C compiler or no AVX512-BF16)")
+        assert isinstance(loop, CpuDecodeLoop) and loop in engine.runners
+        alloc = PageAllocator(engine)
+        req = make_req([1, 2, 3], 0, output_len=2)
+        alloc.allocate(0, 5)
+        prefill = prepare_batch(engine, [req], "prefill")
+        assert isinstance(pick_runner(engine.runners, prefill), ModuleRunner)
+        prefill.prompt_logprob_rows = torch.zeros(1, dtype=torch.long)
+        assert isinstance(pick_runner(engine.runners, prefill), ModuleRunner)
+        decode = prepare_batch(engine, [make_req([1, 2, 3, 4], 0, output_len=2, cached_len=3)], "decode")
+        assert pick_runner(engine.runners, decode) is loop
 
 
 def test_rotary_tables_are_shared_within_a_model_and_owned_by_it(tiny_model_dir):

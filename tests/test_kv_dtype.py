@@ -99,9 +99,9 @@ def _fake_quantized_store(monkeypatch):
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
 def test_int8_pool_equals_attention_over_dequantized_kv(tiny_model_dir, name, monkeypatch):
     """fp32 model, teacher-forced on one token sequence: the int8 pool's logits at every step
-    (prefill and decode, the module path) equal those of the fp32 pool holding the same K/V
-    quantized and dequantized, and greedy decoding (the engine's own path: the CPU runner
-    where it takes the int8 pool) gives the same tokens; against the plain fp32 pool they
+    (prefill and decode, the torch backend) equal those of the fp32 pool holding the same K/V
+    quantized and dequantized, and greedy decoding (the engine's own path: the CPU attention
+    backend's int8 kernels) gives the same tokens; against the plain fp32 pool they
     differ (the format is lossy) but stay close."""
     path = tiny_model_dir(name)
     prompts = random_prompts([9, 23, 40], seed=3)
@@ -110,16 +110,18 @@ def test_int8_pool_equals_attention_over_dequantized_kv(tiny_model_dir, name, mo
         ref_tokens = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
         plain = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
 
-    def run(**kw):
-        with running_engine(path, max_running_req=3, **kw) as engine:
+    def run(fast: bool, **kw):
+        # the logits on torch ops and the torch backend (the store's inputs bitwise alike); the
+        # tokens on the engine's own path (the CPU kernels, where it runs them)
+        with running_engine(path, max_running_req=3, cpu_fast_decode=False, **kw) as engine:
             logits = torch.stack(teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), ref_tokens))
-        with running_engine(path, max_running_req=3, **kw) as engine:
+        with running_engine(path, max_running_req=3, cpu_fast_decode=fast, **kw) as engine:
             return logits, run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
 
-    int8_logits, int8_tokens = run(kv_cache_dtype="int8")
+    int8_logits, int8_tokens = run(True, kv_cache_dtype="int8")
     with monkeypatch.context() as m:
         _fake_quantized_store(m)
-        fake_logits, fake_tokens = run(cpu_fast_decode=False)  # the module path stores through store_kv
+        fake_logits, fake_tokens = run(False)  # the torch backend stores through store_kv
     assert (int8_logits - fake_logits).abs().max().item() < 1e-4
     assert int8_tokens == fake_tokens
     diff = (int8_logits - plain).abs().max().item()

@@ -39,20 +39,15 @@ N_NEW = 24
 @pytest.fixture(scope="module")
 def _server_process(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    # The module path, as before issue 12: test_client_disconnect_aborts_request needs a 480-token
-    # answer that outlives the client, and the CPU decode path finishes it in ~0.15 s on this tiny
-    # model (faster than the server notices the disconnect). test_server_embedded covers the fast path.
-    os.environ["MINISGL_CPU_FAST_DECODE"] = "0"
-    try:
-        srv = ServerProcess(
-            tiny_chat_model,
-            "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "16384",
-            "--max-running-requests", "48",
-            log_path=log,
-            api_key=API_KEY,
-        )  # fmt: skip
-    finally:
-        os.environ.pop("MINISGL_CPU_FAST_DECODE", None)
+    # float32: every step on the module path (the C decode loop is bf16's), slower than the loop
+    # for test_client_disconnect_aborts_request's long answer; test_server_embedded covers the loop.
+    srv = ServerProcess(
+        tiny_chat_model,
+        "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "16384",
+        "--max-running-requests", "48",
+        log_path=log,
+        api_key=API_KEY,
+    )  # fmt: skip
     try:
         yield srv
     finally:

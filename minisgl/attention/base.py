@@ -4,9 +4,10 @@ A backend owns the per-step metadata (`prepare_metadata`, host side, before the 
 the per-layer compute: `store_kv` writes the step's K/V into the pool at `batch.out_loc`, and
 `attend` runs attention over the pool. `forward` does both; the attention layer calls `attend`
 alone when a fused kernel already normalised, rotated and stored K/V (CUDA, see
-`minisgl.layers.attention`). A backend declares what more it can do in one capability enum,
-`caps` (`AttnCap`): CUDA graphs of decode steps, of prefill / mixed steps; each capability comes
-with the hooks the graph runners call. The registry that creates backends by name lives in
+`minisgl.layers.attention`), and first offers the backend the whole step from the qkv rows,
+`forward_qkv` (the CPU backend's C kernels take it). A backend declares what more it can do in
+one capability enum, `caps` (`AttnCap`): CUDA graphs of decode steps, of prefill / mixed steps;
+each capability comes with the hooks the graph runners call. The registry that creates backends by name lives in
 attention/registry.py (so this module imports no backend).
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import List, Protocol, Tuple
+from typing import Any, List, Protocol, Tuple
 
 import torch
 
@@ -68,6 +69,12 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D]."""
+
+    def forward_qkv(self, qkv: torch.Tensor, layer: Any, batch: Batch) -> torch.Tensor | None:
+        """The attention layer's whole step from its projection's qkv rows [T, (Hq + 2 Hk) * D]:
+        q/k norm, rotary, K/V store and attention, [T, Hq * D]; None (the default) where this
+        backend leaves the prologue to the layer, which then calls `forward`."""
+        return None
 
     # what this backend can do beyond the eager forward; each capability comes with its hooks
     caps: AttnCap = AttnCap.NONE

@@ -26,6 +26,13 @@ def _torch(cfg: ModelConfig) -> BaseAttnBackend:
     return TorchAttnBackend(cfg)
 
 
+@ATTN_BACKENDS.register("cpu")
+def _cpu(cfg: ModelConfig) -> BaseAttnBackend:
+    from minisgl.kernel.cpu.attention import CpuAttnBackend
+
+    return CpuAttnBackend(cfg)
+
+
 @ATTN_BACKENDS.register("triton")
 def _triton(cfg: ModelConfig) -> BaseAttnBackend:
     from minisgl.attention.triton_backend import TritonAttnBackend
@@ -48,7 +55,8 @@ def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
 
 
 def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """'auto' -> triton on CUDA if importable, else flashinfer, else torch.
+    """'auto' -> triton on CUDA if importable, else flashinfer, else torch; cpu on a CPU (the
+    paged C kernels, itself the torch backend where they do not apply).
 
     Triton first: it was the faster of the two on the H200's offline recipe, with bf16 and even
     more with fp8 K/V (the figures are in docs/PERFORMANCE.md), and it captures prefill and mixed
@@ -57,7 +65,7 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
         ATTN_BACKENDS.get(name)  # validates
         return name
     if device.type != "cuda":
-        return "torch"
+        return "cpu"
     for candidate in ("triton", "flashinfer"):
         try:
             importlib.import_module(candidate)

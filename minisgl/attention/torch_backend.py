@@ -28,8 +28,8 @@ class TorchPrefillSeq:
 
 @dataclass
 class TorchAttnMetadata(BaseAttnMetadata):
-    # What attention reads, built on its first call (`TorchAttnBackend._views`): on a CPU the
-    # engine's C runner takes most batches and reads none of it, only `last_indices`.
+    # What attention reads, built on its first call (`TorchAttnBackend._views`): a step that
+    # never reaches `attend` (the cpu backend's kernels took it) builds none of it.
     reqs: List[Req] = field(default_factory=list)
     is_decode: bool = False
     prefill: List[TorchPrefillSeq] | None = None
@@ -39,12 +39,12 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 
 class TorchAttnBackend(BaseAttnBackend):
-    kv_cache_dtypes = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
+    kv_cache_dtypes: Tuple[str, ...] = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
 
     @property
     def _compute_dtype(self) -> torch.dtype:
-        # CPU SDPA in bf16/fp16 is several times slower than in fp32 (measured 4.4 vs 0.6 ms for
-        # a 16-request decode), so CPU attends in fp32 on gathered (contiguous) keys.
+        # CPU SDPA in bf16/fp16 is several times slower than in fp32 (docs/PERFORMANCE.md, "CPU
+        # forward"), so CPU attends in fp32 on gathered (contiguous) keys.
         return torch.float32 if self.device.type == "cpu" else self.kv_cache.model_dtype
 
     def prepare_metadata(self, batch: Batch) -> None:

@@ -28,7 +28,7 @@ class EngineConfig:
     )
     attention_backend: str = knob(
         "auto",
-        "attention kernels: auto (CUDA: triton, else flashinfer; CPU: torch), torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
+        "attention kernels: auto (CUDA: triton, else flashinfer; CPU: cpu), cpu (the C kernels), torch (reference, CPU+CUDA), triton or flashinfer (CUDA)",
         group=MODEL,
     )
     moe_backend: str = "auto"
@@ -94,8 +94,9 @@ class EngineConfig:
     # (distributed.host_rendezvous: LLM(tp=N), the server on one machine), not by rank 0
     dist_store_hosted: bool = False
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
-    # GEMMs (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), and the flat
-    # decode step on fused C kernels (False: the module path, as on CUDA).
+    # GEMMs (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), and the C GEMMs,
+    # attention and decode loop (False: the module path on torch ops and the torch attention
+    # backend; deterministic mode sets it).
     quantization: str | None = knob(
         None,
         "CPU only: weight-only quantized decode GEMMs (gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",

@@ -21,7 +21,7 @@ from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.mixed_graph import default_max_tokens
-from minisgl.engine.runners import CpuRunnerShim, ModuleRunner, StepRunner, pick_runner
+from minisgl.engine.runners import ModuleRunner, StepRunner, pick_runner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kernel.fused import use_fused_on
 from minisgl.kernel.skinny import SkinnyPlan
@@ -121,6 +121,8 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
             raise ValueError("deterministic mode needs tp=1 (all-reduce order is not batch-invariant here)")
         config = dataclasses.replace(config, attention_backend="deterministic", cpu_fast_decode=False)
     backend = resolve_attention_backend(config.attention_backend, device)
+    if backend == "cpu" and config.attention_backend == "auto" and not config.cpu_fast_decode:
+        backend = "torch"  # the module path on torch ops alone, as without the C kernels
     max_bs = config.cuda_graph_max_bs
     if max_bs is not None:
         max_bs = min(max_bs, config.max_running_req)
@@ -251,7 +253,7 @@ class Engine:
         # the step runners, tried in this order (engine/runners.py); the module path takes the rest
         self.runners: List[StepRunner] = [self.graph_runner]
         if self.cpu_runner is not None:
-            self.runners.append(CpuRunnerShim(self.cpu_runner, self.page_table))
+            self.runners.append(self.cpu_runner)
         self.runners.append(ModuleRunner(self.model, deterministic=config.deterministic))
         self._warmup_prefill()
 
@@ -311,6 +313,7 @@ class Engine:
         return plan
 
     def _build_cpu_runner(self, config: EngineConfig) -> Any:
+        """CPU: bind the model's GEMMs to the C kernels; the whole-step C loop where it applies."""
         from minisgl.engine.cpu_decode import build_cpu_runner
 
         return build_cpu_runner(self.model, self.kv_cache, self.device, config)

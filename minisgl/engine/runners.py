@@ -1,14 +1,15 @@
 """Step runners: the ways one forward step can run, tried in an order fixed at engine init.
 
 Every runner executes the same model definition (models/ + layers/): CUDA graphs replay what the
-module path captured, the CPU runner runs the same layers' weights through its C loop. The engine
-keeps an ordered list and runs a step on the first runner whose `can_run(batch)` holds; the module
-path accepts every batch, so it is always last.
+module path captured, the CPU decode loop (engine/cpu_decode.py) runs the same layers' weights
+through the same C kernels in one call. The engine keeps an ordered list and runs a step on the
+first runner whose `can_run(batch)` holds; the module path accepts every batch, so it is always
+last.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch import nn
@@ -40,23 +41,6 @@ class ModuleRunner:
             with BatchInvariantMode():
                 return self.model.forward()
         return self.model.forward()
-
-
-class CpuRunnerShim:
-    """engine/cpu_decode.py's runner as a step runner: `forward(batch, page_table)` becomes
-    `run(batch)` (a runner that has `run` is called as it is). Prompt-logprob steps need every
-    prompt row's logits, which the C loop does not produce: they take the module path."""
-
-    def __init__(self, runner: Any, page_table: torch.Tensor) -> None:
-        self.runner, self.page_table = runner, page_table
-
-    def can_run(self, batch: Batch) -> bool:
-        return batch.prompt_logprob_rows is None and self.runner.can_run(batch)
-
-    def run(self, batch: Batch) -> torch.Tensor:
-        if hasattr(self.runner, "run"):
-            return self.runner.run(batch)
-        return self.runner.forward(batch, self.page_table)
 
 
 def pick_runner(runners: Sequence[StepRunner], batch: Batch) -> StepRunner:

@@ -3,7 +3,8 @@
 
 On CUDA (Triton available, full-width rotary, KV pool in the model dtype or fp8_e4m3) all of that
 up to the attention itself is one fused kernel, `triton_ops.attention_prologue`: a decode step of a small
-model is bound by its kernel count, and this turns four to six kernels per layer into one."""
+model is bound by its kernel count, and this turns four to six kernels per layer into one. A
+backend may take the whole step from the qkv rows itself (`forward_qkv`: the CPU one)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ class AttentionLayer(nn.Module):
         batch = ctx.batch
         backend, kv = ctx.attn_backend, ctx.kv_cache
         assert backend is not None and kv is not None
+        o = backend.forward_qkv(qkv, self, batch)
+        if o is not None:
+            return o
         if self._can_fuse(qkv, kv.dtype):
             norm = self._qk_norm
             q = triton_ops().attention_prologue(  # type: ignore[union-attr]

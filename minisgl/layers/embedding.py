@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +11,9 @@ from torch import nn
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
 from minisgl.layers.base import ShardedModule, narrow_rank
 from minisgl.utils.misc import div_ceil
+
+if TYPE_CHECKING:
+    from minisgl.layers.quant import QuantLinear
 
 
 class VocabParallelEmbedding(ShardedModule):
@@ -37,7 +40,12 @@ class VocabParallelEmbedding(ShardedModule):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits; ranks compute their vocab slice and gather."""
 
+    # the CPU GEMM over this weight (tp == 1), bound at engine init as on the linear layers
+    cpu_gemm: "QuantLinear | None" = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if self.cpu_gemm is not None:
+            return self.cpu_gemm(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
         logits = F.linear(hidden, self.weight)
         if get_tp_info().size == 1:
             return logits

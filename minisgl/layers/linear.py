@@ -8,25 +8,28 @@ one all-reduce per block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, List, Sequence
+from typing import TYPE_CHECKING, Any, List, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
+from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.base import ShardedModule, narrow_rank
 from minisgl.utils.misc import div_even
 
 if TYPE_CHECKING:
     from minisgl.kernel.skinny import Kind, SkinnyPlan
+    from minisgl.layers.quant import QuantLinear
 
 
 class _Linear(ShardedModule):
-    # Set by the CPU runner (engine/cpu_decode.py) when it keeps this weight in the AMX tile layout,
-    # which F.linear cannot read: its C GEMM for the weight, bias included (tp == 1 there), so the
-    # module path (prompt logprobs) multiplies through the same kernels as the runner.
-    cpu_gemm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # The CPU implementation of this op, bound once at engine init (engine/cpu_decode.py
+    # bind_cpu_gemms, tp == 1): a `QuantLinear` over this module's own weight (bias included)
+    # that picks the C GEMM per row count (skinny GEMV, AMX tiles, the quantized records), and
+    # the only reader of a weight kept in the AMX tile layout, which F.linear cannot read.
+    cpu_gemm: "QuantLinear | None" = None
     # How the owning block calls this projection: "plain" (forward), or through
     # layers.norm_linear with its pre-norm ("norm") and SiLU-and-mul ("gated"). The CUDA plan
     # (kernel/skinny.py) measures each projection in that role and, bound here as `skinny`, takes
@@ -53,6 +56,16 @@ class _Linear(ShardedModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._fast(x)
         return y if y is not None else F.linear(x, self.weight, self.bias)
+
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this [gate | up] projection of x: one pass over the weight where the
+        bound CPU GEMM fuses the SiLU (the same bits as the two steps), else the two ops."""
+        if self.cpu_gemm is not None:
+            flat = x.reshape(-1, x.shape[-1])
+            act = self.cpu_gemm.silu_and_mul(flat)
+            if act is not None:
+                return act.view(*x.shape[:-1], -1)
+        return silu_and_mul(self(x))
 
 
 class ReplicatedLinear(_Linear):

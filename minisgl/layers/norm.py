@@ -1,7 +1,8 @@
 """RMSNorm, computed the way HF does (float32 statistics, scale in the model dtype).
 
 On CUDA tensors (when triton imports) one Triton kernel does the same arithmetic, with the
-residual add fused in; see minisgl/kernel/triton_ops.py."""
+residual add fused in (minisgl/kernel/triton_ops.py); on CPU tensors the C kernel of
+kernel/cpu/ops.py does, where it was built."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Tuple
 import torch
 from torch import nn
 
+from minisgl.kernel.cpu import ops as cpu_ops
 from minisgl.kernel.fused import triton_ops, use_fused
 from minisgl.layers.base import ShardedModule
 
@@ -17,6 +19,8 @@ from minisgl.layers.base import ShardedModule
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if use_fused(x) and weight.dtype == x.dtype:
         return triton_ops().rms_norm(x, weight, eps)  # type: ignore[union-attr]
+    if not x.is_cuda and (out := cpu_ops.rms_norm(x, weight, eps)) is not None:
+        return out
     return rms_norm_torch(x, weight, eps)
 
 
@@ -40,6 +44,8 @@ class RMSNorm(ShardedModule):
         """Add the residual stream, then normalise; returns (normed, new residual)."""
         if residual is not None and use_fused(x) and self.weight.dtype == x.dtype == residual.dtype:
             return triton_ops().fused_add_rms_norm(x, residual, self.weight, self.eps)  # type: ignore[union-attr]
+        if not x.is_cuda and (fused := cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)) is not None:
+            return fused
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x

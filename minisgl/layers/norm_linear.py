@@ -1,7 +1,8 @@
 """The "pre-norm, then project" op of a decoder block: residual add + RMSNorm, a linear layer,
 and SiLU-and-mul of its [gate | up] output when `gated`.
 
-Native implementation: the three modules in turn (each picks its own CPU / CUDA kernel). CUDA
+Native implementation: the three modules in turn (each picks its own CPU / CUDA kernel; a
+gated projection's `forward_silu_and_mul`, which on CPU can fuse the SiLU into the GEMM). CUDA
 implementation: one skinny GEMV launch (kernel/skinny.py, kernel/triton_gemv.py) where the plan
 the engine measured at init and bound to `linear` covers this batch size and weight shape; the
 arithmetic and rounding points are the same, only the dot's summation order differs.
@@ -13,7 +14,6 @@ from typing import Tuple
 
 import torch
 
-from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.linear import _Linear
 from minisgl.layers.norm import RMSNorm
 
@@ -28,5 +28,4 @@ def norm_linear(
             y, new_residual = fused
             return y, new_residual if new_residual is not None else x  # layer 0: the stream starts as x
     h, residual = norm.forward_with_residual(x, residual)
-    y = linear(h)
-    return (silu_and_mul(y) if gated else y), residual
+    return (linear.forward_silu_and_mul(h) if gated else linear(h)), residual

@@ -26,13 +26,12 @@ import torch
 QuantMethod = Literal["int4", "int8"]
 BLOCK = 32  # GGUF's block of input columns sharing a scale
 INT4_GROUP = BLOCK
-# Rows (tokens) above which the dense weight (on the AMX GEMM) beats the quantized kernel here:
-# a whole decode step of the embedded model (context 200, 2 threads), int4 codes vs dense on AMX:
-# 4 rows 340 vs 312 tok/s, 6 rows 346 vs 424, 8 rows 372 vs 534.
+# Rows (tokens) above which the dense weight (on the AMX GEMM) beats the quantized kernel, measured
+# on whole decode steps of the embedded model (docs/PERFORMANCE.md, "CPU forward").
 DEFAULT_DENSE_ABOVE = 4
 # Rows up to which the C bf16 skinny GEMM (kernel/cpu/gemv.c) beats the AMX GEMM (amx.c, which
-# reads the weight in place for few rows): the same step at 2 / 4 / 8 rows, 147 / 275 / 370 tok/s
-# against 168 / 312 / 534 on AMX; at one row the skinny GEMM's pure weight stream.
+# reads the weight in place for few rows), the same measurement; at one row the skinny GEMM's
+# pure weight stream.
 DEFAULT_GEMV_MAX_ROWS = 1
 # The AMX GEMM declines above this many rows (kernel/cpu/amx.c: oneDNN is faster there).
 AMX_MAX_ROWS = 640
@@ -237,18 +236,6 @@ def quantize_weight(w: torch.Tensor, method: QuantMethod) -> QuantWeight:
     raise ValueError(f"unknown quantization {method!r}; supported: int4, int8")
 
 
-def pack_bf16(w: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's blocked layout of a bf16 weight, or None where unavailable. F.linear on a plain
-    bf16 weight reorders it into this layout on every call; packed once, a GEMM reads the weight
-    once (the same arithmetic: results are bitwise equal)."""
-    if w.dtype != torch.bfloat16 or w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w, 1)
-    except (RuntimeError, AttributeError):
-        return None
-
-
 def vnni_pack(w: torch.Tensor) -> torch.Tensor:
     """A [n, k] bf16 weight in the AMX tile unit's B layout (kernel/cpu/amx.c gemm_amx_vnni_bf16):
     [n / 16, k / 32, 16, 16, 2], element [b, q, p, c, e] = w[16 b + c, 32 q + 2 p + e]: per 16
@@ -270,27 +257,27 @@ def vnni_packable(w: torch.Tensor) -> bool:
 
 class QuantLinear:
     """y = x W^T (+ b) that reads the quantized weight for small row counts (memory-bound decode)
-    and the dense one above `dense_above` rows (compute-bound: prefill, large batches); the dense
-    weight in oneDNN's packed layout when `packed` is given. With `gemv` (the C bf16 skinny GEMM,
-    kernel/cpu) dense calls of <= `gemv_max_rows` rows read the plain bf16 weight in place; with
-    `amx` (the C AMX GEMM) the larger ones do too (torch's GEMM where a kernel declines).
+    and the dense one above `dense_above` rows (compute-bound: prefill, large batches). With
+    `gemv` (the C bf16 skinny GEMM, kernel/cpu) dense calls of <= `gemv_max_rows` rows read the
+    plain bf16 weight in place; with `amx` (the C AMX GEMM) the larger ones do too (torch's GEMM
+    where a kernel declines).
 
     A dense weight in VNNI tiles (`vnni_pack`, 5-D) is read by the kernels given for that layout
     (gemv.c's gemv_vnni_bf16, amx.c's gemm_amx_vnni_bf16, for any row count), and `amx_silu`
-    (gemm_amx_vnni_silu_bf16) runs a [gate | up] weight with its SiLU in one pass (`silu_into`)."""
+    (gemm_amx_vnni_silu_bf16) runs a [gate | up] weight with its SiLU in one pass
+    (`silu_and_mul`)."""
 
     def __init__(self, dense: torch.Tensor, quant: QuantWeight | None, bias: torch.Tensor | None = None,
-                 dense_above: int = DEFAULT_DENSE_ABOVE, packed: torch.Tensor | None = None,
-                 gemv: GemvFn | None = None, gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS,
-                 nthreads: int = 1, amx: GemvFn | None = None, amx_silu: Any = None) -> None:  # fmt: skip
+                 dense_above: int = DEFAULT_DENSE_ABOVE, gemv: GemvFn | None = None,
+                 gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS, nthreads: int = 1, amx: GemvFn | None = None,
+                 amx_silu: Any = None) -> None:  # fmt: skip
         self.dense, self.quant, self.bias = dense, quant, bias
         self.dense_above = dense_above
-        self.packed = packed
         self.vnni = dense.dim() == 5
         ok = dense.dtype == torch.bfloat16 and dense.is_contiguous() and dense.device.type == "cpu"
         ok = ok and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         self.gemv = gemv if ok else None
-        self.amx = amx if ok and packed is None else None
+        self.amx = amx if ok else None
         self.amx_silu = amx_silu if ok and self.vnni and bias is None else None
         self.gemv_max_rows = gemv_max_rows
         self.nthreads = nthreads
@@ -328,16 +315,19 @@ class QuantLinear:
                 return None
         return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr, int(self.vnni)
 
-    def silu_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
-        """out = silu(gate) * up for this [gate | up] weight in one pass over its VNNI tiles, where
-        __call__ would take the AMX GEMM; False (nothing written) where it does not apply."""
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for this [gate | up] weight in one pass over its VNNI tiles, where
+        __call__ would take the AMX GEMM (the same bits as the GEMM then the SiLU); None where
+        that does not apply."""
         b = x.shape[0]
         if self.amx_silu is None or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or b <= self.gemv_max_rows:
-            return False
+            return None
         if not self._dense_path(b):
-            return False
-        return bool(self.amx_silu(x.data_ptr(), x.stride(0), b, self.dense.data_ptr(), self._n // 2, self._k,
-                                  out.data_ptr(), self.nthreads))  # fmt: skip
+            return None
+        out = x.new_empty(b, self._n // 2)
+        ok = self.amx_silu(x.data_ptr(), x.stride(0), b, self.dense.data_ptr(), self._n // 2, self._k, out.data_ptr(),
+                           self.nthreads)  # fmt: skip
+        return out if ok else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._dense_path(x.shape[0]):
@@ -347,8 +337,6 @@ class QuantLinear:
                 y = _c_gemm(c, x, self.dense.data_ptr(), self._n, self._k, self._bias_ptr, self.nthreads) if c is not None else None
                 if y is not None:
                     return y
-            if self.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             # (a VNNI weight's kernels take every shape; this is only a last resort)
             w = vnni_unpack(self.dense) if self.vnni else self.dense
             return torch.nn.functional.linear(x, w, self.bias)

@@ -11,15 +11,12 @@ option or a config field; these are the few process-wide switches.
 | MINISGL_CACHE_DIR | path | ~/.cache/minisgl | converted-checkpoint cache (GGUF → HF folder) |
 | MINISGL_LOG_LEVEL | str | WARNING | log level of library use (the server sets its own from --log-level) |
 | TRITON_INTERPRET | bool | false | Triton's CPU interpreter (kernel tests on CPUs) |
-| MINISGL_CPU_FAST_DECODE | bool | true | CPU: the flat forward over fused C kernels (false: the module path) |
-| MINISGL_CPU_KERNELS | bool | true | CPU: build and use the C kernels (false: the same loop on torch ops) |
+| MINISGL_CPU_KERNELS | bool | true | CPU: build and use the C kernels (false: every op on torch, as without a C compiler) |
 | CC | str | cc, gcc on PATH | the C compiler of the CPU kernels |
-| MINISGL_CPU_PACKED | bool | false | CPU: bf16 GEMM weights packed once for oneDNN (faster, twice the weight memory) |
-| MINISGL_CPU_AMX | bool | true | CPU: bf16 GEMMs of > 8 rows on the C AMX kernel (false: oneDNN through torch) |
-| MINISGL_CPU_VNNI | bool | true | CPU: projection weights stored in the AMX tile layout, read in place (false: plain weights) |
 
-No switch chooses between CUDA kernels: where a measurement chose, the losing branch left with
-its switch (the deciding figures stay in docs/PERFORMANCE.md).
+No switch chooses between kernels: where a measurement chose, the losing branch left with its
+switch (the deciding figures stay in docs/PERFORMANCE.md). MINISGL_CPU_KERNELS is no such choice:
+it runs what a machine without a C compiler runs.
 """
 
 from __future__ import annotations
@@ -51,11 +48,7 @@ class Env:
     cache_dir: Path
     log_level: str
     triton_interpret: bool
-    cpu_fast_decode: bool
     cpu_kernels: bool
-    cpu_packed: bool
-    cpu_amx: bool
-    cpu_vnni: bool
     cc: str | None
 
 
@@ -66,10 +59,6 @@ def read_env() -> Env:
         cache_dir=Path(os.environ.get("MINISGL_CACHE_DIR") or Path.home() / ".cache" / "minisgl"),
         log_level=(os.environ.get("MINISGL_LOG_LEVEL") or "WARNING").upper(),
         triton_interpret=_flag("TRITON_INTERPRET", False),
-        cpu_fast_decode=_flag("MINISGL_CPU_FAST_DECODE", True),
         cpu_kernels=_flag("MINISGL_CPU_KERNELS", True),
-        cpu_packed=_flag("MINISGL_CPU_PACKED", False),
-        cpu_amx=_flag("MINISGL_CPU_AMX", True),
-        cpu_vnni=_flag("MINISGL_CPU_VNNI", True),
         cc=os.environ.get("CC") or None,
     )

@@ -1,4 +1,4 @@
-"""Fused C kernels for the CPU decode step, built on first use and called through ctypes.
+"""Fused C kernels for the CPU forward, built on first use and called through ctypes.
 
 `kernels.c` (norms, rotary, SiLU, paged attention), `kv_int8.c` (the int8 KV pool's store and decode attention), `argmax.c` (greedy sampling), `gemv.c` (the bf16 skinny GEMM of small
 decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
@@ -6,7 +6,7 @@ Q4_1 / Q8_0 blocks), `attn_amx.c` (prefill attention on AMX tiles) and `decode_l
 decode batch's whole layer stack in one call) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
 a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
 headers, so no minute-long extension build. Without a compiler, or with MINISGL_CPU_KERNELS=0,
-`cpu_kernels()` returns None and callers use their torch-op path.
+`cpu_kernels()` returns None and every op runs its torch code.
 """
 
 from __future__ import annotations

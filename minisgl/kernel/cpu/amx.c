@@ -11,8 +11,8 @@
  *   weight), every 32-row block of x passing the chunk.
  * Both use 2 x 2 tiles (4 C, 2 A, 2 B: all 8) and round the previous block's C tiles to bf16
  * while the next block's products run. fp32 accumulation, one rounding to bf16 (results differ
- * from oneDNN's by summation order). docs/PERFORMANCE.md ("Third pass") has the measurements,
- * including why this lands at ~1.1x oneDNN at 500 rows (one operand streams from L2).
+ * from oneDNN's by summation order). docs/PERFORMANCE.md ("CPU forward") has the measurements,
+ * including why this lands only a little above oneDNN at 500 rows (one operand streams from L2).
  *
  * Returns 0 (caller falls back to torch) without AMX at compile time, when Linux refuses the tile
  * state, for shapes it does not tile (k % 32, n % 16), above 640 rows (oneDNN is faster there),
@@ -193,11 +193,8 @@ static void wb_store(const float *c, int two, long row0, long m, long col0, long
 #endif
 /* A VNNI weight is multiplied a chunk of pairs of 16-row blocks at a time against every block of
  * x: for a prefill-sized x (<= 512 rows) the smallest chunk (64 KiB, its tiles stay in L1/L2 while
- * x streams from L2): the embedded model's 120 GEMMs at 500 rows, huge pages: 56.0 ms in 1 MiB
- * chunks, 52.5 in 128 KiB, 51.9 in 64 KiB; 64 rows 13.8 / 11.9 / 11.7 ms (prefetching the next
- * chunk: no gain). Row groups of up to 1024 rows (x then streams from L3) take 1 MiB chunks:
- * at 4096 rows 12.0 ms for 4 GEMMs in 512-row groups of 64 KiB chunks, 10.9 in 1024 / 1 MiB
- * (oneDNN on the plain weight 9.9, without the SiLU that ours includes). */
+ * x streams from L2); row groups of up to 1024 rows (x then streams from L3) take 1 MiB chunks.
+ * Both sizes won a sweep (docs/PERFORMANCE.md, "CPU forward"). */
 #ifndef VNNI_CHUNK
 #define VNNI_CHUNK (64l << 10)
 #endif
@@ -211,7 +208,7 @@ static void wb_store(const float *c, int two, long row0, long m, long col0, long
  * column pairs at a time (<= 1 MiB, L2; each pair packed on first use, next to its first
  * products), and each 32-row block of x (<= 96 KiB, L1/L2) passes every pair of the chunk while
  * its output rows are written whole. x is read once per chunk, the weight once in all. (Packing
- * per pair and streaming all of x past it fell to 0.4-0.7 TFLOP/s at 2048+ rows: x from L3.)
+ * per pair and streaming all of x past it was much slower at 2048+ rows: x from L3.)
  * With vnni the weight already is B tiles (gemm_vnni): nothing is packed, the chunks only block
  * for the caches; with inter > 0 the pairs come as gate/up couples and y is the SiLU product. */
 static int gemm_wb(const uint16_t *x, long ldx, long m, const uint16_t *xpad, const uint16_t *w, long n,

@@ -32,7 +32,7 @@ static void amx_config(void) { /* 8 tiles of 16 rows x 64 bytes: C 0-3, A 4-5, B
 }
 
 /* One 16 x 16 transpose of 32-bit elements: out[j * 16 + i] = row i's element j, row i read at
- * src + i * stride (bytes). 64 shuffles in registers (16 gathers per tile were ~2x slower). It
+ * src + i * stride (bytes). 64 shuffles in registers (16 gathers per tile were slower). It
  * packs bf16 pairs into the tile unit's pair-interleaved (VNNI) B layout and turns fp32 C tiles
  * of the transposed product back into rows. */
 static inline void transpose16(const void *src, long stride, uint32_t *out) {

@@ -1,8 +1,8 @@
 /* Greedy sampling's argmax over the logits rows, on the CPU (engine/sample.py).
  *
- * Why: torch's CPU argmax scans a [64, 49152] fp32 batch at ~3.8 ms (one thread, after a 1 ms
- * bf16 -> fp32 cast): ~5 ms of a 47 ms decode step of the embedded model. Here each row is one
- * pass over its bf16 (or fp32) values, rows split over threads.
+ * Why: torch's CPU argmax scans a large batch of logits on one thread, after a bf16 -> fp32
+ * cast: a visible part of a 64-row decode step of the embedded model (docs/PERFORMANCE.md). Here
+ * each row is one pass over its bf16 (or fp32) values, rows split over threads.
  *
  * Semantics are torch.argmax's: the first index of the largest value; a NaN counts as larger
  * than everything, so the first NaN wins.

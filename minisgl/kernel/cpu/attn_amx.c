@@ -1,8 +1,8 @@
 /* Causal prefill attention on AMX tiles (bf16 in, fp32 scores, bf16 out), for a prompt whose
  * keys are its own rows (no cached prefix): out[i, h] = softmax(q_i . k_j * scale, j <= i) v.
  *
- * Why: torch's SDPA (its CPU flash kernel) runs at ~0.2 TFLOP/s here at 500 tokens (1.6 ms per
- * layer on one core, a quarter of a prefill); this is 2.5-3.5x faster at 100-1000 tokens.
+ * Why: torch's SDPA (its CPU flash kernel) is a quarter of a 500-token prefill on one core, far
+ * from the tiles' rate; this is several times faster at 100-1000 tokens (docs/PERFORMANCE.md).
  * Per 32 queries of one head: S = Q K^T on tiles into an fp32 row block (the whole causal row,
  * <= n keys: no online rescaling), an exact row softmax in AVX-512 written as bf16 weights P
  * (unnormalized, in [0, 1]), then O = P V on tiles and one division by the row sum. K^T and V are packed once per KV head into the tiles' layouts and

@@ -28,8 +28,8 @@ static inline __m512 hsum16x16(__m512 d[16]) {
 /* Keys [b0, b1) of a request (its pool slots; row = slot * hk + kh): their K and V rows of
  * row_bytes each, and with k_scale non-NULL their int8 scales, prefetched with `hint`. The
  * kernels prefetch the next 16-key block into L1 and one further ahead into L2: the rows are
- * scattered over the pool, so without the far one too few DRAM reads are in flight (a 64-row
- * decode step's attention, 30 layers, 2 threads: bf16 29.0 -> 24.0 ms, int8 24.1 -> 20.0). */
+ * scattered over the pool, so without the far one too few DRAM reads are in flight
+ * (docs/PERFORMANCE.md). */
 #define PREFETCH_KV_ROWS(k_cache, v_cache, k_scale, v_scale, slots, b0, b1, n, hk, kh, row_bytes, hint) \
     for (long b_ = (b0); b_ < (b1) && b_ < (n); b_++) {                                           \
         long row_ = (long)(slots)[b_] * (hk) + (kh);                                              \
@@ -42,8 +42,8 @@ static inline __m512 hsum16x16(__m512 d[16]) {
             _mm_prefetch((const char *)((v_scale) + row_), hint);                                 \
         }                                                                                         \
     }
-#define ATTN_PF_FAR_BF16 32 /* keys ahead for the L2 prefetch: 32 / 48 / 64 measured 24.0 / 24.5 / 24.9 ms */
-#define ATTN_PF_FAR_INT8 48 /* 32 / 48 / 64: 21.2 / 19.8-20.0 / 20.8 ms */
+#define ATTN_PF_FAR_BF16 32 /* keys ahead for the L2 prefetch (a sweep of 32 / 48 / 64) */
+#define ATTN_PF_FAR_INT8 48 /* the same sweep's winner for the int8 pool */
 
 /* One 16-key block of the online softmax: scores sv (dead lanes already -inf) raise the running
  * max *mx (the nv accumulators and *den rescaled when it moves), add their exps to *den, and

@@ -1,10 +1,10 @@
-/* The whole layer stack of a small bf16 decode batch in one call (engine/cpu_decode.py).
+/* The whole layer stack of a bf16 decode batch in one call (CpuDecodeLoop, engine/cpu_decode.py).
  *
- * Why: a batch-1 step of the embedded model is ~7 ms, and the Python loop that called the
- * layer's nine kernels one by one through ctypes cost ~0.5-1 ms of it (270 calls, each
- * converting its arguments and allocating its output). Here the same kernels run in the same
- * order on the same buffers, so the result is bitwise the per-call loop's; Python builds the
- * layer table once and fills the step's fields per step.
+ * Why: on a small model the module path's per-op Python and ctypes calls (nine kernels a layer,
+ * each converting its arguments and allocating its output) are a visible part of a decode step
+ * (docs/PERFORMANCE.md). Here the same kernels run in the same order on the same buffers as the
+ * module path's CPU ops, so the result is bitwise the module path's; Python builds the layer
+ * table once, from the model's modules, and fills the step's fields per step.
  *
  * Every GEMM here is one that cannot decline for the rows it is given (checked by the caller
  * when it builds the table: the bf16 skinny GEMM takes any shape, the quantized ones and AMX
@@ -84,7 +84,7 @@ static int run_gemm(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *y,
     return gemm_amx_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
 }
 
-/* act = silu(gate) * up of the MLP input x, as the per-call loop's _mlp_act: one pass over the
+/* act = silu(gate) * up of the MLP input x, as _Linear.forward_silu_and_mul: one pass over the
  * VNNI tiles where the AMX GEMM runs (the same bits as the GEMM then silu_mul), else the two. */
 static int run_gate_up_act(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *gu, uint16_t *act, long inter,
                            int nt) {

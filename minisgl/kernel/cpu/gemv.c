@@ -21,8 +21,7 @@
 
 #include "vec_math.h"
 /* Prefetch distances in tiles (R weight rows each): the next tile into L1, the one PF_L2 ahead
- * into L2. A batch-1 bf16 decode step of the embedded model (2 threads, context 500, min of 8):
- * L1 at 2 tiles alone 10.8-11.1 ms; adding L2 at 8: 9.1; L1 at 1 and L2 at 2-6: 8.4-8.8. */
+ * into L2; the pair won a sweep on a batch-1 bf16 decode step (docs/PERFORMANCE.md). */
 #ifndef PF_DIST
 #define PF_DIST 1
 #endif
@@ -117,7 +116,7 @@ int gemv_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, lo
  * (no horizontal sums), and each 16-row block is one contiguous stream. JB blocks at a time keep
  * JB x M accumulator chains in flight. */
 #ifndef VNNI_JB1
-#define VNNI_JB1 8 /* 16-row blocks at a time for one row: 2 / 4 / 6 / 8 gave 6.6 / 6.4-6.9 / 6.1-6.5 / 6.2-6.5 ms */
+#define VNNI_JB1 8 /* 16-row blocks at a time for one row (a sweep of 2 / 4 / 6 / 8: docs/PERFORMANCE.md) */
 #endif
 #ifndef VNNI_PF
 #define VNNI_PF 1024 /* bytes ahead of each block's stream, into L2 (the 120 GEMMs of a batch-1 step: 512 B-8 KiB within noise) */

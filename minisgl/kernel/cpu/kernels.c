@@ -1,4 +1,4 @@
-/* Fused CPU kernels for the decode step (engine/cpu_decode.py), called through ctypes.
+/* Fused CPU kernels of the layers' ops (kernel/cpu/ops.py, kernel/cpu/attention.py), called through ctypes.
  *
  * Why C and not torch ops: a decode step of SmolLM2-135M on two cores spends more time in the
  * ~50 torch ops per layer (dispatch, allocation) than in their arithmetic. Each function below
@@ -212,8 +212,8 @@ DEFINE_FAST_ATTN(bf16, uint16_t, 128)
     if (d == 64 || d == 128) {                                                                   \
         int nt = (work * hk * d < 65536) ? 1 : nthreads;                                         \
         /* a request's KV heads on one thread, one after another: the first one's key and value  \
-         * streams bring the others' rows (adjacent in each slot) into L2 (64 rows x 250 keys:   \
-         * step 44.4-45.5 -> 41.7-43.0 ms) */                                                    \
+         * streams bring the others' rows (adjacent in each slot) into L2                        \
+         * (docs/PERFORMANCE.md) */                                                              \
         long chunk_ = rows >= 2 * nt ? hk : 1; /* (a batch of one keeps a head per thread) */    \
         _Pragma("omp parallel for num_threads(nt) schedule(dynamic, chunk_)")                    \
         for (long task = 0; task < rows * hk; task++) {                                          \
@@ -235,8 +235,8 @@ DEFINE_FAST_ATTN(bf16, uint16_t, 128)
 #define RMS_ROW_FAST_f32
 #define SILU_ROW_FAST_f32
 #define ROPE_FAST_f32
-/* the int8 store's bf16 <-> fp32 of each K/V head, 16 lanes (a 500-token prefill stores 5.8M
- * values: the scalar loops were ~6 ms of it); the write-back rounds exactly as st_bf16 does */
+/* the int8 store's bf16 <-> fp32 of each K/V head, 16 lanes (a prefill stores millions of
+ * values: the scalar loops were a visible part of it); the write-back rounds exactly as st_bf16 does */
 #if defined(__AVX512F__)
 #define Q8_LOAD_FAST_bf16                                                                        \
     if (d % 16 == 0) { for (long i = 0; i < d; i += 16) _mm512_storeu_ps(f + i, LDH(x + i)); } else

@@ -38,10 +38,9 @@
 #include <immintrin.h>
 
 /* DRAM latency, not the stream, bounds a lone core here: without help one core reads the records
- * at ~6 GB/s (a plain read stream does 13.8). So each tile step prefetches, into L2, its share of
- * the bytes QPF_BYTES ahead (the tile QPF_BYTES further down the same contiguous stream):
- * measured 6.0 -> 8.5 GB/s on one core and 11.9 -> 16-18 on two (220 MB of records, cold), and
- * 12 -> 14.4 GB/s per core when they sit in L3. */
+ * at under half a plain read stream's rate. So each tile step prefetches, into L2, its share of
+ * the bytes QPF_BYTES ahead (the tile QPF_BYTES further down the same contiguous stream; the
+ * figures are in docs/PERFORMANCE.md). */
 #define QPF_BYTES 16384
 #define TILE_PREFETCH(tile, lines, per, step)                                                      \
     for (long l_ = (step) * (per); l_ < ((step) + 1) * (per) && l_ < (lines); l_++)                \
