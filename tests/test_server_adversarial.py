@@ -410,15 +410,15 @@ def test_harness_starts_a_server_again_when_its_port_was_taken(tiny_chat_model: 
     """The test harness itself (ServerProcess): a port picked free but taken before the server
     binds it makes the server exit with status 2 ("choose another --port"); the harness then
     starts it again on a new port instead of failing the test that asked for a server."""
-    import test_server
+    import server_helpers
 
-    real_free_port = test_server.free_port
+    real_free_port = server_helpers.free_port
     with socket.socket() as thief:
         thief.bind(("127.0.0.1", 0))
         thief.listen(1)
         taken = thief.getsockname()[1]
         picks = iter([taken])
-        monkeypatch.setattr(test_server, "free_port", lambda: next(picks, None) or real_free_port())
+        monkeypatch.setattr(server_helpers, "free_port", lambda: next(picks, None) or real_free_port())
         srv = ServerProcess(tiny_chat_model, "--dtype", "float32", "--max-seq-len", "128", log_path=tmp_path / "server.log")
         try:
             srv.wait_ready()
