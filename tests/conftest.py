@@ -111,3 +111,21 @@ def refs(hf_oracle: Callable[[str], HFOracle]) -> Any:
     from sched_helpers import TINY, refs_for
 
     return refs_for(hf_oracle(TINY))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the selected tests' subprocess kernel checks in the background (kernel_checks), in
+    the order the suite will reach them."""
+    import importlib.util
+    import os
+
+    from kernel_checks import CHECKS, prefetch
+
+    if os.environ.get("MINISGL_TEST_DEVICE", "cpu") != "cpu" or session.config.option.collectonly:
+        return
+    if importlib.util.find_spec("triton") is None:  # those tests skip
+        return
+    files = list(dict.fromkeys(Path(str(item.fspath)).name for item in session.items))
+    keys = [key for name in files for key in CHECKS.get(name, [])]
+    if keys:
+        prefetch(keys)
