@@ -200,6 +200,22 @@ def check_model_files(args: ServerArgs) -> str | None:
     return None
 
 
+def check_tp_fits(args: ServerArgs) -> str | None:
+    """Why the model's heads and MLP cannot be split over --tp ranks (the fitting values named), or
+    None: checked here, before any process starts, not as a traceback from a started rank."""
+    if args.tp == 1:
+        return None
+    from minisgl.engine.engine import check_tp_size
+    from minisgl.models import ModelConfig
+    from minisgl.utils.hf import cached_load_hf_config
+
+    try:
+        check_tp_size(ModelConfig.from_hf(cached_load_hf_config(args.model_path)), args.tp)
+    except ValueError as exc:
+        return f"--tp {args.tp}: {exc}"
+    return None
+
+
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) until a signal or a failure; returns the exit status
     (EXIT_OK, EXIT_FAILURE or EXIT_USAGE; argparse also exits 2 for a bad command line)."""
@@ -232,7 +248,7 @@ def launch(args: ServerArgs) -> int:
         except (FileNotFoundError, ValueError) as exc:
             logger.error("cannot load the model: %s", exc)
             return EXIT_USAGE
-        problem = check_model_files(args)
+        problem = check_model_files(args) or check_tp_fits(args)
         if problem is not None:
             logger.error("%s", problem)
             return EXIT_USAGE

@@ -66,11 +66,18 @@ StopStrings = Optional[Annotated[Union[StopStr, List[StopStr]], AfterValidator(_
 
 # OpenAI fields minisgl does not implement: refused when they ask for something.
 UNSUPPORTED_CHAT_FIELDS = (
-    "functions", "function_call",
-    "prediction", "audio", "modalities", "reasoning_effort", "web_search_options", "store",
-    "metadata", "service_tier",
+    "functions", "function_call", "prediction", "audio", "reasoning_effort", "web_search_options",
 )  # fmt: skip
 UNSUPPORTED_COMPLETION_FIELDS: tuple[str, ...] = ()
+
+# OpenAI fields that change nothing minisgl computes (routing hints, bookkeeping, a tier that only
+# OpenAI has): accepted on chat and completions when their value is one minisgl can honour by
+# doing nothing, and named in one logged warning per request (`ignored_fields`). Their types and
+# allowed values are declared on `SamplingFields`; docs/SERVER.md lists them.
+IGNORED_FIELDS = ("prompt_cache_key", "safety_identifier", "verbosity", "service_tier", "store", "metadata", "modalities", "user")
+MAX_METADATA_ENTRIES = 16  # OpenAI's bounds on `metadata`
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 # apply_chat_template's own parameters: a client must not set them through chat_template_kwargs
 # (a client-side `chat_template` is arbitrary Jinja run in the tokenizer worker).
@@ -119,6 +126,37 @@ class ResponseFormat(_Base):
         return GrammarSpec("json_schema", json.dumps(self.json_schema.schema_))
 
 
+MAX_GUIDED_CHOICES = 256
+
+
+class StructuredOutputs(_Base):
+    """vLLM's `structured_outputs`: one of json (a schema, or its JSON text), regex, choice, grammar (EBNF)."""
+
+    json_: Union[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)], Dict[str, Any], None] = Field(None, alias="json")
+    regex: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+    choice: Optional[
+        Annotated[List[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+    ] = None
+    grammar: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+
+
+def _guided_grammar(kind: str, value: Any, param: str) -> GrammarSpec:
+    """vLLM's guided_json / regex / choice / grammar as the GrammarSpec that /generate would build."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(f"{param} is not a JSON schema: {exc}", param=param) from None
+            return GrammarSpec("json_schema", value)
+        return GrammarSpec("json_schema", json.dumps(value))
+    if kind == "regex":
+        return GrammarSpec("regex", value)
+    if kind == "choice":  # exactly one of the strings: an EBNF alternation of their literals
+        return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    return GrammarSpec("ebnf", value)
+
+
 def _stop_list(stop: StopStrings) -> List[str]:
     if stop is None:
         return []
@@ -147,7 +185,28 @@ class SamplingFields(_Base):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # IGNORED_FIELDS: accepted, logged, no effect
     user: Optional[ShortStr] = None
+    prompt_cache_key: Optional[ShortStr] = None
+    safety_identifier: Optional[ShortStr] = None
+    verbosity: Optional[Literal["low", "medium", "high"]] = None
+    service_tier: Optional[Literal["auto", "default"]] = None  # "flex", "priority", "scale": OpenAI's alone
+    store: Optional[bool] = None  # true is accepted: nothing is stored
+    metadata: Optional[
+        Annotated[
+            Dict[Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)], Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)]],
+            Field(max_length=MAX_METADATA_ENTRIES),
+        ]
+    ] = None
+    modalities: Optional[Annotated[List[Literal["text"]], Field(max_length=1)]] = None  # text output only
+    # vLLM's constrained decoding (at most one of them, nor with response_format; see `grammar`)
+    guided_json: Union[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)], Dict[str, Any], None] = None
+    guided_regex: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+    guided_choice: Optional[
+        Annotated[List[Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+    ] = None
+    guided_grammar: Optional[Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)]] = None
+    structured_outputs: Optional[StructuredOutputs] = None
     # OpenAI: {"token id as a string": bias in [-100, 100]}
     logit_bias: Optional[Annotated[Dict[Annotated[str, Field(max_length=24)], float], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     min_tokens: Annotated[int, Field(ge=0, le=INT64_MAX)] = 0
@@ -162,11 +221,39 @@ class SamplingFields(_Base):
         return _stop_list(self.stop)
 
     def wants_grammar(self) -> bool:
-        return self.response_format is not None and self.response_format.type != "text"
+        return bool(self._constraints())
+
+    def ignored_fields(self) -> List[str]:
+        """The IGNORED_FIELDS this request set to something (for the one warning that names them)."""
+        return [name for name in IGNORED_FIELDS if name in self.model_fields_set and not is_unset(getattr(self, name))]
+
+    def _constraints(self) -> List[tuple[str, GrammarSpec]]:
+        """(the field as the client named it, its grammar) for every constraint the request sets."""
+        out: List[tuple[str, GrammarSpec]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            spec = self.response_format.grammar()
+            assert spec is not None
+            out.append(("response_format", spec))
+        guided = (("guided_json", self.guided_json), ("guided_regex", self.guided_regex),
+                  ("guided_choice", self.guided_choice), ("guided_grammar", self.guided_grammar))  # fmt: skip
+        out += [(name, _guided_grammar(name.removeprefix("guided_"), value, name)) for name, value in guided if value is not None]
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            given = (("json", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar))
+            out += [(f"structured_outputs.{k}", _guided_grammar(k, v, "structured_outputs")) for k, v in given if v is not None]
+        return out
+
+    def grammar(self) -> Optional[GrammarSpec]:
+        """The one output constraint of the request (response_format, guided_* or structured_outputs)."""
+        given = self._constraints()
+        if len(given) > 1:
+            names = [name for name, _ in given]
+            raise InvalidRequest(f"give at most one output constraint, got {' and '.join(names)}", param=names[0].split(".")[0])
+        return given[0][1] if given else None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Choice 0's parameters (`SamplingParams.for_choice` derives the others)."""
-        grammar = self.response_format.grammar() if self.response_format is not None else None
+        grammar = self.grammar()
         return _to_sampling_params(self, max_tokens=max_tokens, min_tokens=self.min_tokens, grammar=grammar, logprobs=logprobs)
 
 

@@ -300,6 +300,37 @@ def _finite(logprob: float) -> float:
     return value if value > -9999.0 else -9999.0  # also maps NaN (all comparisons false)
 
 
+def describe_tokenizer(tokenizer: Any, chat_template: str | None) -> Dict[str, Any] | None:
+    """What GET /tokenizer_info returns (after vLLM's): enough for a client such as lm-eval to
+    tokenize and render chats as the server does without a local copy of the tokenizer folder."""
+    if tokenizer is None:
+        return None
+
+    def text(token: Any) -> str | None:
+        return None if token is None else str(token)
+
+    limit = getattr(tokenizer, "model_max_length", None)
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "is_fast": bool(getattr(tokenizer, "is_fast", False)),
+        "vocab_size": len(tokenizer),  # with the added tokens
+        "model_max_length": limit if isinstance(limit, int) and limit < 1 << 53 else None,  # HF's "no limit" is 1e30
+        "bos_token": text(tokenizer.bos_token),
+        "eos_token": text(tokenizer.eos_token),
+        "pad_token": text(tokenizer.pad_token),
+        "unk_token": text(tokenizer.unk_token),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "additional_special_tokens": [str(t) for t in getattr(tokenizer, "additional_special_tokens", [])],
+        "added_tokens": {str(i): str(t) for i, t in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())},
+        "padding_side": getattr(tokenizer, "padding_side", None),
+        "truncation_side": getattr(tokenizer, "truncation_side", None),
+        "clean_up_tokenization_spaces": bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)),
+        "chat_template": chat_template,
+    }
+
+
 def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     """Entry point of the tokenizer worker process (multiprocessing spawn target)."""
     from minisgl.server.process_utils import IpcAddrs, fail_startup, push_socket, setup_child_process
@@ -322,7 +353,11 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one renders chats
         template = template.get("default") or next(iter(template.values()), None)
-    ready_conn.send(("ready", {"has_chat_template": template is not None, "chat_template": template, "tokenizer": args.tokenizer_path}))
+    ready_conn.send((
+        "ready",
+        {"has_chat_template": template is not None, "chat_template": template, "tokenizer": args.tokenizer_path,
+         "info": describe_tokenizer(tokenizer, template)},
+    ))  # fmt: skip
     ready_conn.close()
     logger.info("tokenizer worker ready (%s)", args.tokenizer_path or "no tokenizer: --skip-tokenizer-init")
     use_pool = tokenizer is not None and args.num_tokenizer_workers > 0

@@ -1,7 +1,8 @@
-"""Health, metrics, models, server info and the cache flush.
+"""Health, metrics, models, server and tokenizer info, and the cache flush.
 
 `/health` and `/metrics` answer without the API key (load balancers and Prometheus probe them);
-everything else here needs it when the server has one.
+everything else here needs it when the server has one. Every GET route also answers HEAD (the
+same status and headers, no body; the same auth).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@open_router.get("/version")
+@open_router.api_route("/version", methods=["GET", "HEAD"])
 async def version() -> Dict[str, Any]:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as package_version
@@ -44,12 +45,12 @@ async def version() -> Dict[str, Any]:
         return {"version": "unknown"}
 
 
-@open_router.get("/metrics")
+@open_router.api_route("/metrics", methods=["GET", "HEAD"])
 async def prometheus_metrics(request: Request) -> Response:
     return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=["GET", "HEAD"])
 async def list_models(request: Request) -> Dict[str, Any]:
     state = get_state(request)
     return {
@@ -67,14 +68,23 @@ async def list_models(request: Request) -> Dict[str, Any]:
     }
 
 
-@router.get("/v1/models/{model_id:path}")
+@router.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
 async def get_model(model_id: str, request: Request) -> Dict[str, Any]:
     state = get_state(request)
     check_model(state, model_id)
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "minisgl"}
 
 
-@router.get("/server_info")
+@router.api_route("/tokenizer_info", methods=["GET", "HEAD"])
+async def tokenizer_info(request: Request) -> Dict[str, Any]:
+    """The served tokenizer, as vLLM's /tokenizer_info: class, vocabulary size, special tokens,
+    chat template (`minisgl.tokenizer.worker.describe_tokenizer`), and this server's context."""
+    state = get_state(request)
+    need_tokenizer(state, "/tokenizer_info")
+    return {**(state.tokenizer_description or {}), "model": state.model_name, "max_model_len": state.info.get("max_seq_len")}
+
+
+@router.api_route("/server_info", methods=["GET", "HEAD"])
 async def server_info(request: Request) -> Dict[str, Any]:
     state = get_state(request)
     stats = state.frontend.stats

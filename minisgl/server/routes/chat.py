@@ -23,6 +23,7 @@ from minisgl.server.routes.common import (
     check_model,
     events,
     get_state,
+    log_ignored,
     need_tokenizer,
     read_body,
     require_api_key,
@@ -40,6 +41,7 @@ router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_k
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT_FIELDS)
+    log_ignored(request, body)
     check_model(state, body.model)
     need_tokenizer(state, "/v1/chat/completions (the chat template renders text; use /v1/completions with token ids)", "messages")
     try:
@@ -60,7 +62,11 @@ async def chat_completions(request: Request) -> Response:
     params = body.sampling_params(max_tokens, k)
     if parser is not None and body.must_call():
         if params.grammar is not None:
-            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with response_format", param="tool_choice")
+            raise APIError(
+                400,
+                "tool_choice 'required' or a named function cannot be combined with an output constraint (response_format, guided_*, structured_outputs)",
+                param="tool_choice",
+            )
         params.grammar = parser.call_grammar(parser.call_schema(tools))  # the model must emit a valid call
     params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
     msgs = [

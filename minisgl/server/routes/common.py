@@ -159,6 +159,7 @@ class ServerState:
         self.args = args
         self.info = info  # what the scheduler reported at start-up
         self.chat_template: str | None = tokenizer_info.get("chat_template")
+        self.tokenizer_description: Dict[str, Any] | None = tokenizer_info.get("info")  # GET /tokenizer_info
         self.tool_parser = pick_parser(args.tool_call_parser, self.chat_template)
         self.reasoning = wants_reasoning(args.reasoning_parser, self.chat_template)
         self.frontend = frontend
@@ -274,6 +275,13 @@ async def read_body(request: Request, model: type[BaseModel], unsupported: Seque
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+def log_ignored(request: Request, body: Any) -> None:
+    """One warning per request naming the accepted fields that change nothing (IGNORED_FIELDS)."""
+    names = body.ignored_fields()
+    if names:
+        logger.warning("%s: ignoring %s (accepted, no effect in minisgl)", request.url.path, ", ".join(names))
 
 
 def validated(params: SamplingParams, limits: RequestLimits, rename: Dict[str, str] | None = None) -> SamplingParams:

@@ -22,6 +22,7 @@ from minisgl.server.routes.common import (
     check_prompts,
     events,
     get_state,
+    log_ignored,
     need_tokenizer,
     prompt_messages,
     read_body,
@@ -41,6 +42,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 async def completions(request: Request) -> Response:
     state = get_state(request)
     body: CompletionRequest = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETION_FIELDS)
+    log_ignored(request, body)
     check_model(state, body.model)
     try:
         prompts = body.prompts()
