@@ -109,6 +109,21 @@ def test_every_get_route_answers_head() -> None:
     assert [r.path for r in gets if "HEAD" not in r.methods] == []
 
 
+def test_tokenizer_info_without_a_tokenizer_is_refused() -> None:
+    from fastapi.testclient import TestClient
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.args import parse_args
+    from minisgl.server.metrics import ServerMetrics
+
+    args = parse_args(["--skip-tokenizer-init"])
+    args.model_path = "/models/x"
+    app = create_app(args, {"max_seq_len": 512, "vocab_size": 100}, object(), ServerMetrics())  # type: ignore[arg-type]
+    with TestClient(app) as client:
+        assert_error_body(client.get("/tokenizer_info"), 400, code="tokenizer_required")
+        assert client.head("/tokenizer_info").status_code == 400
+
+
 # ---------------------------------------------------------------------------------------------
 # A real server
 # ---------------------------------------------------------------------------------------------
