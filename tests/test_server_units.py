@@ -585,7 +585,7 @@ def test_a_non_streaming_client_that_hangs_up_aborts_its_request() -> None:
         task = asyncio.ensure_future(collect(client, stream))  # type: ignore[arg-type]
         stream._deliver(7, ReplyMsg(uid=7, text="a", num_tokens=1, completion_tokens=1))
         stream._deliver(8, ReplyMsg(uid=8, text="b", num_tokens=1, finished=True, finish_reason="length"))
-        await asyncio.sleep(0)  # the route consumes what arrived and waits for more
+        await asyncio.sleep(0)  # (a yield, not a wait: the route starts; choice 7 never finishes)
         assert not task.done()
         client.hang_up.set()
         with pytest.raises(APIError) as err:
