@@ -270,14 +270,9 @@ class ResponsesRequest(_Base):
             raise ValueError(f"{{'type': {v.get('type')!r}}} is not supported: give none, auto, required or a function")
         return v
 
-    @model_validator(mode="after")
-    def _check(self) -> "ResponsesRequest":
-        if self.tool_choice not in (None, "none", "auto") and not self.tools:
-            raise ValueError("tool_choice needs tools")
-        return self
-
-    def refuse_stateful(self) -> None:
-        """What needs state kept between requests, refused by name."""
+    def check(self) -> None:
+        """What the schema cannot say, refused by name: state kept between requests, a tool
+        choice without tools."""
         if self.previous_response_id is not None:
             raise InvalidRequest(f"previous_response_id: {NOT_STORED}", param="previous_response_id", code="unsupported_parameter")
         if self.background:
@@ -286,6 +281,8 @@ class ResponsesRequest(_Base):
                 param="background",
                 code="unsupported_parameter",
             )
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise InvalidRequest("tool_choice needs tools", param="tool_choice")
 
     def ignored_fields(self) -> List[str]:
         """The accepted fields that change nothing, as set by this request (for log_ignored)."""

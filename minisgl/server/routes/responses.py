@@ -55,7 +55,7 @@ async def create_response(request: Request) -> Response:
     state = get_state(request)
     body: ResponsesRequest = await read_body(request, ResponsesRequest, UNSUPPORTED_RESPONSES_FIELDS)
     log_ignored(request, body)
-    body.refuse_stateful()
+    body.check()
     check_model(state, body.model)
     need_tokenizer(state, "/v1/responses (the chat template renders text)", "input")
     try:
