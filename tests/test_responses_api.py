@@ -163,10 +163,13 @@ def test_stream_events_parse_and_end_as_the_non_streamed_response(server: Server
 
     client = server.openai()
     for kw in (
-        {"input": "Once upon a time", "max_output_tokens": N_NEW},
+        {"input": "Once upon a time", "max_output_tokens": N_NEW},  # cut off: ends with response.incomplete
+        {"input": "Once upon a time", "max_output_tokens": N_NEW, "extra_body": {"stop": ["e"]}},  # stopped: response.completed
         {"input": [{"role": "user", "content": ASK}], "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 120},
     ):
         plain = client.responses.create(model=MODEL, temperature=0, **kw)
+        if "extra_body" in kw or "tools" in kw:  # ended by a stop string or by the call's grammar
+            assert plain.status == "completed"
         events = list(client.responses.create(model=MODEL, temperature=0, stream=True, **kw))
         assert [e.sequence_number for e in events] == list(range(len(events)))
         assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
