@@ -124,7 +124,7 @@ class ResponseShell:
         }
 
     def render(self, status: str, output: List[Dict[str, Any]], counts: Dict[str, Any] | None) -> Dict[str, Any]:
-        done = status in ("completed", "incomplete")
+        done = status != "in_progress"
         return {
             "id": self.id,
             "object": "response",
@@ -174,7 +174,8 @@ class ResponseOutput:
         return events + (self._add_text("message", text) if text else [])
 
     def finish(self, finish_reason: str | None) -> List[Dict[str, Any]]:
-        self.status = "incomplete" if finish_reason == "length" else "completed"
+        # cut off by max_output_tokens or the context: incomplete; ended by the server (shutdown): cancelled
+        self.status = {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
         events: List[Dict[str, Any]] = []
         calls: List[ToolCall] = []
         if self.tool_stream is not None:
@@ -247,7 +248,7 @@ class ResponseOutput:
             done["logprobs"] = []
         events = [done, self._part_event("response.content_part.done")]
         # closed by text of the other kind (a thought before the answer): complete; else as the response
-        item["status"] = "completed" if self.status == "in_progress" else self.status
+        item["status"] = "completed" if self.status in ("in_progress", "completed") else "incomplete"
         self._open = None
         return events + [self._item_event("response.output_item.done", item, len(self.items) - 1)]
 
@@ -291,4 +292,5 @@ async def _response_stream(stream: RequestStream, first: Event, shell: ResponseS
             for event in out.finish(msg.finish_reason):
                 yield write(event)
     final = shell.render(out.status, out.items, usage([result], 1))
-    yield write({"type": f"response.{out.status}", "response": final})
+    final_event = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(out.status, "response.failed")
+    yield write({"type": final_event, "response": final})
