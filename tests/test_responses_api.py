@@ -368,3 +368,38 @@ def test_reasoning_message_and_call_items_streamed_and_not() -> None:
         kinds.index("response.output_text.done") < kinds.index("response.function_call_arguments.done") < kinds.index("response.completed")
     )
     assert _without_ids(events[-1]["response"]) == _without_ids(plain)
+
+    # the output passed back as input (the SDK's multi-turn pattern): the thought is dropped, the
+    # text and the call are one assistant message, the result a tool message
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "-3 C"}
+    again = client.post("/v1/responses", json={**body, "input": [*body["input"], *plain["output"], result]})
+    assert again.status_code == 200, again.text
+    rendered = frontend.sent[-1].messages[1:]  # after the tools' system message
+    assert [m["role"] for m in rendered] == ["user", "assistant", "tool"]
+    assert rendered[1]["content"] == "Let me look." and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert rendered[1]["tool_calls"][0]["id"] == rendered[2]["tool_call_id"] == call["call_id"] and rendered[2]["content"] == "-3 C"
+
+
+def test_an_error_after_the_stream_started_is_an_error_event() -> None:
+    import asyncio
+
+    from test_server_units import _canned_app
+
+    from minisgl.message import ErrorMsg, ReplyMsg
+    from minisgl.server.frontend import RequestStream
+
+    client, frontend = _canned_app("unused")
+
+    def failing_submit(msgs: List[Any], label: str = "") -> RequestStream:
+        stream = RequestStream(frontend, [m.uid for m in msgs], label)  # type: ignore[arg-type]
+        uid, loop = stream.uids[0], asyncio.get_running_loop()
+        loop.call_soon(stream._deliver, uid, ReplyMsg(uid, "Hel", 1, False, None, 5, 1, 0, None, None, [7]))
+        loop.call_soon(stream._deliver, uid, ErrorMsg(uid, "the scheduler step failed", 500))
+        return stream
+
+    frontend.submit = failing_submit  # type: ignore[method-assign]
+    with client.stream("POST", "/v1/responses", json={"input": "hi", "stream": True}) as resp:
+        assert resp.status_code == 200
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][-2:] == ["response.output_text.delta", "error"]
+    assert events[-1]["message"] == "the scheduler step failed" and events[-1]["sequence_number"] == len(events) - 1
