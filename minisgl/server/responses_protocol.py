@@ -289,7 +289,8 @@ class ResponsesRequest(_Base):
         names = [n for n in IGNORED_FIELDS if n in self.model_fields_set and not is_unset(getattr(self, n, None))]
         if self.text is not None and self.text.verbosity is not None:
             names.append("text.verbosity")
-        if self.stream_options is not None and self.stream_options.include_obfuscation:
+        options = self.stream_options
+        if options is not None and "include_obfuscation" in options.model_fields_set and options.include_obfuscation:
             names.append("stream_options.include_obfuscation")
         return names
 
