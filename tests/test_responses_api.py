@@ -257,6 +257,7 @@ def test_refused_requests_name_the_field(server: ServerProcess) -> None:
         ({"max_output_tokens": -5}, "max_output_tokens", None),
         ({"max_output_tokens": "16"}, "max_output_tokens", None),
         ({"max_output_tokens": MAX_SEQ_LEN + 10}, "max_output_tokens", "context_length_exceeded"),
+        ({"max_output_tokens": MAX_SEQ_LEN - 2}, "max_output_tokens", "context_length_exceeded"),  # with the prompt: the worker's check
         ({"tool_choice": "required"}, "tool_choice", None),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", None),
     ]
