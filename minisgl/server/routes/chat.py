@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List
+from typing import Any, AsyncIterator, Dict, List, Tuple
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -20,6 +20,7 @@ from minisgl.server.routes.common import (
     Event,
     GuardedRoute,
     Result,
+    ServerState,
     check_model,
     events,
     get_state,
@@ -44,6 +45,13 @@ async def chat_completions(request: Request) -> Response:
     log_ignored(request, body)
     check_model(state, body.model)
     need_tokenizer(state, "/v1/chat/completions (the chat template renders text; use /v1/completions with token ids)", "messages")
+    msgs, parser = chat_tokenize_msgs(state, body)
+    return await _respond_chat(request, state, body, msgs, parser)
+
+
+def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple[List[TokenizeMsg], ToolParser | None]:
+    """A checked chat request as TokenizeMsgs (one per choice), and the tool parser its output goes
+    through (None without active tools). /v1/responses comes through here too."""
     try:
         messages = [m.to_template() for m in body.messages]
     except ValueError as exc:
@@ -82,6 +90,13 @@ async def chat_completions(request: Request) -> Response:
         )
         for i in range(body.n)
     ]
+    return msgs, parser
+
+
+async def _respond_chat(
+    request: Request, state: ServerState, body: ChatCompletionRequest, msgs: List[TokenizeMsg], parser: ToolParser | None
+) -> Response:
+    k = body.logprobs_k()
     one_call = body.parallel_tool_calls is False  # at most one call per choice
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
