@@ -272,28 +272,27 @@ def _answer_or_calls(message: Any) -> str:
 
 
 def test_tools_with_a_response_format(server: ServerProcess) -> None:
+    """auto + a response_format: each output is a valid call or a valid answer (one call at most
+    here, so that every output ends within max_tokens; the parallel union is walked in-process)."""
     oai = server.openai()
-    seen = set()
-    for seed in range(6):
+    for seed in range(3):
         r = oai.chat.completions.create(
-            model="tiny_chat_llama", messages=ASK, tools=TOOLS, response_format=ANSWER_FORMAT,
-            tool_choice="auto", temperature=1.0, seed=seed, max_tokens=300,
+            model="tiny_chat_llama", messages=ASK, tools=TOOLS, response_format=ANSWER_FORMAT, tool_choice="auto",
+            parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=200,
         )  # fmt: skip
         choice = r.choices[0]
         kind = _answer_or_calls(choice.message)
         assert choice.finish_reason == ("tool_calls" if kind == "calls" else "stop"), choice
-        seen.add(kind)
-    assert seen  # which branch a random model takes is its own business; each output is one of them
 
 
 def test_agents_shaped_turns(server: ServerProcess) -> None:
     """openai-agents with an output_type and a tool: first turn forced to call, the second (after
     the tool's result) answers in the schema."""
     oai = server.openai()
-    common: Dict[str, Any] = dict(model="tiny_chat_llama", tools=TOOLS, response_format=ANSWER_FORMAT, max_tokens=300)
-    first = oai.chat.completions.create(messages=ASK, tool_choice="required", temperature=0, **common).choices[0]
-    assert first.finish_reason == "tool_calls" and _answer_or_calls(first.message) == "calls"
-    call = first.message.tool_calls[0]
+    common: Dict[str, Any] = dict(model="tiny_chat_llama", tools=TOOLS, response_format=ANSWER_FORMAT, max_tokens=200)
+    first = oai.chat.completions.create(messages=ASK, tool_choice="required", parallel_tool_calls=False, temperature=0, **common)
+    assert first.choices[0].finish_reason == "tool_calls" and _answer_or_calls(first.choices[0].message) == "calls"
+    call = first.choices[0].message.tool_calls[0]
     history = [
         *ASK,
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
@@ -305,21 +304,23 @@ def test_agents_shaped_turns(server: ServerProcess) -> None:
 
 
 def test_forced_parallel_calls_end_to_end(server: ServerProcess) -> None:
+    """required, parallel by default: one or more valid calls (a random model may keep calling
+    until max_tokens; a cut-off last call is dropped, the complete ones stay); without parallel
+    calls exactly one, and the turn ends after it."""
     oai = server.openai()
-    common: Dict[str, Any] = dict(model="tiny_chat_llama", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=400)
-    counts = []
-    for seed in range(3):
+    common: Dict[str, Any] = dict(model="tiny_chat_llama", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=160)
+    for seed in range(2):
         r = oai.chat.completions.create(temperature=1.0, seed=seed, **common).choices[0]
-        assert r.finish_reason == "tool_calls" and _answer_or_calls(r.message) == "calls"
-        counts.append(len(r.message.tool_calls))
-        single = oai.chat.completions.create(temperature=1.0, seed=seed, parallel_tool_calls=False, **common).choices[0]
-        assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
-    assert min(counts) >= 1
+        assert r.finish_reason in ("tool_calls", "length") and _answer_or_calls(r.message) == "calls"
+    greedy = oai.chat.completions.create(temperature=0, **common).choices[0]  # it repeats its call
+    assert _answer_or_calls(greedy.message) == "calls" and len(greedy.message.tool_calls) >= 2
+    single = oai.chat.completions.create(temperature=0, parallel_tool_calls=False, **common).choices[0]
+    assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
     server.wait_idle()
 
 
 def test_guided_choice_with_min_tokens_over_http(client: httpx.Client) -> None:
-    for seed in range(3):
+    for seed in range(2):
         body = {"messages": ASK, "guided_choice": CHOICES, "min_tokens": 20, "max_tokens": 30, "temperature": 1.0, "seed": seed}
         resp = client.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text

@@ -214,7 +214,9 @@ def tool_turn_grammar(
         return answer
     if not must_call and answer is None:
         return None
-    calls = [{"param": f"tools[{declared.index(t['function']['name'])}].function.parameters", "schema": parser.call_schema(t)} for t in tools]
+    calls = [
+        {"param": f"tools[{declared.index(t['function']['name'])}].function.parameters", "schema": parser.call_schema(t)} for t in tools
+    ]
     turn = {
         "calls": calls,
         "prefix": parser.prefix,
