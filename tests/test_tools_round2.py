@@ -175,6 +175,17 @@ def test_calls_or_answer_parse_back(backend: Any, tokenizer: Any, name: str) -> 
         _check_calls(calls)
 
 
+def test_parsers_read_only_real_calls() -> None:
+    """A JSON answer with a "name" field is content (the union's answer branch), and a ";" inside
+    a llama3_json string separates nothing."""
+    answer = '{"name": "Ada", "age": 36}'
+    for parser in (PARSERS["llama3_json"](), PARSERS["hermes"]()):
+        assert parser.parse(answer) == (answer, [])
+    assert PARSERS["mistral"]().parse("[TOOL_CALLS][" + answer + "]") == ("[TOOL_CALLS][" + answer + "]", [])
+    content, calls = PARSERS["llama3_json"]().parse('{"name": "get_time", "parameters": {"tz": "a;b"}} ; {"name": "f", "parameters": {}}')
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", {"tz": "a;b"}), ("f", {})]
+
+
 def test_a_turn_after_a_tool_result_answers_in_the_format() -> None:
     parser = PARSERS["hermes"]()
     answer = GrammarSpec("json_schema", json.dumps(ANSWER))

@@ -93,18 +93,17 @@ class GrammarBackend:
         turn = json.loads(value)
         calls = []
         for call in turn["calls"]:
-            schema = json.dumps(call["schema"])
-            self._grammar("json_schema", schema, call["param"])  # each tool's schema refused by its own index
+            self._grammar("json_schema", json.dumps(call["schema"]), call["param"])  # a bad schema is refused by its tool's index
             calls.append({"type": "json_schema", "json_schema": call["schema"], "max_whitespace_cnt": MAX_WHITESPACE})
         one = _sequence(_literal(turn["begin"]), _choice(calls), _literal(turn["end"]))
         many = _sequence(one, {"type": "star", "content": _sequence(_literal(turn["separator"]), one)}) if turn["parallel"] else one
         call_turn = _sequence(_literal(turn["prefix"]), many, _literal(turn["suffix"]))
+        calls_grammar = self.xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": call_turn}))
         answer = turn.get("answer")
-        if answer is not None:  # the answer is compiled as it would be alone, then offered as the other branch
-            answer_grammar = self._grammar(answer["kind"], answer["value"], answer["param"])
-            calls_grammar = self.xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": call_turn}))
-            return self.xgr.Grammar.union(calls_grammar, answer_grammar)
-        return self.xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": call_turn}))
+        if answer is None:
+            return calls_grammar
+        # the answer is built exactly as it would be alone, then offered as the other branch
+        return self.xgr.Grammar.union(calls_grammar, self._grammar(answer["kind"], answer["value"], answer["param"]))
 
     def matcher(self, spec: GrammarSpec) -> Any:
         return self.xgr.GrammarMatcher(self.compile(spec))
@@ -157,6 +156,6 @@ def refusal(kind: str, exc: BaseException, param: str) -> InvalidRequest:
         reason = re.sub(r"^at line \d+, column \d+: ", "", reason)
     what = _WHAT.get(kind, f"invalid {kind} grammar")
     if not reason:
-        return InvalidRequest(f"{what}", param=param)
+        return InvalidRequest(what, param=param)
     sep = " " if reason.startswith("at ") else ": "
     return InvalidRequest(f"{what}{sep}{reason[:MAX_REASON_CHARS]}", param=param)
