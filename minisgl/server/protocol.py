@@ -148,13 +148,13 @@ def _guided_grammar(kind: str, value: Any, param: str) -> GrammarSpec:
                 json.loads(value)
             except json.JSONDecodeError as exc:
                 raise InvalidRequest(f"{param} is not a JSON schema: {exc}", param=param) from None
-            return GrammarSpec("json_schema", value)
-        return GrammarSpec("json_schema", json.dumps(value))
+            return GrammarSpec("json_schema", value, param)
+        return GrammarSpec("json_schema", json.dumps(value), param)
     if kind == "regex":
-        return GrammarSpec("regex", value)
+        return GrammarSpec("regex", value, param)
     if kind == "choice":  # exactly one of the strings: an EBNF alternation of their literals
-        return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
-    return GrammarSpec("ebnf", value)
+        return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value), param)
+    return GrammarSpec("ebnf", value, param)
 
 
 def _stop_list(stop: StopStrings) -> List[str]:
@@ -489,7 +489,7 @@ class GenerateSampling(_Base):
         if not given:
             return None
         kind, value = given[0]
-        return GrammarSpec(kind, value)
+        return GrammarSpec(kind, value, f"sampling_params.{kind}")
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)

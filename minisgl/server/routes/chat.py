@@ -33,7 +33,7 @@ from minisgl.server.routes.common import (
     usage,
     validated,
 )
-from minisgl.server.tools import ToolCall, ToolParser, ToolStream, template_renders_tools, tools_system_message
+from minisgl.server.tools import ToolCall, ToolParser, ToolStream, template_renders_tools, tool_turn_grammar, tools_system_message
 
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
 
@@ -68,14 +68,17 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
     k = body.logprobs_k()
     max_tokens = body.effective_max_tokens()
     params = body.sampling_params(max_tokens, k)
-    if parser is not None and body.must_call():
-        if params.grammar is not None:
-            raise APIError(
-                400,
-                "tool_choice 'required' or a named function cannot be combined with an output constraint (response_format, guided_*, structured_outputs)",
-                param="tool_choice",
-            )
-        params.grammar = parser.call_grammar(parser.call_schema(tools))  # the model must emit a valid call
+    if parser is not None and (body.must_call() or params.grammar is not None):
+        # forced calls, or calls | the answer format (minisgl.server.tools.tool_turn_grammar)
+        params.grammar = tool_turn_grammar(
+            parser,
+            tools,
+            [t.function.name for t in body.tools or []],
+            must_call=body.must_call(),
+            parallel=body.parallel_tool_calls is not False,
+            answer=params.grammar,
+            after_tool_result=body.messages[-1].role == "tool",
+        )
     params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
     msgs = [
         TokenizeMsg(
