@@ -108,8 +108,11 @@ def test_text_and_item_input_equal_the_chat_route(server: ServerProcess) -> None
 def test_function_tool_round_trip(server: ServerProcess) -> None:
     client = server.openai()
     ask = [{"role": "user", "content": ASK}]
-    # required: the grammar makes even a random model call a tool with schema-valid arguments
-    r = client.responses.create(model=MODEL, input=ask, tools=TOOLS, tool_choice="required", max_output_tokens=120, temperature=0)
+    # required: the grammar makes even a random model call a tool with schema-valid arguments;
+    # one call (a random model under forced parallel calls may repeat its call until the limit)
+    r = client.responses.create(
+        model=MODEL, input=ask, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_output_tokens=120, temperature=0
+    )
     calls = [item for item in r.output if item.type == "function_call"]
     assert r.status == "completed" and len(calls) >= 1
     schemas = {t["name"]: t["parameters"] for t in TOOLS}
@@ -117,12 +120,18 @@ def test_function_tool_round_trip(server: ServerProcess) -> None:
         assert call.name in schemas and call.call_id.startswith("call_") and call.id.startswith("fc_") and call.status == "completed"
         jsonschema.validate(json.loads(call.arguments), schemas[call.name])
     # the same call as the chat route makes
-    chat = _chat(server, ask, tools=CHAT_TOOLS, tool_choice="required", max_tokens=120)
+    chat = _chat(server, ask, tools=CHAT_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         (c.function.name, json.loads(c.function.arguments)) for c in chat.choices[0].message.tool_calls
     ]
     named = client.responses.create(
-        model=MODEL, input=ask, tools=TOOLS, tool_choice={"type": "function", "name": "get_time"}, max_output_tokens=120, temperature=0
+        model=MODEL,
+        input=ask,
+        tools=TOOLS,
+        tool_choice={"type": "function", "name": "get_time"},
+        parallel_tool_calls=False,
+        max_output_tokens=120,
+        temperature=0,
     )
     assert [item.name for item in named.output if item.type == "function_call"] == ["get_time"]
 
@@ -166,7 +175,13 @@ def test_stream_events_parse_and_end_as_the_non_streamed_response(server: Server
     for kw in (
         {"input": "Once upon a time", "max_output_tokens": N_NEW},  # cut off: ends with response.incomplete
         {"input": "Once upon a time", "max_output_tokens": N_NEW, "extra_body": {"stop": ["e"]}},  # stopped: response.completed
-        {"input": [{"role": "user", "content": ASK}], "tools": TOOLS, "tool_choice": "required", "max_output_tokens": 120},
+        {
+            "input": [{"role": "user", "content": ASK}],
+            "tools": TOOLS,
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_output_tokens": 120,
+        },
     ):
         plain = client.responses.create(model=MODEL, temperature=0, **kw)
         if "extra_body" in kw or "tools" in kw:  # ended by a stop string or by the call's grammar
@@ -270,26 +285,6 @@ def test_refused_requests_name_the_field(server: ServerProcess) -> None:
     assert resp.status_code == 200, resp.text
     assert resp.json()["store"] is False and resp.json()["metadata"] == {"run": "7"}
     assert httpx.post(server.base_url + "/v1/responses", json=ok, timeout=30).status_code == 401  # the API key applies
-    m = server.wait_idle()
-    assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"]
-
-
-def test_client_disconnect_aborts_the_response(server: ServerProcess) -> None:
-    server.wait_idle()
-    before = server.metrics()["minisgl_aborted_requests_total"]
-    body: Dict[str, Any] = {"model": MODEL, "input": "Tell me everything.", "max_output_tokens": 1}
-    prompt_tokens = _post(server, body).json()["usage"]["input_tokens"]
-    # as long as the context allows: it must outlast the first deltas and a hang-up
-    body.update(max_output_tokens=MAX_SEQ_LEN - prompt_tokens - 1, ignore_eos=True, temperature=0, stream=True)
-    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, headers=server.headers(), timeout=60) as resp:
-        assert resp.status_code == 200
-        deltas = 0
-        for line in resp.iter_lines():
-            if line == "event: response.output_text.delta":
-                deltas += 1
-                if deltas == 3:
-                    break
-    server.wait_metric("minisgl_aborted_requests_total", before + 1)
     m = server.wait_idle()
     assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"]
 
