@@ -54,6 +54,20 @@ def _phi3() -> Type[nn.Module]:
     return Phi3ForCausalLM
 
 
+@MODELS.register("Gemma2ForCausalLM")
+def _gemma2() -> Type[nn.Module]:
+    from minisgl.models.gemma import Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM
+
+
+@MODELS.register("Gemma3ForCausalLM")
+def _gemma3() -> Type[nn.Module]:
+    from minisgl.models.gemma import Gemma3ForCausalLM
+
+    return Gemma3ForCausalLM
+
+
 def create_model(config: ModelConfig) -> nn.Module:
     return MODELS.get(config.architecture)()(config)
 
