@@ -171,3 +171,143 @@ def test_decode_logits_match_hf(name, gemma_dir, gemma_hf):
     for i, (_, ref_logits) in enumerate(refs):
         diff = (torch.stack([s[i] for s in ours]) - torch.stack(ref_logits)).abs().max().item()
         assert diff < LOGIT_ATOL, f"{name} prompt {i}: max |decode logit diff| {diff:.3g}"
+
+
+# ---- through LLM --------------------------------------------------------------------------------
+def _record_runners(engine: Any) -> List[tuple]:
+    """Wrap each step runner's `run` to log (runner class, batch phase)."""
+    log: List[tuple] = []
+    for runner in engine.runners:
+        run = runner.run
+
+        def logged(batch: Any, run: Any = run, cls: str = type(runner).__name__) -> torch.Tensor:
+            log.append((cls, "prefill" if batch.is_prefill else "decode"))
+            return run(batch)
+
+        runner.run = logged
+    return log
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
+    """Greedy tokens through the offline API (16-token chunks of prefill, 16-token pages, the
+    radix cache, a cold then a warm run) equal HF generate's, tie-aware; on a CPU every decode
+    step ran on the module path (ModuleRunner)."""
+    hf = gemma_hf(name)
+    prompts = random_prompts([3, 9, 20, 37], seed=410 + NAMES.index(name))
+    max_tokens = 12
+    kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
+    with running_llm(gemma_dir(name), **kw) as llm:
+        log = _record_runners(llm.scheduler.engine)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        results = llm.generate(prompts, params) + llm.generate(prompts, params)
+    if TEST_DEVICE == "cpu":
+        assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+    assert sum(r.cached_tokens for r in results[len(prompts) :]) >= 16, "the warm run hit no cache"
+    compared = 0
+    for i, res in enumerate(results):
+        ids = prompts[i % len(prompts)]
+        ref, ref_logits = hf_greedy(name, hf, ids, max_tokens)
+        compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"{name} prompt {i}")
+    assert compared >= 0.8 * max_tokens * len(results)
+
+
+@pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2, reason="tp=2 on CUDA needs two GPUs")
+def test_tp2_equals_tp1(gemma_dir):
+    """Gemma 3 at tp=2 (2 of 4 query heads, one of 2 KV heads per rank): tp=1's greedy tokens
+    and logprobs."""
+    path = gemma_dir("gemma3")
+    prompts = random_prompts([4, 19, 30], seed=420)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2)
+    kw = dict(max_running_req=4, page_size=4, max_seq_len_override=96, num_page_override=4 * 96 // 4 + 8)
+    with running_llm(path, **kw) as llm:
+        ref = llm.generate(prompts, params)
+    with running_llm(path, tp=2, **kw) as llm:
+        out = llm.generate(prompts, params)
+        assert llm.scheduler.engine.model.model.layers[0].self_attn.qkv_proj.weight.shape[0] == (2 + 2) * 16
+    for a, b in zip(ref, out):
+        assert a.token_ids == b.token_ids
+        diff = (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item()
+        assert diff < 1e-4, f"tp=2 logprobs differ from tp=1 by {diff:.3g}"
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU step runners")
+def test_cpu_decode_step_runs_the_module_path_in_bf16(tmp_path):
+    """bf16 on a CPU, where Llama-shaped models get the C decode loop: Gemma's model and layers are
+    other classes (scaled embedding, four unit-offset norms, GELU), so no loop is built, the CPU attention backend declines
+    its windowed / soft-capped layers, and the decode steps ran on ModuleRunner."""
+    from minisgl.core import get_global_ctx
+    from minisgl.engine.cpu_decode import _describe
+
+    path = build_gemma("gemma2", tmp_path / "g2bf16", seed=80)
+    prompt = random_prompts([20], seed=430)[0]
+    with running_llm(path, dtype="bfloat16", max_running_req=2, max_seq_len_override=64) as llm:
+        engine = llm.scheduler.engine
+        assert engine.cpu_runner is None
+        backend = get_global_ctx().attn_backend
+        why = _describe(engine.model, backend, 1)[1]
+        assert why == "Gemma2ForCausalLM is not a DecoderModel + LM head", why  # (GemmaModel overrides forward)
+        if getattr(backend, "kernels", None) is not None:
+            assert not backend.takes(engine.model.model.layers[1].self_attn.attn)  # global, but soft-capped
+        log = _record_runners(engine)
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))
+    assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+
+
+# ---- the torch backend's mask, against a dense reference ---------------------------------------
+def _dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int | None,
+                     scale: float, cap: float | None) -> torch.Tensor:  # fmt: skip
+    """One query row [Hq, D] at position `pos` over keys/values [S, Hk, D] of positions 0..S-1,
+    spelled out: the visible keys are the last `window` up to `pos` (all up to it without one)."""
+    first = 0 if window is None else max(0, pos - window + 1)
+    k, v = keys[first : pos + 1], values[first : pos + 1]  # [n, Hk, D]
+    group = q.shape[0] // k.shape[1]
+    out = []
+    for h in range(q.shape[0]):
+        s = (k[:, h // group] @ q[h]) * scale
+        if cap is not None:
+            s = torch.tanh(s / cap) * cap
+        out.append(torch.softmax(s, dim=0) @ v[:, h // group])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_torch_backend_window_mask_equals_dense_reference(cap, gemma_dir):
+    """The torch backend's prefill (with and without a cached prefix) and decode attention over
+    random K/V in the pool, on a windowed and a global layer, equal the dense reference."""
+    from dataclasses import replace
+
+    from helpers import prepare_batch
+
+    with running_engine(gemma_dir("gemma2"), attention_backend="torch") as engine:
+        backend = engine.attn_backend
+        backend.model_config = replace(backend.model_config, attn_logit_softcapping=cap, attn_scale=0.3)
+        gen = torch.Generator().manual_seed(440)
+        pool = engine.kv_cache
+        pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
+        lens, cached = [21, 6, 13], [11, 0, 12]  # the last one is a 1-token "prefill" chunk
+        alloc = PageAllocator(engine)
+        reqs = []
+        for row, (n, c) in enumerate(zip(lens, cached)):
+            alloc.allocate(row, n)
+            reqs.append(make_req(list(range(1, n + 1)), row, output_len=1, cached_len=c))
+        hq, d = 4, 16
+        for phase in ("prefill", "decode"):
+            if phase == "decode":
+                for r in reqs:
+                    r.cached_len = r.device_len - 1
+            batch = prepare_batch(engine, reqs, "prefill" if phase == "prefill" else "decode")
+            t = batch.input_ids.shape[0]
+            q = torch.randn(t, hq, d, generator=gen)
+            for layer_id, window in ((0, WINDOW), (1, None)):
+                assert backend.model_config.window_of(layer_id) == window
+                out = backend.attend(q, layer_id, batch)
+                row = 0
+                for r in batch.padded_reqs[: len(reqs)]:
+                    slots = engine.page_table[r.table_idx, : r.device_len].long()
+                    keys, values = pool.k_cache(layer_id)[slots], pool.v_cache(layer_id)[slots]
+                    for pos in range(r.cached_len, r.device_len):
+                        ref = _dense_attention(q[row], keys, values, pos, window, 0.3, cap)
+                        diff = (out[row] - ref).abs().max().item()
+                        assert diff < 1e-5, f"{phase} layer {layer_id} pos {pos}: {diff:.3g}"
+                        row += 1
