@@ -59,6 +59,7 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 class TorchAttnBackend(BaseAttnBackend):
     kv_cache_dtypes: Tuple[str, ...] = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
+    attention_features: Tuple[str, ...] = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -121,7 +122,8 @@ class TorchAttnBackend(BaseAttnBackend):
         meta = self._views(batch.attn_metadata)
         cast = self._compute_dtype
         cfg = self.model_config
-        window, scale, cap = cfg.window_of(layer_id), cfg.softmax_scale, cfg.attn_logit_softcapping
+        # (scale None: SDPA's own default, the bits every other model had before)
+        window, scale, cap = cfg.window_of(layer_id), cfg.attn_scale, cfg.attn_logit_softcapping
         if meta.decode_slots is not None:
             keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
@@ -138,15 +140,15 @@ class TorchAttnBackend(BaseAttnBackend):
 
 
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None, softcap: float | None
 ) -> torch.Tensor:
     """q [..., Hq, L, D] over k, v [..., Hk, S, D]; mask [..., L, S] bool (True: attend) or None
-    for plain causal."""
+    for plain causal; scale None: D^-0.5."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
@@ -131,7 +132,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
 
     def plain_attention(self, layer_id: int) -> bool:
         """Whether layer `layer_id` is plain causal attention at the default scale (what a
