@@ -13,6 +13,7 @@ linear scaling and a local one, and `layer_types` with two sliding layers per gl
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Dict, List
 
@@ -315,3 +316,15 @@ def test_torch_backend_window_mask_equals_dense_reference(cap, gemma_dir):
                         diff = (out[row] - ref).abs().max().item()
                         assert diff < 1e-5, f"{phase} layer {layer_id} pos {pos}: {diff:.3g}"
                         row += 1
+
+
+# ---- the Triton kernels, in Triton's interpreter -----------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_window_and_softcap_in_interpreter() -> None:
+    """tests/kernel_checks/gemma.py: the triton backend's decode (split and direct) and extend
+    kernels and the deterministic kernel with a window and soft-capping against a dense float64
+    reference, and an Engine on the triton backend against HF (both Gemmas, chunked prefill)."""
+    from kernel_checks import run_module
+
+    proc = run_module("gemma")
+    assert proc.returncode == 0 and "gemma kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

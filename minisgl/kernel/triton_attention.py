@@ -40,8 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra import libdevice
-
 from minisgl.kernel.pdl import launch_kwargs, pdl_for
 from minisgl.utils.env import read_env
 
@@ -74,13 +72,9 @@ _INTERPRET = read_env().triton_interpret
 NO_WINDOW = 1 << 30
 
 
-@triton.jit
-def _softcap(qk, SOFTCAP: tl.constexpr):
-    """cap * tanh(s / cap) of the scores, which arrive as s * log2(e) (the base-2 softmax)."""
-    if SOFTCAP > 0:
-        cap2 = SOFTCAP * 1.4426950408889634
-        qk = cap2 * libdevice.tanh(qk / cap2)
-    return qk
+# (SOFTCAP > 0: each kernel applies cap * tanh(s / cap) to its scores, which it holds as
+# s * log2(e), the base-2 softmax's: cap2 * tanh(x / cap2) with cap2 = cap * log2(e); tanh as
+# 2 sigmoid(2y) - 1, which the interpreter runs too (it has no libdevice): ~1e-7 absolute)
 
 
 @triton.jit
@@ -171,7 +165,9 @@ def _decode_partial_kernel(
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
-            qk = _softcap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, SOFTCAP)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                qk = (SOFTCAP * LOG2E) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E))) - 1.0)
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
@@ -359,7 +355,9 @@ def _decode_cc_kernel(
                 kw = tl.load(k_base + slots * stride_ks, mask=(cur < end) & mask_w, other=0)
                 vw = tl.load(v_base + slots * stride_vs, mask=(cur < end) & mask_w, other=0)
             k0, k1, k2, k3 = _e4m3x4_to_f32(kw, ASM)
-            qk = _softcap(tl.sum(q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3, axis=3), SOFTCAP)  # [H, STREAMS, KEYS]
+            qk = tl.sum(q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3, axis=3)  # [H, STREAMS, KEYS]
+            if SOFTCAP > 0:
+                qk = (SOFTCAP * LOG2E) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E))) - 1.0)
             qk = tl.where(n0 + offs_t3 < end, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=2))
             p3 = tl.exp2(qk - m_new[:, :, None])
@@ -509,7 +507,9 @@ def _extend_kernel(
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
-            qk = _softcap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, SOFTCAP)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                qk = (SOFTCAP * LOG2E) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E))) - 1.0)
             visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & mask_n[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))

@@ -15,8 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
-
 BLOCK = 64
 NO_WINDOW = 1 << 30  # the `window` of a layer without one
 
@@ -67,7 +65,7 @@ def _deterministic_attention_kernel(
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_h * stride_kh + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
         if SOFTCAP > 0:
-            scores = SOFTCAP * libdevice.tanh(scores / SOFTCAP)
+            scores = SOFTCAP * (2.0 * tl.sigmoid(scores * (2.0 / SOFTCAP)) - 1.0)  # tanh (the interpreter has no libdevice)
         scores = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
