@@ -328,3 +328,33 @@ def test_triton_kernels_window_and_softcap_in_interpreter() -> None:
 
     proc = run_module("gemma")
     assert proc.returncode == 0 and "gemma kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# ---- backends that cannot compute Gemma's attention refuse it ----------------------------------
+def test_backend_without_the_options_refuses_them_by_name(gemma_dir, monkeypatch):
+    """A backend that does not list Gemma 2's attention options in `attention_features` (as
+    FlashInfer lacks sliding windows and soft-capping) is refused at init, naming each option;
+    `auto` on CUDA never resolves to FlashInfer for such a model."""
+    import sys
+    import types
+
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.attention.registry import resolve_attention_backend
+
+    class PlainBackend(BaseAttnBackend):
+        attention_features = ("query_pre_attn_scalar",)
+
+        def prepare_metadata(self, batch: Any) -> None: ...
+
+        def attend(self, q: torch.Tensor, layer_id: int, batch: Any) -> torch.Tensor:
+            return q
+
+    with running_engine(gemma_dir("gemma2")) as engine:
+        with pytest.raises(ValueError, match=r"does not implement sliding_window, attn_logit_softcapping \(Gemma2ForCausalLM\)"):
+            PlainBackend(engine.model.config)
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton raises ImportError
+    assert resolve_attention_backend("auto", cuda) == "flashinfer"
+    assert resolve_attention_backend("auto", cuda, ["sliding_window", "query_pre_attn_scalar"]) == "torch"
+    assert resolve_attention_backend("auto", cuda, ["query_pre_attn_scalar"]) == "flashinfer"

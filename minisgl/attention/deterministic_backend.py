@@ -94,10 +94,10 @@ class DeterministicAttnBackend(BaseAttnBackend):
         n, hq, d = q.shape
         hk = k_cache.shape[1]
         cfg = self.model_config
-        scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(d)
+        sm_scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(d)
         cap = cfg.attn_logit_softcapping
         # [n, 1, Hk, G, D]: one key block broadcasts over the G query heads of its KV head
-        qf = (q.float() * scale).view(n, 1, hk, hq // hk, d)
+        qf = (q.float() * sm_scale).view(n, 1, hk, hq // hk, d)
         width = self.page_table.shape[1]
         offsets = torch.arange(BLOCK, device=q.device)
         # finite: a block wholly outside a query's window leaves it unchanged (exp(-inf) = 0,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 BLOCK = 64
 NO_WINDOW = 1 << 30  # the `window` of a layer without one
 

@@ -75,7 +75,8 @@ def _window_cut(hf: Any) -> int | None:
     attends to the keys less than `sliding_window` positions back, transformers'
     `sliding_window_overlay`), so a context of at most `sliding_window` tokens is exact. Phi-3-mini-4k
     sets 2047 of 4096, Mistral-7B-v0.1 4096 of 32768; Qwen2/3 configs with use_sliding_window
-    false come from transformers with no window."""
+    false come from transformers with no window. The architectures whose windows the backends
+    mask (WINDOW_MASKED_ARCHITECTURES) are never cut."""
     window = getattr(hf, "sliding_window", None)
     if getattr(hf, "use_sliding_window", True) is False or (getattr(hf, "architectures", None) or [""])[0] in WINDOW_MASKED_ARCHITECTURES:
         window = None
@@ -194,7 +195,7 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             rms_norm_eps=hf.rms_norm_eps,
             # (Gemma names it hidden_activation)
-            hidden_act=getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu"),
+            hidden_act=str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             rotary_config=rotary,

@@ -14,7 +14,7 @@ the fused norm + GEMV kernels compute plain RMSNorm, not the unit-offset kind.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch import nn
@@ -100,11 +100,19 @@ class GemmaModel(DecoderModel):
         super().__init__(cfg, [GemmaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers)])
         self.norm = _norm(cfg, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size**0.5
+        self._scales: Dict[torch.dtype, float] = {}
+
+    def _scale(self, dtype: torch.dtype) -> float:
+        """sqrt(hidden) as transformers multiplies by it: a float32 tensor rounded to the model
+        dtype (a Python float of that value: the product rounds the same, and nothing is
+        allocated per step)."""
+        if dtype not in self._scales:
+            self._scales[dtype] = float(torch.tensor(self.embed_scale, dtype=torch.float32).to(dtype))
+        return self._scales[dtype]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        # sqrt(hidden) rounded to the model dtype first, as transformers multiplies
-        x, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
+        x, residual = x * self._scale(x.dtype), None
         for layer in self.layers:
             x, residual = layer(x, residual)
         x, _ = self.norm.forward_with_residual(x, residual)
