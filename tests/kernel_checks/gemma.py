@@ -1,11 +1,13 @@
 """Gemma's attention options in the Triton kernels: a sliding window and score soft-capping in the
-triton backend's decode (split-K and direct) and extend (over a cached prefix) kernels and in the
+triton backend's decode (split-K and direct; over an fp8 pool too, both of its kernels) and extend
+(over a cached prefix) kernels and in the
 deterministic kernel, against a dense float64 reference on random paged inputs; then an Engine
 on the tiny Gemma 2 and Gemma 3 checkpoints of tests/test_gemma.py with the triton backend
 against HF (float32 logits, a prompt prefilled in two chunks, then decode steps).
 
 Run by tests/test_gemma.py under Triton's interpreter (`TRITON_INTERPRET=1 python -m
-kernel_checks.gemma`); float32 only there. Prints "gemma kernels ok" when every case passed.
+kernel_checks.gemma`; prints "gemma kernels ok" when every case passed), and on the GPU
+(MINISGL_TEST_DEVICE=cuda) by importing `check_kernels` and `check_engine`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import List
 import torch
 
 NO = None
+HOST = torch.device("cpu")
 
 
 def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, window: int | None, scale: float,
@@ -34,7 +37,12 @@ def dense(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: int, w
     return (torch.softmax(s, 0)[..., None] * v).sum(0)
 
 
-def check_kernels() -> List[str]:
+def _on(dev: torch.device, *ts: torch.Tensor) -> List[torch.Tensor]:
+    return [t.to(dev) for t in ts]
+
+
+def check_kernels(dev: torch.device = HOST) -> List[str]:
+    """The inputs and references are made on the host; the kernels run on `dev`."""
     from minisgl.kernel.triton_attention import decode_attention, extend_attention
     from minisgl.kernel.triton_deterministic import deterministic_attention
 
@@ -54,12 +62,12 @@ def check_kernels() -> List[str]:
         ref = torch.stack([dense(q[i], k[table[i, :n].long()], v[table[i, :n].long()], n - 1, window, scale, cap)
                            for i, n in enumerate(lens)])  # fmt: skip
         for splits in (1, 3):
-            out = torch.full_like(q, float("nan"))
-            mid_o = torch.empty(len(lens), hq, splits, d)
-            mid_lse = torch.empty(len(lens), hq, splits)
-            decode_attention(q, k, v, table, rows, torch.tensor(lens), torch.full((len(lens),), splits), mid_o, mid_lse,
-                             out, scale, window=window, softcap=cap)  # fmt: skip
-            err = (out.double() - ref).abs().max().item()
+            out = torch.full_like(q, float("nan"), device=dev)
+            mid_o = torch.empty(len(lens), hq, splits, d, device=dev)
+            mid_lse = torch.empty(len(lens), hq, splits, device=dev)
+            args = _on(dev, q, k, v, table, rows, torch.tensor(lens), torch.full((len(lens),), splits))
+            decode_attention(*args, mid_o, mid_lse, out, scale, window=window, softcap=cap)
+            err = (out.cpu().double() - ref).abs().max().item()
             if not err < 1e-4:
                 errors.append(f"decode {tag} splits={splits}: max err {err:.3g}")
         # extend: new tokens [cached, len) of each row, cached prefixes of 0, 4, 10 and 75 (kv blocks before the window skipped)
@@ -67,25 +75,57 @@ def check_kernels() -> List[str]:
         new = [n - c for n, c in zip(lens, cached)]
         starts = torch.tensor([sum(new[:i]) for i in range(len(new))])
         qe = torch.randn(sum(new), hq, d, generator=gen)
-        out = torch.full_like(qe, float("nan"))
-        extend_attention(qe, k, v, table, rows, starts, torch.tensor(cached), torch.tensor(new), max(new), out, scale,
-                         window=window, softcap=cap)  # fmt: skip
+        out = torch.full_like(qe, float("nan"), device=dev)
+        args = _on(dev, qe, k, v, table, rows, starts, torch.tensor(cached), torch.tensor(new))
+        extend_attention(*args, max(new), out, scale, window=window, softcap=cap)
         pos = torch.tensor([p for n, c in zip(lens, cached) for p in range(c, n)])
         row_of = torch.tensor([i for i, m in enumerate(new) for _ in range(m)])
         ref = torch.stack([dense(qe[t], k[table[row_of[t], : pos[t] + 1].long()], v[table[row_of[t], : pos[t] + 1].long()],
                                  int(pos[t]), window, scale, cap) for t in range(len(pos))])  # fmt: skip
-        err = (out.double() - ref).abs().max().item()
+        err = (out.cpu().double() - ref).abs().max().item()
         if not err < 1e-4:
             errors.append(f"extend {tag}: max err {err:.3g}")
-        det = deterministic_attention(qe, k, v, table, row_of, pos, sm_scale=scale, window=window, softcap=cap)
-        err = (det.double() - ref).abs().max().item()
+        det = deterministic_attention(*_on(dev, qe, k, v, table, row_of, pos), sm_scale=scale, window=window, softcap=cap)
+        err = (det.cpu().double() - ref).abs().max().item()
         if not err < 1e-4:
             errors.append(f"deterministic {tag}: max err {err:.3g}")
         print(f"kernels {tag}: checked")
+    errors += check_fp8_decode(k, v, table, lens, hq, scale, dev)
+    return errors
+
+
+def check_fp8_decode(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: List[int], hq: int,
+                     scale: float, dev: torch.device = HOST) -> List[str]:  # fmt: skip
+    """Decode over an fp8_e4m3 pool with a bf16 query, window 8 and soft-cap 5: the tensor-core
+    kernel (fp16 dots) and the CUDA-core one (its words widened from their bits here), direct
+    and split, against float64 over the pool's widened values (bf16 output: relative 8e-3)."""
+    import minisgl.kernel.triton_attention as TA
+
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    q = torch.randn(len(lens), hq, k.shape[-1], generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    ref = torch.stack([dense(q[i].float(), k8[table[i, :n].long()].float(), v8[table[i, :n].long()].float(), n - 1, 8, scale, 5.0)
+                       for i, n in enumerate(lens)])  # fmt: skip
+    errors: List[str] = []
+    try:
+        for mode in ("dot", "cc"):
+            TA.FP8_DECODE = mode
+            for splits in (1, 3):
+                out = torch.full_like(q, float("nan"), device=dev)
+                mid_o = torch.empty(len(lens), hq, splits, k.shape[-1], device=dev)
+                mid_lse = torch.empty(len(lens), hq, splits, device=dev)
+                args = _on(dev, q, k8, v8, table, torch.arange(len(lens)), torch.tensor(lens), torch.full((len(lens),), splits))
+                TA.decode_attention(*args, mid_o, mid_lse, out, scale, num_stages=2, window=8, softcap=5.0)
+                err = ((out.cpu().double() - ref).abs().max() / ref.abs().max()).item()
+                if not err < 8e-3:
+                    errors.append(f"fp8 decode {mode} splits={splits}: relative err {err:.3g}")
+    finally:
+        TA.FP8_DECODE = "auto"
+    print("kernels fp8 decode: checked")
     return errors
 
 
 def check_engine() -> List[str]:
+    """On the tests' device (MINISGL_TEST_DEVICE), float32."""
     from helpers import HFOracle, PageAllocator, make_req, random_prompts, running_engine, teacher_forced_logits
     from test_gemma import NAMES, build_gemma
 
