@@ -217,6 +217,20 @@ def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
     assert compared >= 0.8 * max_tokens * len(results)
 
 
+def test_prompt_logprobs_are_soft_capped(gemma_dir, gemma_hf):
+    """Gemma 2's prompt logprobs (every prompt row's logits, chunked prefill) are the log-softmax
+    of HF's soft-capped logits: the final cap applies to them too."""
+    hf = gemma_hf("gemma2")
+    prompt = random_prompts([30], seed=425)[0]
+    with running_llm(gemma_dir("gemma2"), max_extend_tokens=16, page_size=4) as llm:
+        result = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))[0]
+    expect = torch.log_softmax(hf.logits(prompt), dim=-1)
+    entries = result.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) - 1
+    diff = max(abs(logprob - expect[p, token].item()) for p, (token, logprob, _) in enumerate(entries))
+    assert diff < 1e-4, f"max |prompt logprob diff| {diff:.3g}"
+
+
 @pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2, reason="tp=2 on CUDA needs two GPUs")
 def test_tp2_equals_tp1(gemma_dir):
     """Gemma 3 at tp=2 (2 of 4 query heads, one of 2 KV heads per rank): tp=1's greedy tokens
