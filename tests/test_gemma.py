@@ -137,6 +137,25 @@ def test_config_reads_windows_rope_and_caps(gemma_dir):
     assert g3.rotary_of(0).base == 10000.0 and g3.rotary_of(0).scaling is None
 
 
+def test_config_in_the_transformers4_layout(tmp_path):
+    """A Gemma 3 config.json as transformers 4 wrote it (rope_theta + rope_local_base_freq +
+    rope_scaling, sliding_window_pattern, no layer_types): the windows follow the layer types
+    transformers derives, each layer type gets its rotary base, the scale its scalar."""
+    import json
+
+    raw = dict(_COMMON, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", num_hidden_layers=7,
+               sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=1e4, query_pre_attn_scalar=32,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, transformers_version="4.50.0")  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    hf = cached_load_hf_config(str(tmp_path))
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.layer_windows == tuple(WINDOW if t == "sliding_attention" else None for t in hf.layer_types)
+    assert cfg.layer_windows.count(None) == 2  # layers 2 and 5: every third is global
+    assert (cfg.rotary_of(2).base, cfg.rotary_of(2).scaling["factor"]) == (1e6, 8.0)  # type: ignore[index]
+    assert (cfg.rotary_of(0).base, cfg.rotary_of(0).scaling) == (1e4, None)
+    assert cfg.attn_scale == 32**-0.5 and cfg.context_cut_by_window is None
+
+
 # ---- the module path, against HF -------------------------------------------------------------
 @pytest.mark.parametrize("name", NAMES)
 def test_prefill_logits_match_hf(name, gemma_dir, gemma_hf):
