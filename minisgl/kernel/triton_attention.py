@@ -68,6 +68,7 @@ CC_TILE = (64, 4)
 CC_PREFETCH = 2
 # Triton's interpreter runs no inline PTX: the CUDA-core kernel widens fp8 from the bits there
 _INTERPRET = read_env().triton_interpret
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # (what the kernels may read of it)
 # the `window` of a layer without one: every position is > q_pos - NO_WINDOW (int32-safe)
 NO_WINDOW = 1 << 30
 
@@ -167,7 +168,7 @@ def _decode_partial_kernel(
             k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if SOFTCAP > 0:
-                qk = (SOFTCAP * LOG2E) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E))) - 1.0)
+                qk = (SOFTCAP * LOG2E_C) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E_C))) - 1.0)
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
@@ -357,7 +358,7 @@ def _decode_cc_kernel(
             k0, k1, k2, k3 = _e4m3x4_to_f32(kw, ASM)
             qk = tl.sum(q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3, axis=3)  # [H, STREAMS, KEYS]
             if SOFTCAP > 0:
-                qk = (SOFTCAP * LOG2E) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E))) - 1.0)
+                qk = (SOFTCAP * LOG2E_C) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E_C))) - 1.0)
             qk = tl.where(n0 + offs_t3 < end, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=2))
             p3 = tl.exp2(qk - m_new[:, :, None])
@@ -509,7 +510,7 @@ def _extend_kernel(
             k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             if SOFTCAP > 0:
-                qk = (SOFTCAP * LOG2E) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E))) - 1.0)
+                qk = (SOFTCAP * LOG2E_C) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E_C))) - 1.0)
             visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & mask_n[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
