@@ -15,6 +15,7 @@ exactly as they would be alone (their rows of the mask are untouched).
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import Any, List, Sequence
 
@@ -40,14 +41,16 @@ class GrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self._cache: "OrderedDict[tuple[str, str], Any]" = OrderedDict()
+        self._cache_lock = threading.Lock()  # compiles run on scheduler/grammar_compile.py's threads
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar; InvalidRequest (400) if the grammar is invalid."""
         key = (spec.kind, spec.value)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
         try:
             if spec.kind == "json_object":
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_WHITESPACE)
@@ -63,9 +66,10 @@ class GrammarBackend:
         except (RuntimeError, ValueError) as exc:
             reason = str(exc).strip().splitlines()[-1][:300]
             raise InvalidRequest(f"invalid {spec.kind} grammar: {reason}", param="response_format") from None
-        self._cache[key] = compiled
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
     def _tool_call_grammar(self, value: str) -> Any:

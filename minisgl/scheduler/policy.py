@@ -12,6 +12,8 @@ business (`scheduler.py`): the policy releases them on `release_deferred()`.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, FrozenSet, List
@@ -20,6 +22,7 @@ from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
 from minisgl.scheduler.queue import make_queue, urgency
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
@@ -120,6 +123,11 @@ class Policy:
         self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
         self._num_constrained = 0  # admitted requests with a grammar (their next mask needs the last token)
         self.grammar: Any = None  # GrammarBackend, created by the first request with a grammar
+        self._grammar_lock = threading.Lock()  # the backend is created on a compile thread
+        self._compile_pool: CompilePool | None = None
+        # uid -> (request, its compile): not queued yet, holding no row and no pages
+        self._compiling: Dict[int, tuple[SchedReq, CompileJob]] = {}
+        self._rejected: List[tuple[int, InvalidRequest]] = []  # failed compiles, for take_rejected()
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -135,9 +143,11 @@ class Policy:
         return self.waiting.retracted
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate(self, req: UserRequest) -> None:
+    def validate(self, req: UserRequest, compile_grammar: bool = True) -> None:
         """Raise InvalidRequest (a ValueError) naming what is wrong with the request (nothing is
-        changed). The same checks as the API server's, so the offline API and the server agree."""
+        changed). The same checks as the API server's, so the offline API and the server agree.
+        The grammar is compiled here (blocking) unless `compile_grammar` is off: `add_request`
+        compiles it off the loop instead."""
         if req.uid in self._queued or req.uid in self.active:
             raise InvalidRequest(f"request uid {req.uid} is already in use")
         check_token_ids(req.input_ids, self.vocab_size, "input_ids")
@@ -147,36 +157,94 @@ class Policy:
             raise InvalidRequest(
                 "priority scheduling is off: start the server with --schedule-policy priority to use 'priority'", param="priority"
             )
-        if req.sampling_params.grammar is not None:
+        if compile_grammar and req.sampling_params.grammar is not None:
             self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
         check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
 
     def _grammar_backend(self) -> Any:
-        if self.grammar is None:
-            from minisgl.scheduler.grammar import GrammarBackend
-            from minisgl.utils.hf import load_tokenizer
+        with self._grammar_lock:  # (the first compile thread may be creating it)
+            if self.grammar is None:
+                from minisgl.scheduler.grammar import GrammarBackend
+                from minisgl.utils.hf import load_tokenizer
 
-            self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
-            if self._on_grammar is not None:
-                self._on_grammar(self.grammar)
-        return self.grammar
+                grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
+                if self._on_grammar is not None:
+                    self._on_grammar(grammar)
+                self.grammar = grammar
+            return self.grammar
+
+    def compile_pool(self) -> CompilePool:
+        """The threads that compile grammars (created by the first request with a grammar)."""
+        if self._compile_pool is None:
+            self._compile_pool = CompilePool(lambda spec: self._grammar_backend().compile(spec))
+        return self._compile_pool
+
+    def grammar_submitted(self, job: CompileJob) -> None:
+        """Hook: a request's grammar started compiling (TP rank 0 tells its followers)."""
 
     def add_request(self, user: UserRequest) -> None:
-        self.validate(user)
+        """Queue a request. One with a grammar waits, holding nothing, until its grammar is
+        compiled (off the loop); a grammar that fails to compile ends it with the 400 that
+        `take_rejected` returns."""
+        self.validate(user, compile_grammar=False)
         params = user.sampling_params
         output_len = check_context(len(user.input_ids), params.max_tokens, self.max_seq_len, strict=False)
         req = SchedReq(user, output_len)
         req.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             req.stop_ids |= self.eos_ids
-        self.waiting.push(req)
         self._queued[req.uid] = req
+        if params.grammar is not None:
+            job = self.compile_pool().submit(params.grammar)
+            self._compiling[req.uid] = (req, job)
+            self.grammar_submitted(job)
+            self._poll_compiles()  # a cached grammar is ready at once
+        else:
+            self.waiting.push(req)
+
+    def _poll_compiles(self) -> None:
+        """Requests whose grammar compiled join the queue (with their matcher); a failed or
+        timed-out compile ends its request (`take_rejected`)."""
+        if not self._compiling:
+            return
+        now = time.monotonic()
+        for uid, (req, job) in list(self._compiling.items()):
+            ready, outcome = job.outcome(now)
+            if not ready:
+                continue
+            del self._compiling[uid]
+            if isinstance(outcome, InvalidRequest):
+                del self._queued[uid]
+                req.status, req.finish_reason = Status.FINISHED, "error"
+                self._rejected.append((uid, outcome))
+                logger.info("request %d: grammar refused after %.2f s: %s", uid, job.seconds, outcome.message)
+            else:
+                req.grammar_matcher = self._grammar_backend().xgr.GrammarMatcher(outcome)
+                self.waiting.push(req)
+
+    def wait_for_compiles(self, timeout_s: float) -> None:
+        """Nothing to run but grammars compiling: block until one is done (bounded), not spin."""
+        if self._compiling and self._compile_pool is not None:
+            self._compile_pool.wait_any([job for _, job in self._compiling.values()], timeout_s)
+        self._poll_compiles()
+
+    @property
+    def compiling(self) -> Dict[int, CompileJob]:
+        """uid -> its grammar's compile, for the requests waiting on one."""
+        return {uid: job for uid, (_, job) in self._compiling.items()}
+
+    def take_rejected(self) -> List[tuple[int, InvalidRequest]]:
+        """Requests refused after `add_request` returned (their grammar did not compile): each
+        gets the 400 it would have got at once; nothing of theirs was admitted."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def abort(self, uid: int) -> bool:
         """Stop a request wherever it is; its pages are freed. Returns whether it was found."""
         req = self._queued.pop(uid, None)
         if req is not None:  # never admitted: nothing to release
-            self.waiting.remove(req)
+            if self._compiling.pop(uid, None) is None:  # (a compile still running is cached for others)
+                self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
             self._early.append(TokenOutput(uid, None, True, "abort", prompt_tokens=req.prompt_len))
             return True
@@ -188,7 +256,7 @@ class Policy:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._prefilling or self._running or self._early)
+        return bool(self.waiting or self._prefilling or self._running or self._early or self._compiling)
 
     def take_early(self) -> List[TokenOutput]:
         """Outputs produced outside a step (abort notices)."""
@@ -207,6 +275,7 @@ class Policy:
         """The next step (None: nothing to run). `decodable, need` come from `decodable()`; a
         step that needs retraction must be planned with no step in flight (its pages are
         freed at once)."""
+        self._poll_compiles()
         pick = self._schedule(decodable, need, in_flight)
         return self._plan(pick) if pick is not None else None
 
@@ -362,7 +431,8 @@ class Policy:
         params = req.sampling_params
         self._num_penalized += params.has_penalties
         if params.grammar is not None:
-            req.grammar_matcher = self._grammar_backend().matcher(params.grammar)
+            if req.grammar_matcher is None:  # (set when its compile finished)
+                req.grammar_matcher = self._grammar_backend().matcher(params.grammar)
             self._num_constrained += 1
         self._prompt_tokens += req.prompt_len
         if self._share_rows:
