@@ -132,3 +132,100 @@ def test_compile_timeout_is_a_400(sched: Scheduler, monkeypatch: pytest.MonkeyPa
     assert [(uid, e.status, e.param) for uid, e in rejected] == [(30, 400, "response_format")]
     assert rejected[0][1].message.startswith("grammar too complex")
     assert_idle_and_clean(sched)
+
+
+# ---- fair admission (the host-only policy over test_policy's fake runner) ----------------------
+
+GROUP_N = 64  # one client's n=64 choices
+GROUP_PROMPT, GROUP_BUDGET = [3, 4, 5, 6, 7, 8, 9, 10], 110  # long budgets: their estimate fills the pool
+SMALL_PROMPT, SMALL_BUDGET = [20, 21, 22, 23], 4
+
+
+def _fair_policy(**kw: Any) -> Scheduler:
+    from test_policy import make_policy
+
+    # 1024 pages: the group's estimate (64 x (8 + 0.5 x 110) tokens) is ~4x the pool, so FIFO
+    # admits a quarter of it and keeps the rest, and anything queued behind it, waiting.
+    return make_policy(num_pages=1024, max_running_req=128, max_extend_tokens=256, **kw)
+
+
+def _first_token_step(
+    policy: Scheduler, uid: int, tokens: Dict[int, List[int]] | None = None, max_steps: int = 2000
+) -> tuple[int, Dict[int, List[int]], Dict[int, str]]:
+    """Steps from now until `uid` gets its first token (1: the next step), then run to the end."""
+    from test_policy import collect
+
+    tokens = {} if tokens is None else tokens
+    reasons: Dict[int, str] = {}
+    ttft = 0
+    for step in range(1, max_steps + 1):
+        if not policy.has_work():
+            break
+        collect(policy.step(), tokens, reasons)
+        if not ttft and tokens.get(uid):
+            ttft = step
+    assert not policy.has_work(), "the policy did not finish its work"
+    return ttft, tokens, reasons
+
+
+def test_a_single_request_is_not_queued_behind_an_n64_group() -> None:
+    from test_policy import assert_clean, collect, greedy, reference
+
+    alone = _fair_policy()
+    alone.add_request(UserRequest(1000, SMALL_PROMPT, greedy(SMALL_BUDGET)))
+    ttft_alone, _, _ = _first_token_step(alone, 1000)
+    assert ttft_alone == 1
+
+    policy = _fair_policy()
+    for i in range(GROUP_N):  # the n choices of one request: one group
+        policy.add_request(UserRequest(i, GROUP_PROMPT, greedy(GROUP_BUDGET, ignore_eos=True), group=0))
+    early: Dict[int, List[int]] = {}
+    for _ in range(3):  # the group is admitted and decoding (as far as the estimate lets it)
+        collect(policy.step(), early, {})
+    admitted = len(policy.active)
+    assert 0 < admitted < GROUP_N, "the scenario needs a group the pool cannot take at once"
+    policy.add_request(UserRequest(1000, SMALL_PROMPT, greedy(SMALL_BUDGET)))
+    # The rule: the newcomer's group was never served, so it is the next request considered
+    # (round-robin), and neither the group's estimate nor its rows can hold it back: K = 1.
+    ttft, tokens, reasons = _first_token_step(policy, 1000, early)
+    assert ttft <= 1, f"the single request waited {ttft} steps"
+    assert ttft <= 3 * ttft_alone
+    assert tokens[1000] == reference(SMALL_PROMPT, SMALL_BUDGET)
+    assert all(tokens[i] == reference(GROUP_PROMPT, GROUP_BUDGET) for i in range(GROUP_N))
+    assert set(reasons.values()) == {"length"}
+    assert_clean(policy)
+
+
+def test_the_last_row_is_kept_for_a_new_group() -> None:
+    from test_policy import assert_clean, greedy, make_policy
+
+    policy = make_policy(num_pages=1024, max_running_req=8)
+    for i in range(GROUP_N):
+        policy.add_request(UserRequest(i, GROUP_PROMPT, greedy(20, ignore_eos=True), group=0))
+    policy.step()
+    assert len(policy.active) == 7, "a group may not take the last free row"
+    policy.add_request(UserRequest(1000, SMALL_PROMPT, greedy(SMALL_BUDGET)))
+    policy.step()
+    assert 1000 in policy.active
+    _first_token_step(policy, 1000)
+    assert_clean(policy)
+
+
+def test_priority_comes_before_fairness() -> None:
+    from test_policy import assert_clean, greedy
+
+    policy = _fair_policy(schedule_policy="priority")
+    for i in range(GROUP_N):
+        policy.add_request(UserRequest(i, GROUP_PROMPT, greedy(GROUP_BUDGET, ignore_eos=True), group=0))
+    for _ in range(3):
+        policy.step()
+    # less urgent than the waiting group: not considered while a more urgent request waits
+    policy.add_request(UserRequest(1000, SMALL_PROMPT, greedy(SMALL_BUDGET, priority=1)))
+    policy.step()
+    assert 1000 not in policy.active and any(r.sampling_params.priority == 0 for r in policy.waiting)
+    # as urgent as the group: fairness within the level admits it at once
+    policy.add_request(UserRequest(1001, SMALL_PROMPT, greedy(SMALL_BUDGET)))
+    policy.step()
+    assert 1001 in policy.active and 1000 not in policy.active
+    _first_token_step(policy, 1000)
+    assert_clean(policy)

@@ -95,6 +95,7 @@ class Policy:
         self.allocator = PageAllocator(limits.num_pages)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
+        self._group_rows: Dict[int, int] = {}  # group -> table rows its requests hold (fair admission)
         self.waiting = make_queue(config.schedule_policy)  # new and retracted requests
         self._queued: Dict[int, SchedReq] = {}  # uid -> a new request in `waiting`
         self.active: Dict[int, SchedReq] = {}  # admitted, not yet released (retracted ones too)
@@ -321,14 +322,20 @@ class Policy:
         expected = length + math.ceil(max(0, remaining) * self.effective_new_token_ratio)
         return max(0, div_ceil(expected, self.page_size) - held)
 
-    def _expected_decode_pages(self) -> int:
-        """What admitted requests are expected to still take from the pool while decoding."""
-        total = 0
+    def _expected_decode_pages(self) -> tuple[int, int]:
+        """What admitted requests are expected to still take from the pool while decoding: in
+        all, and the part of it that groups holding several rows expect (fair admission)."""
+        total = crowd = 0
+        rows = self._group_rows
         for r in self._running.values():
-            total += self._future_pages(r.device_len, r.output_len - r.num_output, len(r.pages))
+            pages = self._future_pages(r.device_len, r.output_len - r.num_output, len(r.pages))
+            total += pages
+            crowd += pages if rows.get(r.group, 0) > 1 else 0
         for r in self._prefilling.values():
-            total += self._future_pages(r.prefill_len, r.output_len - r.num_output, len(r.pages) + r.reserved_pages)
-        return total
+            pages = self._future_pages(r.prefill_len, r.output_len - r.num_output, len(r.pages) + r.reserved_pages)
+            total += pages
+            crowd += pages if rows.get(r.group, 0) > 1 else 0
+        return total, crowd
 
     def _decode_page_need(self, reqs: List[SchedReq]) -> int:
         ps = self.page_size
@@ -377,7 +384,7 @@ class Policy:
             budget = self._add_chunk(req, budget, reqs)
         optimistic = self.config.admission == "optimistic"
         # (only when something may be admitted: it walks every admitted request)
-        expected = self._expected_decode_pages() if optimistic and self.waiting else 0
+        expected, crowd = self._expected_decode_pages() if optimistic and self.waiting else (0, 0)
         flying = in_flight.reqs if in_flight is not None else []
         while budget > 0 and self.free_rows:
             head = self.waiting.peek()
@@ -403,10 +410,19 @@ class Policy:
                 else:  # worst case: prompt and every token it may generate
                     need = div_ceil(req.prompt_len + req.output_len, ps) - match.num_pages
                     future = 0
-            if not self._fits(need, future, expected):
+            # Fair admission (with the queue's round-robin over groups): the first request of a
+            # group does not wait behind the estimated decoding of groups that hold several
+            # rows (a client's n=64 choices; their real pages still count), and the last free
+            # row is kept for it. Its estimate and single requests' estimates still count.
+            new_group = req.status is Status.WAITING and req.group not in self._group_rows
+            if not new_group and len(self.free_rows) == 1 and req.status is Status.WAITING:
+                self.cache.unlock(match.handle)
+                break
+            if not self._fits(need, future, expected - crowd if new_group else expected):
                 self.cache.unlock(match.handle)
                 break  # wait for running requests to finish and return pages
             self.waiting.pop()
+            self._group_rows[req.group] = self._group_rows.get(req.group, 0) + 1
             first = req.status is Status.WAITING
             if first:
                 self._start(req)
@@ -415,6 +431,7 @@ class Policy:
                 self._hit_tokens += req.cached_len
             self._admitted(req, need)
             expected += future
+            crowd += future if self._group_rows[req.group] > 1 else 0
             budget = self._add_chunk(req, budget, reqs)
         if not reqs:
             return None
@@ -657,6 +674,9 @@ class Policy:
         req.pages = []
         self.free_rows.append(req.table_idx)
         req.table_idx = -1
+        held = self._group_rows.pop(req.group) - 1
+        if held:
+            self._group_rows[req.group] = held
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
@@ -688,6 +708,7 @@ class Policy:
         )
         assert self.cache.evictable_pages == self.cache.cached_pages, "a cached page is still pinned"
         assert len(self.free_rows) == self.config.max_running_req, "a table row leaked"
+        assert not self._group_rows, f"rows still counted for groups {self._group_rows}"
         assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
         assert self._num_penalized == 0, "a finished request is still counted as using penalties"

@@ -91,7 +91,9 @@ class SchedulerLoop:
         from minisgl.sampling_params import InvalidRequest
 
         try:
-            req = self._UserRequest(msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit)
+            req = self._UserRequest(
+                msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit, group=msg.group or None
+            )
             self.scheduler.add_request(req)  # validates: the same checks as the API server's
             self._send_rejected()  # (a grammar that failed to compile before)
         except InvalidRequest as exc:
