@@ -229,3 +229,62 @@ def test_priority_comes_before_fairness() -> None:
     assert 1001 in policy.active and 1000 not in policy.active
     _first_token_step(policy, 1000)
     assert_clean(policy)
+
+
+# ---- prompt logprobs: bounded memory, per prefill chunk ------------------------------------------
+
+
+def _prompt_lps(sched: Scheduler, uid: int, prompt: List[int], k: int) -> List[Any]:
+    sched.add_request(UserRequest(uid, prompt, SamplingParams(max_tokens=1, prompt_logprobs=k)))
+    got: List[Any] = []
+    while sched.has_work():
+        for out in sched.step():
+            if out.uid == uid and out.prompt_logprobs is not None:
+                got = out.prompt_logprobs
+    return got
+
+
+def test_prompt_logprobs_in_row_chunks_are_the_same(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    import minisgl.engine.engine as engine_mod
+
+    prompt = [(i * 7919) % 40000 + 10 for i in range(300)]
+    whole = _prompt_lps(sched, 40, prompt, 4)
+    rows: List[int] = []
+    real = engine_mod._logprobs_on_device
+
+    def counting(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Any:
+        rows.append(logits.shape[0])
+        return real(logits, tokens, k)
+
+    monkeypatch.setattr(engine_mod, "PROMPT_LOGPROB_ROWS", 64)
+    monkeypatch.setattr(engine_mod, "_logprobs_on_device", counting)
+    chunked = _prompt_lps(sched, 41, prompt, 4)
+    assert len(whole) == len(prompt) - 1
+    assert chunked == whole  # bitwise: every op is per row
+    assert max(rows) == 64 and sum(rows) >= len(prompt) - 1  # never [prompt, vocab] at once
+    assert_idle_and_clean(sched)
+
+
+def test_a_long_prompt_logprob_request_lets_others_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_policy import assert_clean, collect, greedy, make_policy, runner_of
+
+    from minisgl.scheduler import policy as policy_mod
+
+    monkeypatch.setattr(policy_mod, "PROMPT_LOGPROB_CHUNK", 16)  # (the fake model's context is 128)
+    policy = make_policy(num_pages=4096, max_running_req=4, max_extend_tokens=4096)
+    policy.add_request(UserRequest(1, [5, 6, 7], greedy(60, ignore_eos=True)))
+    tokens: Dict[int, List[int]] = {}
+    collect(policy.step(), tokens, {})
+    policy.add_request(UserRequest(2, [(i * 37) % 200 + 1 for i in range(100)], greedy(1, prompt_logprobs=2)))
+    chunks = []
+    while policy.has_work():
+        before = len(tokens.get(1, []))
+        collect(policy.step(), tokens, {})
+        plan = runner_of(policy).plans[-1]
+        if 2 in plan.uids:
+            i = plan.uids.index(2)
+            chunks.append(plan.ends[i] - plan.starts[i])
+            assert len(tokens[1]) == before + 1, "the decoding request waited for the prompt"
+    assert max(chunks) == 16 and sum(chunks) == 100 and len(chunks) == 7
+    assert len(tokens[1]) == 60 and len(tokens[2]) == 1
+    assert_clean(policy)

@@ -31,6 +31,7 @@ from minisgl.utils.misc import div_ceil
 
 logger = init_logger(__name__)
 _FINISHED = Status.FINISHED  # (read per row per step)
+PROMPT_LOGPROB_CHUNK = 512  # prompt tokens per step of a request that wants prompt logprobs
 
 
 class NewTokenEstimate:
@@ -465,6 +466,10 @@ class Policy:
 
     def _add_chunk(self, req: SchedReq, budget: int, reqs: List[SchedReq]) -> int:
         chunk = min(req.prefill_len - req.cached_len, budget)
+        if _wants_prompt_logprobs(req):
+            # every position of its chunk goes through the LM head: short chunks, so the
+            # others' decode rows run between them (their logprobs are the same either way)
+            chunk = min(chunk, PROMPT_LOGPROB_CHUNK)
         req.device_len = req.cached_len + chunk
         reqs.append(req)
         return budget - chunk
