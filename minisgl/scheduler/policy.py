@@ -687,7 +687,7 @@ class Policy:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self._running) + len(self._prefilling),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._compiling),  # (a grammar compiling counts as waiting)
             total_pages=self.allocator.num_pages,
             free_pages=self.allocator.num_free + self.cache.evictable_pages,
             cached_pages=self.cache.cached_pages,
