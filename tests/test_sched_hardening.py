@@ -333,3 +333,26 @@ def test_a_long_prompt_logprob_request_lets_others_decode(monkeypatch: pytest.Mo
     assert max(chunks) == 16 and sum(chunks) == 100 and len(chunks) == 7
     assert len(tokens[1]) == 60 and len(tokens[2]) == 1
     assert_clean(policy)
+
+
+def test_retraction_takes_the_big_group_first() -> None:
+    from test_policy import assert_clean, collect, greedy, make_policy, reference
+
+    # 400 pages for 8 + 1 requests that grow to 8 + 100 tokens each: the pool runs out while
+    # they decode, and a retraction must pick victims
+    policy = make_policy(num_pages=400, max_running_req=16, max_extend_tokens=256)
+    for i in range(8):
+        policy.add_request(UserRequest(i, GROUP_PROMPT, greedy(100, ignore_eos=True), group=0))
+    tokens: Dict[int, List[int]] = {}
+    reasons: Dict[int, str] = {}
+    collect(policy.step(), tokens, reasons)
+    policy.add_request(UserRequest(1000, SMALL_PROMPT, greedy(100, ignore_eos=True)))
+    single = None
+    while policy.has_work():
+        collect(policy.step(), tokens, reasons)
+        single = single or policy.active.get(1000)
+    assert policy.stats().retractions > 0, "the scenario needs the pool to run out"
+    assert single is not None and single.num_retractions == 0, "the single request was retracted before the group's"
+    assert tokens[1000] == reference(SMALL_PROMPT, 100)
+    assert all(tokens[i] == reference(GROUP_PROMPT, 100) for i in range(8))
+    assert_clean(policy)

@@ -24,7 +24,7 @@ from minisgl.sampling_params import InvalidRequest, check_context, check_token_i
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
-from minisgl.scheduler.queue import make_queue, urgency
+from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
@@ -345,7 +345,7 @@ class Policy:
     def _retract_until_fits(self, decodable: List[SchedReq], need: int) -> tuple[List[SchedReq], int]:
         """Take pages back from the least urgent decoders until this decode step's `need`
         fits; returns who stays and what they need (no step is in flight: freed pages are unused)."""
-        keep = sorted(decodable, key=urgency)  # the least urgent last
+        keep = sorted(decodable, key=lambda r: retraction_order(r, self._group_rows))  # the first to go last
         while keep and need > self.available_pages():
             # Everyone may go: prefilling requests hold reserved pages and always progress, and
             # the retracted resume (from the front of the queue) as pages return.

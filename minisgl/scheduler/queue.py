@@ -28,6 +28,13 @@ def urgency(req: SchedReq) -> tuple[int, int]:
     return (req.sampling_params.priority, req.admit_seq)
 
 
+def retraction_order(req: SchedReq, group_rows: Dict[int, int]) -> tuple[int, int, int]:
+    """Sort key of decoders, the first to retract last: the least urgent priority, then (fairness)
+    the group holding the most rows, then the latest admitted, so a request that came after an
+    n=64 group is not the first to go for having come last."""
+    return (req.sampling_params.priority, group_rows.get(req.group, 0), req.admit_seq)
+
+
 class WaitQueue:
     """First come, first served."""
 
