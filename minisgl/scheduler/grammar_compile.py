@@ -61,6 +61,17 @@ class CompileJob:
             return True, too_complex(self.spec)
         return False, None
 
+    def wait(self) -> Any:
+        """Block until the compile is done or its deadline passed: the compiled grammar, or the
+        InvalidRequest raised (the offline API's up-front check)."""
+        wait_futures([self.future], timeout=max(0.0, self.deadline - time.monotonic()))
+        ready, outcome = self.outcome(time.monotonic())
+        if not ready:  # (the wait ended a hair before the deadline)
+            outcome = too_complex(self.spec)
+        if isinstance(outcome, InvalidRequest):
+            raise outcome
+        return outcome
+
 
 def too_complex(spec: GrammarSpec) -> InvalidRequest:
     return InvalidRequest(

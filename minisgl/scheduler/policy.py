@@ -160,7 +160,10 @@ class Policy:
                 "priority scheduling is off: start the server with --schedule-policy priority to use 'priority'", param="priority"
             )
         if compile_grammar and req.sampling_params.grammar is not None:
-            self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
+            # a bad grammar is a 400 now; the compile stays in the pool's cache for add_request
+            job = self.compile_pool().submit(req.sampling_params.grammar)
+            self.grammar_submitted(job)
+            job.wait()
         check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
 
     def _grammar_backend(self) -> Any:
