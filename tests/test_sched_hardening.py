@@ -356,3 +356,31 @@ def test_retraction_takes_the_big_group_first() -> None:
     assert tokens[1000] == reference(SMALL_PROMPT, 100)
     assert all(tokens[i] == reference(GROUP_PROMPT, 100) for i in range(8))
     assert_clean(policy)
+
+
+def test_one_api_call_is_one_group(tmp_path: Any) -> None:
+    """Frontend.submit gives the requests of one call (n choices, several prompts) one group; the
+    tokenizer worker carries it on to the scheduler (UserMsg), whose UserRequest is built from it."""
+    import asyncio
+
+    import zmq
+
+    from minisgl.message import TokenizeMsg, decode_msg
+    from minisgl.server.frontend import Frontend
+    from minisgl.server.process_utils import IpcAddrs
+
+    addrs = IpcAddrs.in_dir(str(tmp_path))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(addrs.tokenizer)
+    frontend = Frontend(addrs)
+    try:
+        uids = [frontend.new_uid() for _ in range(4)]
+        frontend.submit([TokenizeMsg(uid, text="x") for uid in uids[:3]])
+        frontend.submit([TokenizeMsg(uids[3], text="y")])
+        got = [decode_msg(pull.recv()) for _ in range(4)]
+        assert [(m.uid, m.group) for m in got] == [(uids[0], uids[0]), (uids[1], uids[0]), (uids[2], uids[0]), (uids[3], 0)]
+    finally:
+        asyncio.run(frontend.close())
+        pull.close(linger=0)
+        ctx.term()
