@@ -8,9 +8,10 @@ grammar. A request whose grammar is compiling waits outside the queue, holding n
 pages; the loop picks up finished compiles at each step (`CompilePool.poll`).
 
 Compiles are cached by (kind, text) as futures, so a grammar that many requests share compiles
-once, and one that is compiling is not compiled again. A compile that runs past `timeout_s` fails
+once, and one that is compiling is not compiled again. A compile that runs past its timeout fails
 its requests with a 400 ("grammar too complex"); xgrammar cannot be interrupted, so its thread
-finishes in the background (a daemon: it never holds up shutdown) and its result is dropped.
+finishes in the background (a daemon: it never holds up shutdown). Until then the same grammar is
+refused at once, so resending a pathological grammar cannot put a second thread on it.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ Compile = Callable[[GrammarSpec], Any]  # GrammarBackend.compile: the compiled g
 class CompileJob:
     """One compile: its future (the compiled grammar, or the InvalidRequest) and its deadline."""
 
-    def __init__(self, spec: GrammarSpec, deadline: float) -> None:
+    def __init__(self, spec: GrammarSpec, timeout_s: float) -> None:
         self.spec = spec
-        self.deadline = deadline
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
         self.future: "Future[Any]" = Future()
         self.started = self.finished = 0.0  # monotonic times, for the tests and the log
 
@@ -58,7 +60,7 @@ class CompileJob:
                 return True, exc
             return True, InvalidRequest(f"grammar compilation failed: {type(exc).__name__}: {exc}", param="response_format")
         if now >= self.deadline:
-            return True, too_complex(self.spec)
+            return True, self.too_complex()
         return False, None
 
     def wait(self) -> Any:
@@ -67,16 +69,15 @@ class CompileJob:
         wait_futures([self.future], timeout=max(0.0, self.deadline - time.monotonic()))
         ready, outcome = self.outcome(time.monotonic())
         if not ready:  # (the wait ended a hair before the deadline)
-            outcome = too_complex(self.spec)
+            outcome = self.too_complex()
         if isinstance(outcome, InvalidRequest):
             raise outcome
         return outcome
 
-
-def too_complex(spec: GrammarSpec) -> InvalidRequest:
-    return InvalidRequest(
-        f"grammar too complex: the {spec.kind} grammar did not compile within {COMPILE_TIMEOUT_S:g} s", param="response_format"
-    )
+    def too_complex(self) -> InvalidRequest:
+        return InvalidRequest(
+            f"grammar too complex: the {self.spec.kind} grammar did not compile within {self.timeout_s:g} s", param="response_format"
+        )
 
 
 class CompilePool:
@@ -86,21 +87,22 @@ class CompilePool:
         self._compile = compile
         self._timeout_s = timeout_s
         self._jobs: "OrderedDict[tuple[str, str], CompileJob]" = OrderedDict()
-        self._todo: "queue.SimpleQueue[CompileJob]" = queue.SimpleQueue()
+        self._todo: "queue.SimpleQueue[CompileJob | None]" = queue.SimpleQueue()
+        self._threads = threads
         for i in range(threads):
             threading.Thread(target=self._work, name=f"grammar-compile-{i}", daemon=True).start()
 
     def submit(self, spec: GrammarSpec) -> CompileJob:
         """The job compiling `spec` (a cached one if this grammar was compiled or is compiling).
-        A job that failed by timeout is not reused: the next request tries again."""
+        A grammar whose compile timed out is refused at once while that compile still runs (never
+        two threads on one pathological grammar); if it completes, it serves later requests."""
         key = (spec.kind, spec.value)
         job = self._jobs.get(key)
-        now = time.monotonic()
-        if job is not None and (job.future.done() or now < job.deadline):
+        if job is not None:
             self._jobs.move_to_end(key)
             return job
         timeout = COMPILE_TIMEOUT_S if self._timeout_s is None else self._timeout_s
-        job = CompileJob(spec, now + timeout)
+        job = CompileJob(spec, timeout)
         self._jobs[key] = job
         if len(self._jobs) > CACHE_SIZE:
             self._jobs.popitem(last=False)
@@ -112,9 +114,16 @@ class CompilePool:
         if jobs:
             wait_futures([j.future for j in jobs], timeout=timeout_s, return_when="FIRST_COMPLETED")
 
+    def close(self) -> None:
+        """Let the threads end once the compiles queued before are done (they never block exit)."""
+        for _ in range(self._threads):
+            self._todo.put(None)
+
     def _work(self) -> None:
         while True:
             job = self._todo.get()
+            if job is None:
+                return
             if not job.future.set_running_or_notify_cancel():
                 continue
             job.started = time.monotonic()

@@ -196,6 +196,8 @@ class Scheduler(Policy):
         super().check_invariants()
 
     def shutdown(self) -> None:
+        if self._compile_pool is not None:
+            self._compile_pool.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

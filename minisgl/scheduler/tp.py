@@ -223,6 +223,8 @@ class Follower:
         return req
 
     def shutdown(self) -> None:
+        if self._compile_pool is not None:
+            self._compile_pool.close()
         self.engine.shutdown()
 
 
