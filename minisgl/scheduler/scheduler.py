@@ -196,8 +196,9 @@ class Scheduler(Policy):
         super().check_invariants()
 
     def shutdown(self) -> None:
-        if self._compile_pool is not None:
-            self._compile_pool.close()
+        pool = getattr(self, "_compile_pool", None)  # (None too if __init__ failed before it)
+        if pool is not None:
+            pool.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

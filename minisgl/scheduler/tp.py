@@ -223,8 +223,9 @@ class Follower:
         return req
 
     def shutdown(self) -> None:
-        if self._compile_pool is not None:
-            self._compile_pool.close()
+        pool = getattr(self, "_compile_pool", None)  # (None too if __init__ failed before it)
+        if pool is not None:
+            pool.close()
         self.engine.shutdown()
 
 
