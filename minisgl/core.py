@@ -97,10 +97,11 @@ class Batch:
     padded_reqs: List[Req] = field(init=False)
     attn_metadata: Any = field(init=False, default=None)
     # Prefill only: token rows (into the flattened batch) whose logits are wanted for prompt
-    # logprobs, the prompt token each row predicts, and where the model leaves those logits.
+    # logprobs, the prompt token each row predicts, and where the model leaves those rows' final
+    # hidden states (the engine runs the LM head over them in chunks: bounded memory).
     prompt_logprob_rows: torch.Tensor | None = field(init=False, default=None)
     prompt_logprob_targets: torch.Tensor | None = field(init=False, default=None)
-    prompt_logits: torch.Tensor | None = field(init=False, default=None)
+    prompt_hidden: torch.Tensor | None = field(init=False, default=None)
     prompt_logprob_counts: List[int] = field(init=False, default_factory=list)  # per request
     # A mixed batch (phase "prefill") starts with this many decode rows (one token each).
     num_decode_rows: int = field(init=False, default=0)

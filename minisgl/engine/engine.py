@@ -148,14 +148,33 @@ def _host_available_memory() -> int:
 
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the model's raw distribution (before penalties and temperature), host copies."""
+    chosen, top_vals, top_ids = _logprobs_on_device(logits, tokens, k)
+    return chosen.to("cpu", non_blocking=True), top_vals.to("cpu", non_blocking=True), top_ids.to("cpu", non_blocking=True)
+
+
+def _logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logp.topk(max(k, 1), dim=-1)
-    return (
-        chosen.to("cpu", non_blocking=True),
-        top_vals[:, :k].to("cpu", non_blocking=True),
-        top_ids[:, :k].to("cpu", non_blocking=True),
-    )
+    return chosen, top_vals[:, :k], top_ids[:, :k]
+
+
+# Prompt rows projected per LM-head call: [rows, vocab] float32 is the peak (256 x 152k = 156 MB),
+# not [prompt, vocab] (a 2,000-token prompt over a 49k vocabulary was 0.9 GB at once).
+PROMPT_LOGPROB_ROWS = 256
+
+
+def _prompt_logprobs(lm_head: Any, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_token_logprobs` of the prompt rows whose final hidden states are `hidden`, with the LM
+    head, the float32 log-softmax and the top-k run over chunks of rows (all per-row ops, so the
+    values are those of one call over every row); the results are gathered on the device and
+    copied to the host once."""
+    parts = [
+        _logprobs_on_device(lm_head(hidden[s : s + PROMPT_LOGPROB_ROWS]), targets[s : s + PROMPT_LOGPROB_ROWS], k)
+        for s in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS)
+    ]
+    chosen, top_vals, top_ids = (torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*parts))
+    return chosen.to("cpu", non_blocking=True), top_vals.to("cpu", non_blocking=True), top_ids.to("cpu", non_blocking=True)
 
 
 WARMUP_PREFILL_TOKENS = 16
@@ -389,11 +408,11 @@ class Engine:
             if args.logprobs_k is not None:
                 logprobs = _token_logprobs(logits, next_tokens_gpu, args.logprobs_k)
             prompt_logprobs = None
-            if batch.prompt_logits is not None:
+            if batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
                 k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
-                prompt_logprobs = _token_logprobs(batch.prompt_logits, batch.prompt_logprob_targets, k)
-                batch.prompt_logits = None
+                prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
+                batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs)

@@ -135,8 +135,8 @@ class CausalLM(nn.Module):
         batch = get_global_ctx().batch
         hidden = self.model(batch.input_ids)
         if batch.is_prefill:
-            if batch.prompt_logprob_rows is not None:  # prompt logprobs: these rows' logits too
-                batch.prompt_logits = self.lm_head(hidden[batch.prompt_logprob_rows])
+            if batch.prompt_logprob_rows is not None:  # prompt logprobs: the engine projects these rows
+                batch.prompt_hidden = hidden[batch.prompt_logprob_rows]
             hidden = hidden[batch.attn_metadata.last_indices]
         return self.lm_head(hidden)
 

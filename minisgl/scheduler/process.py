@@ -91,8 +91,11 @@ class SchedulerLoop:
         from minisgl.sampling_params import InvalidRequest
 
         try:
-            req = self._UserRequest(msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit)
+            req = self._UserRequest(
+                msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit, group=msg.group or None
+            )
             self.scheduler.add_request(req)  # validates: the same checks as the API server's
+            self._send_rejected()  # (a grammar that failed to compile before)
         except InvalidRequest as exc:
             self._error(msg.uid, exc.message, exc.status, exc.param, exc.code)
         except Exception as exc:  # never let one request take the scheduler down
@@ -171,10 +174,16 @@ class SchedulerLoop:
             self._failed_steps = 0
         if outputs:
             self._send(TokenBatchMsg(outputs))  # the scheduler's records, as they are
+        self._send_rejected()
+
+    def _send_rejected(self) -> None:
+        # requests whose grammar failed to compile off the loop: the 400 they got at once before
+        for uid, exc in self.scheduler.take_rejected():
+            self._error(uid, exc.message, exc.status, exc.param, exc.code)
 
     def _fail_everyone(self, reason: str) -> None:
         logger.error("the scheduler stops: %s", reason)
-        uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting}
+        uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting} | set(self.scheduler.compiling)
         for uid in uids:
             self._error(uid, "internal error in the scheduler (see the server log)", status=500)
 

@@ -24,6 +24,8 @@ from minisgl.scheduler.request import TokenOutput
 from minisgl.scheduler.runner import Runner, is_fatal
 from minisgl.utils.hf import resolve_model_path
 
+COMPILE_WAIT_S = 0.02  # the longest an idle loop waits for a grammar compile before it reads messages again
+
 __all__ = ["Scheduler", "SchedulerStats", "StepFailed", "StepRunner", "is_fatal"]
 
 
@@ -131,6 +133,9 @@ class Scheduler(Policy):
             launched = _InFlight(plan, self.runner.launch(plan))
             self.launched(plan)
         self._host_s += time.perf_counter() - start
+        if plan is None and self._in_flight is None and self.compiling:
+            # only grammars compiling: wait for one (bounded, so new messages are still read)
+            self.wait_for_compiles(COMPILE_WAIT_S)
         must_sync = launched is not None and self.must_sync
         if self.overlap and not must_sync:
             if self._in_flight is not None:
@@ -191,6 +196,9 @@ class Scheduler(Policy):
         super().check_invariants()
 
     def shutdown(self) -> None:
+        pool = getattr(self, "_compile_pool", None)  # (None too if __init__ failed before it)
+        if pool is not None:
+            pool.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -192,6 +192,9 @@ class Frontend:
                 f"the server is at capacity ({len(self._streams)} requests in flight, at most {self.max_pending}: "
                 "--max-running-requests + --max-queued-requests); retry later"
             )
+        if len(msgs) > 1:  # one client call (n choices, several prompts): one group for fair admission
+            for m in msgs:
+                m.group = msgs[0].uid
         frames = [encode_msg(m) for m in msgs]  # before registering: a failure leaves nothing behind
         stream = RequestStream(self, [m.uid for m in msgs], label)
         for uid in stream.uids:

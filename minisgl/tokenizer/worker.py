@@ -158,7 +158,7 @@ class TokenizerWorker:
         )
         if msg.sampling.prompt_logprobs is not None:
             self.states[msg.uid].prompt_ids = ids[:1]
-        self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit))
+        self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit, msg.group))
 
     def collect_encoded(self) -> None:
         """Start the requests whose prompts the pool has finished encoding."""
