@@ -58,7 +58,7 @@ class CompileJob:
                 return True, self.future.result()
             if isinstance(exc, InvalidRequest):
                 return True, exc
-            return True, InvalidRequest(f"grammar compilation failed: {type(exc).__name__}: {exc}", param="response_format")
+            return True, InvalidRequest(f"grammar compilation failed: {type(exc).__name__}: {exc}", param=self.spec.param)
         if now >= self.deadline:
             return True, self.too_complex()
         return False, None
@@ -76,7 +76,7 @@ class CompileJob:
 
     def too_complex(self) -> InvalidRequest:
         return InvalidRequest(
-            f"grammar too complex: the {self.spec.kind} grammar did not compile within {self.timeout_s:g} s", param="response_format"
+            f"grammar too complex: the {self.spec.kind} grammar did not compile within {self.timeout_s:g} s", param=self.spec.param
         )
 
 
@@ -86,7 +86,7 @@ class CompilePool:
     def __init__(self, compile: Compile, threads: int = COMPILE_THREADS, timeout_s: float | None = None) -> None:
         self._compile = compile
         self._timeout_s = timeout_s
-        self._jobs: "OrderedDict[tuple[str, str], CompileJob]" = OrderedDict()
+        self._jobs: "OrderedDict[tuple[str, str, str], CompileJob]" = OrderedDict()
         self._todo: "queue.SimpleQueue[CompileJob | None]" = queue.SimpleQueue()
         self._threads = threads
         for i in range(threads):
@@ -96,7 +96,9 @@ class CompilePool:
         """The job compiling `spec` (a cached one if this grammar was compiled or is compiling).
         A grammar whose compile timed out is refused at once while that compile still runs (never
         two threads on one pathological grammar); if it completes, it serves later requests."""
-        key = (spec.kind, spec.value)
+        # the field is part of the key: a refusal names the field this request used (a valid
+        # grammar sent under another field compiles once: GrammarBackend caches by kind and text)
+        key = (spec.kind, spec.value, spec.param)
         job = self._jobs.get(key)
         if job is not None:
             self._jobs.move_to_end(key)
