@@ -149,7 +149,8 @@ class Policy:
             )
         if req.sampling_params.grammar is not None:
             self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
-        check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
+        params = req.sampling_params
+        check_context(len(req.input_ids), params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens, min_tokens=params.min_tokens)
 
     def _grammar_backend(self) -> Any:
         if self.grammar is None:
