@@ -64,6 +64,16 @@ def test_json_depth_is_the_parsed_depth(value: Any, ascii_only: bool, indent: in
     assert json_depth(text.encode("utf-8")) == _tree_depth(value)
 
 
+def test_json_depth_of_unterminated_and_hostile_strings() -> None:
+    assert json_depth('["\\"[') == 1  # the string never ends: what follows its quote is inside it
+    assert json_depth('[["ab\\') == 2  # a lone backslash last
+    assert json_depth('"]"[' * 1000) == 1000  # the brackets in strings count for nothing
+    # escaped quotes in a string that never ends: a search retried at each quote would be
+    # quadratic (hours for this); the scan is linear
+    assert json_depth("[" + '"' + '\\"' * 2_000_000 + "[[[") == 1
+    assert json_depth('"a' * 2_000_000 + "[") == 1
+
+
 def test_parse_json_refuses_before_parsing() -> None:
     with pytest.raises(InvalidRequest) as deep:
         parse_json(DEEP, "arguments", "the arguments")
