@@ -70,19 +70,23 @@ MAX_GRAMMAR_CHARS = 64 << 10
 class GrammarSpec:
     """Constrained decoding: the output must match this grammar (compiled by xgrammar in the
     scheduler). `value` is a JSON schema as JSON text, a regex or an EBNF grammar; unused for
-    json_object (any JSON object); for tool_call, JSON {"prefix", "schema", "suffix"}: one tool call,
-    the literal prefix, JSON matching the schema, the literal suffix (minisgl.server.tools)."""
+    json_object (any JSON object); for tool_call, the JSON description of a tool turn that
+    `minisgl.server.tools.tool_turn_grammar` writes (calls, their syntax, and an optional answer).
+    `param` is the request field the client sent the grammar in (`guided_regex`, `tools`, ...), so
+    that a grammar refused where it is compiled is named the way the client wrote it; it is no part
+    of the grammar's identity."""
 
     kind: str
     value: str = ""
+    param: str = field(default="response_format", compare=False)
 
     def validate(self) -> None:
         if self.kind not in GRAMMAR_KINDS:
-            raise InvalidRequest(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}", param="response_format")
+            raise InvalidRequest(f"grammar kind must be one of {GRAMMAR_KINDS}, got {self.kind!r}", param=self.param)
         if not isinstance(self.value, str) or len(self.value) > MAX_GRAMMAR_CHARS:
-            raise InvalidRequest(f"a grammar is a string of at most {MAX_GRAMMAR_CHARS} characters", param="response_format")
+            raise InvalidRequest(f"a grammar is a string of at most {MAX_GRAMMAR_CHARS} characters", param=self.param)
         if self.kind != "json_object" and not self.value:
-            raise InvalidRequest(f"a {self.kind} grammar needs its definition", param="response_format")
+            raise InvalidRequest(f"a {self.kind} grammar needs its definition", param=self.param)
 
 
 @dataclass

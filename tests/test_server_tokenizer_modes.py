@@ -151,7 +151,8 @@ def test_eos_from_config_stops_and_ignore_eos_overrides(ids_server: ServerProces
         ("/generate", {"text": "hello"}, "text"),
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"stop": "x"}}, "sampling_params.stop"),
         ("/generate", {"input_ids": [1, 2], "return_logprob": True}, "return_logprob"),
-        ("/generate", {"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+        ("/v1/completions", {"prompt": [1, 2, 3], "guided_regex": "a+"}, "guided_regex"),
     ],
 )
 def test_text_requests_are_refused_with_a_reason(ids_server: ServerProcess, path: str, body: Dict[str, Any], param: str | None) -> None:

@@ -438,10 +438,12 @@ def test_tool_call_parsers_on_canned_outputs() -> None:
         assert (sent + rest).strip() == "Let me check." and len(calls) == 2
     ts = ToolStream(hermes)
     assert "".join(ts.feed(c) for c in "plain <tool text") + ts.finish()[0] == "plain <tool text"
-    # the required-call grammar wraps the schema in the format's markers
+    # the required-call grammar wraps each call in the format's markers (tests/test_tools_round2.py drives it)
+    from minisgl.server.tools import tool_turn_grammar
+
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
-    spec = hermes.call_grammar(hermes.call_schema(tools))
-    assert spec.kind == "tool_call" and '"prefix": "<tool_call>\\n"' in spec.value
+    spec = tool_turn_grammar(hermes, tools, ["f"], must_call=True, parallel=True, answer=None, after_tool_result=False)
+    assert spec is not None and spec.kind == "tool_call" and '"begin": "<tool_call>\\n"' in spec.value
 
 
 def test_reasoning_split_and_stream() -> None:

@@ -127,10 +127,10 @@ class Sampler:
         penalties = self._prepare_penalties(batch, params) if any(p.has_penalties for p in params) else None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         logprobs_k = max(wanted) if wanted else None
-        bias = self._prepare_bias(batch) if any(p.logit_bias or p.min_tokens for p in params) else None
         grammar_mask = None
         if self.grammar is not None and any(p.grammar is not None for p in params):
             grammar_mask = self.grammar.batch_mask([getattr(r, "grammar_matcher", None) for r in batch.reqs])
+        bias = self._prepare_bias(batch, grammar_mask) if any(p.logit_bias or p.min_tokens for p in params) else None
         if all(p.is_greedy for p in params):
             return BatchSamplingArgs(temperatures=None, penalties=penalties, logprobs_k=logprobs_k, bias=bias, grammar_mask=grammar_mask)
         ts = [max(0.0 if p.is_greedy else p.temperature, MIN_T) for p in params]
@@ -152,7 +152,11 @@ class Sampler:
         temps = make_device_tensor(ts, torch.float32, self.device)
         return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k, bias, grammar_mask)
 
-    def _prepare_bias(self, batch: Batch) -> LogitBias | None:
+    def _prepare_bias(self, batch: Batch, grammar_mask: Tuple[torch.Tensor, List[int]] | None = None) -> LogitBias | None:
+        """logit_bias, and the min_tokens ban on stop tokens. The grammar wins over min_tokens: a
+        constrained row whose grammar allows nothing but stop tokens (it is complete) keeps them,
+        or every token would be masked and the draw would land outside the grammar."""
+        constrained = set(grammar_mask[1]) if grammar_mask is not None else set()
         rows: List[int] = []
         tokens: List[int] = []
         values: List[float] = []
@@ -167,6 +171,8 @@ class Sampler:
             if p.min_tokens and r.device_len - r.prompt_len < p.min_tokens:
                 stops = getattr(r, "stop_ids", None)
                 stops = set(p.stop_token_ids) if stops is None else stops
+                if i in constrained and grammar_mask is not None and not _allows_other_than(grammar_mask[0][i], stops):
+                    continue
                 rows += [i] * len(stops)
                 tokens += list(stops)
                 values += [float("-inf")] * len(stops)
@@ -238,6 +244,17 @@ class Sampler:
             # row without filters draws exactly what it would in a batch that nobody filters.
             return _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
         return _draw(probs, args.seeded_rows)
+
+
+def _allows_other_than(mask_row: torch.Tensor, tokens: Any) -> bool:
+    """Whether a grammar bitmask row (int32 words, bit t % 32 of word t // 32) allows a token
+    outside `tokens`."""
+    words = mask_row.clone()
+    for t in tokens:
+        if 0 <= t < words.numel() * 32:
+            bit = 1 << (t & 31)
+            words[t >> 5] = int(words[t >> 5]) & ~(bit - (1 << 32) if bit >= 1 << 31 else bit)
+    return bool(words.any())
 
 
 def _load_flashinfer_sampler() -> Any:

@@ -147,13 +147,13 @@ def _guided_grammar(kind: str, value: Any, param: str) -> GrammarSpec:
     if kind == "json":
         if isinstance(value, str):
             parse_json(value, param, f"{param} (a JSON schema)")
-            return GrammarSpec("json_schema", value)
-        return GrammarSpec("json_schema", json.dumps(value))
+            return GrammarSpec("json_schema", value, param)
+        return GrammarSpec("json_schema", json.dumps(value), param)
     if kind == "regex":
-        return GrammarSpec("regex", value)
+        return GrammarSpec("regex", value, param)
     if kind == "choice":  # exactly one of the strings: an EBNF alternation of their literals
-        return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
-    return GrammarSpec("ebnf", value)
+        return GrammarSpec("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value), param)
+    return GrammarSpec("ebnf", value, param)
 
 
 def _stop_list(stop: StopStrings) -> List[str]:
@@ -515,7 +515,7 @@ class GenerateSampling(_Base):
         kind, value = given[0]
         if kind == "json_schema":  # parsed here, depth first, not only by the scheduler's compiler
             parse_json(value, "sampling_params.json_schema", "sampling_params.json_schema")
-        return GrammarSpec(kind, value)
+        return GrammarSpec(kind, value, f"sampling_params.{kind}")
 
     def stop_list(self) -> List[str]:
         return _stop_list(self.stop)

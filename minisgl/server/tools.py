@@ -11,6 +11,11 @@ A parser knows one format:
 `auto` picks by the chat template (its own call syntax), else hermes. A template that does not
 render `tools` at all (many small models' templates) gets the tool list and the expected call
 syntax as a system message, so the definitions always reach the model: never silently dropped.
+
+`tool_turn_grammar` is the constraint of a turn with tools (docs/SERVER.md, "Tools and output
+formats"): forced calls (`required` or a named function) are one call, or one or more with
+`parallel_tool_calls`, in the parser's syntax; a response_format (or guided_*) beside tools
+allows either those calls or the answer in that format.
 """
 
 from __future__ import annotations
@@ -41,9 +46,10 @@ class ToolCall:
 
 
 def _as_call(obj: Any, args_key: str) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    # a call names its arguments: an answer that merely has a "name" field is content, not a call
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not ({"arguments", "parameters"} & obj.keys()):
         return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters")))
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
@@ -56,30 +62,30 @@ class ToolParser:
     name = ""
     markers: Tuple[str, ...] = ()  # text that starts a call (streams hold text from here on)
     skip_special_tokens = True
+    args_key = "arguments"
+    # How the format writes calls: prefix, then each call's JSON between begin and end, calls
+    # separated by separator, then suffix (the grammar of forced calls is built from these).
+    prefix = ""
+    begin = ""
+    end = ""
+    separator = ""
+    suffix = ""
 
     def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
         """(content, calls) of a finished output; text that is not a well-formed call is content."""
         raise NotImplementedError
 
-    def call_grammar(self, schema: Dict[str, Any]) -> GrammarSpec:
-        """The grammar of exactly one call whose JSON matches `schema`."""
-        raise NotImplementedError
-
-    def call_schema(self, tools: List[Dict[str, Any]]) -> Dict[str, Any]:
-        args_key = "parameters" if self.name == "llama3_json" else "arguments"
-        options = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": t["function"]["name"]},
-                    args_key: t["function"].get("parameters") or {"type": "object"},
-                },
-                "required": ["name", args_key],
-                "additionalProperties": False,
-            }
-            for t in tools
-        ]
-        return options[0] if len(options) == 1 else {"anyOf": options}
+    def call_schema(self, tool: Dict[str, Any]) -> Dict[str, Any]:
+        """The JSON schema of one call of `tool` in this format."""
+        return {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool["function"]["name"]},
+                self.args_key: tool["function"].get("parameters") or {"type": "object"},
+            },
+            "required": ["name", self.args_key],
+            "additionalProperties": False,
+        }
 
     def format_hint(self) -> str:
         raise NotImplementedError
@@ -88,6 +94,7 @@ class ToolParser:
 class HermesParser(ToolParser):
     name = "hermes"
     markers = ("<tool_call>",)
+    begin, end, separator = "<tool_call>\n", "\n</tool_call>", "\n"
     _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
@@ -103,9 +110,6 @@ class HermesParser(ToolParser):
                 content = content.replace(match.group(0), "", 1)
         return (content.strip() if calls else text), calls
 
-    def call_grammar(self, schema: Dict[str, Any]) -> GrammarSpec:
-        return GrammarSpec("tool_call", json.dumps({"prefix": "<tool_call>\n", "schema": schema, "suffix": "\n</tool_call>"}))
-
     def format_hint(self) -> str:
         return (
             'To call a function, reply with <tool_call>{"name": <function name>, "arguments": <arguments as a JSON '
@@ -117,23 +121,31 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     markers = ("<|python_tag|>",)
 
+    args_key = "parameters"
+    separator = ";"
+    _decoder = json.JSONDecoder()
+
     def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
         if not body.startswith("{"):
             return text, []
         calls = []
-        for part in body.split(";"):
+        at = 0
+        while True:  # JSON objects separated by ";" (a ";" inside a string separates nothing)
             try:
-                call = _as_call(json.loads(part), "parameters")
+                obj, at = self._decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return text, []
+            call = _as_call(obj, "parameters")
             if call is None:
                 return text, []
             calls.append(call)
-        return "", calls
-
-    def call_grammar(self, schema: Dict[str, Any]) -> GrammarSpec:
-        return GrammarSpec("tool_call", json.dumps({"prefix": "", "schema": schema, "suffix": ""}))
+            rest = body[at:].lstrip()
+            if not rest:
+                return "", calls
+            if not rest.startswith(";"):
+                return text, []
+            at = len(body) - len(rest[1:].lstrip())
 
     def format_hint(self) -> str:
         return 'To call a function, reply with only {"name": <function name>, "parameters": <arguments as a JSON object>}.'
@@ -143,6 +155,7 @@ class MistralParser(ToolParser):
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
     skip_special_tokens = False  # [TOOL_CALLS] is a special token
+    prefix, separator, suffix = "[TOOL_CALLS][", ", ", "]"
 
     def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
         head, sep, tail = text.partition("[TOOL_CALLS]")
@@ -155,9 +168,6 @@ class MistralParser(ToolParser):
         items = items if isinstance(items, list) else [items]
         calls = [c for c in (_as_call(i, "arguments") for i in items) if c is not None]
         return (head.strip(), calls) if calls else (text, [])
-
-    def call_grammar(self, schema: Dict[str, Any]) -> GrammarSpec:
-        return GrammarSpec("tool_call", json.dumps({"prefix": "[TOOL_CALLS][", "schema": schema, "suffix": "]"}))
 
     def format_hint(self) -> str:
         return 'To call functions, reply with [TOOL_CALLS][{"name": <function name>, "arguments": <arguments as a JSON object>}, ...].'
@@ -178,6 +188,46 @@ def pick_parser(name: str, chat_template: str | None) -> ToolParser:
     if "<|python_tag|>" in template and "<tool_call>" not in template:
         return Llama3JsonParser()
     return HermesParser()
+
+
+def tool_turn_grammar(
+    parser: ToolParser,
+    tools: List[Dict[str, Any]],
+    declared: List[str],
+    *,
+    must_call: bool,
+    parallel: bool,
+    answer: GrammarSpec | None,
+    after_tool_result: bool,
+) -> GrammarSpec | None:
+    """The output constraint of a chat turn with `tools` (the active ones; `declared`: the names
+    of the request's tools in order, so that a bad schema is refused as `tools[i]`).
+
+    - forced (`required` / a named function): the calls alone; one or more with `parallel`,
+      exactly one without. With an `answer` format too, the turn right after a tool result is the
+      answer instead: the calls were made, their results are in, the format is for the reply
+      (without that the model could only ever call again).
+    - `auto` with an `answer` format: either the calls or the answer.
+    - `auto` alone: free text (None), the calls are parsed out of it.
+    """
+    if must_call and answer is not None and after_tool_result:
+        return answer
+    if not must_call and answer is None:
+        return None
+    calls = [
+        {"param": f"tools[{declared.index(t['function']['name'])}].function.parameters", "schema": parser.call_schema(t)} for t in tools
+    ]
+    turn = {
+        "calls": calls,
+        "prefix": parser.prefix,
+        "begin": parser.begin,
+        "end": parser.end,
+        "separator": parser.separator,
+        "suffix": parser.suffix,
+        "parallel": parallel,
+        "answer": None if must_call or answer is None else {"kind": answer.kind, "value": answer.value, "param": answer.param},
+    }
+    return GrammarSpec("tool_call", json.dumps(turn, ensure_ascii=False), "tools")
 
 
 def template_renders_tools(chat_template: str | None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List
+from typing import Any, AsyncIterator, Dict, List, Tuple
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -20,6 +20,7 @@ from minisgl.server.routes.common import (
     Event,
     GuardedRoute,
     Result,
+    ServerState,
     check_model,
     events,
     get_state,
@@ -32,7 +33,7 @@ from minisgl.server.routes.common import (
     usage,
     validated,
 )
-from minisgl.server.tools import ToolCall, ToolParser, ToolStream, template_renders_tools, tools_system_message
+from minisgl.server.tools import ToolCall, ToolParser, ToolStream, template_renders_tools, tool_turn_grammar, tools_system_message
 
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
 
@@ -44,6 +45,13 @@ async def chat_completions(request: Request) -> Response:
     log_ignored(request, body)
     check_model(state, body.model)
     need_tokenizer(state, "/v1/chat/completions (the chat template renders text; use /v1/completions with token ids)", "messages")
+    msgs, parser = chat_tokenize_msgs(state, body)
+    return await _respond_chat(request, state, body, msgs, parser)
+
+
+def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple[List[TokenizeMsg], ToolParser | None]:
+    """A checked chat request as TokenizeMsgs (one per choice), and the tool parser its output goes
+    through (None without active tools). /v1/responses comes through here too."""
     try:
         messages = [m.to_template() for m in body.messages]
     except ValueError as exc:
@@ -60,14 +68,17 @@ async def chat_completions(request: Request) -> Response:
     k = body.logprobs_k()
     max_tokens = body.effective_max_tokens()
     params = body.sampling_params(max_tokens, k)
-    if parser is not None and body.must_call():
-        if params.grammar is not None:
-            raise APIError(
-                400,
-                "tool_choice 'required' or a named function cannot be combined with an output constraint (response_format, guided_*, structured_outputs)",
-                param="tool_choice",
-            )
-        params.grammar = parser.call_grammar(parser.call_schema(tools))  # the model must emit a valid call
+    if parser is not None and (body.must_call() or params.grammar is not None):
+        # forced calls, or calls | the answer format (minisgl.server.tools.tool_turn_grammar)
+        params.grammar = tool_turn_grammar(
+            parser,
+            tools,
+            [t.function.name for t in body.tools or []],
+            must_call=body.must_call(),
+            parallel=body.parallel_tool_calls is not False,
+            answer=params.grammar,
+            after_tool_result=body.messages[-1].role == "tool",
+        )
     params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
     msgs = [
         TokenizeMsg(
@@ -82,6 +93,13 @@ async def chat_completions(request: Request) -> Response:
         )
         for i in range(body.n)
     ]
+    return msgs, parser
+
+
+async def _respond_chat(
+    request: Request, state: ServerState, body: ChatCompletionRequest, msgs: List[TokenizeMsg], parser: ToolParser | None
+) -> Response:
+    k = body.logprobs_k()
     one_call = body.parallel_tool_calls is False  # at most one call per choice
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -94,8 +94,9 @@ def _check_token_only(state: Any, body: CompletionRequest, prompts: List[Any]) -
         need_tokenizer(state, "logprobs (they return token texts)", "logprobs")
     if body.echo:
         need_tokenizer(state, "echo", "echo")
-    if body.wants_grammar():
-        need_tokenizer(state, "response_format (grammars are compiled against the vocabulary's texts)", "response_format")
+    grammar = body.grammar()
+    if grammar is not None:
+        need_tokenizer(state, f"{grammar.param} (grammars are compiled against the vocabulary's texts)", grammar.param)
 
 
 def _echo_prefix(r: Result, prompt: str | None, want_lp: bool) -> tuple[str, List[List[Any]]]:

@@ -64,8 +64,9 @@ async def generate(request: Request) -> Response:
             need_tokenizer(state, "sampling_params.stop (stop strings are matched on text; stop_token_ids works)", "sampling_params.stop")
         if body.return_logprob:
             need_tokenizer(state, "return_logprob (it returns token texts)", "return_logprob")
-        if sp.grammar() is not None:
-            need_tokenizer(state, "a grammar (json_schema, regex, ebnf)", "sampling_params")
+        grammar = sp.grammar()
+        if grammar is not None:
+            need_tokenizer(state, "a grammar (json_schema, regex, ebnf)", grammar.param)
     if len(prompts) * sp.n > MAX_CHOICES:
         raise APIError(400, f"too many choices: {len(prompts)} prompts x n={sp.n} > {MAX_CHOICES}", param="sampling_params.n")
     check_prompts(prompts, state.limits, param)
