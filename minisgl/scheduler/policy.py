@@ -164,7 +164,8 @@ class Policy:
             job = self.compile_pool().submit(req.sampling_params.grammar)
             self.grammar_submitted(job)
             job.wait()
-        check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
+        params = req.sampling_params
+        check_context(len(req.input_ids), params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens, min_tokens=params.min_tokens)
 
     def _grammar_backend(self) -> Any:
         with self._grammar_lock:  # (the first compile thread may be creating it)

@@ -2,8 +2,8 @@
 
 From the API server it receives TokenizeMsg (encode the prompt, apply the chat template, start a
 DetokState, forward a UserMsg to the scheduler; large prompts are encoded in an `EncodePool` so
-that this loop keeps streaming everyone else's tokens meanwhile) and AbortReq (forget the request,
-forward an AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
+that this loop keeps streaming everyone else's tokens meanwhile), TokenizeOnlyMsg (/tokenize and
+/detokenize; large texts go to the pool too) and AbortReq (forget the request, forward an AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
 strings, reply to the API server), ErrorMsg and SchedulerStats (relayed). A stop string ends the request
 here, and the scheduler is told to abort it so its pages are freed at once.
 """
@@ -52,6 +52,7 @@ class TokenizerWorker:
         self.encoder = PromptEncoder(tokenizer)
         self.pool = pool
         self.encoding: Dict[int, Tuple[TokenizeMsg, "Future[List[int]]"]] = {}  # uid -> in the pool
+        self.tokenizing: Dict[int, Tuple[TokenizeOnlyMsg, "Future[List[int]]"]] = {}  # /tokenize, in the pool
         self.to_scheduler = to_scheduler
         self.to_api = to_api
         self.states: Dict[int, DetokState] = {}
@@ -124,19 +125,23 @@ class TokenizerWorker:
         if self.tokenizer is None:  # the API server refuses these first; a second line of defence
             self._to_api(ErrorMsg(msg.uid, NO_TOKENIZER, 400, None, "tokenizer_required"))
             return
+        if msg.token_ids is None and self.pool is not None and self.pool.wants(msg.text, msg.messages):
+            # as for prompts: megabytes of text would stall everyone's streams for seconds here
+            future = self.pool.submit_tokenize_only(msg.text, msg.messages, msg.add_special_tokens, msg.add_generation_prompt)
+            self.tokenizing[msg.uid] = (msg, future)
+            return
         try:
             if msg.token_ids is not None:
                 self._to_api(ToolReply(msg.uid, text=self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)))
                 return
-            if msg.messages is not None:
-                kwargs = {"add_generation_prompt": msg.add_generation_prompt}
-                ids = self.encoder.encode_chat(msg.messages, kwargs)
-            else:
-                ids = list(self.tokenizer(msg.text or "", add_special_tokens=msg.add_special_tokens).input_ids)
+            ids = self.encoder.tokenize_only(msg.text, msg.messages, msg.add_special_tokens, msg.add_generation_prompt)
         except Exception as exc:
-            self._to_api(ErrorMsg(msg.uid, f"cannot tokenize: {exc}", 400, "messages" if msg.messages is not None else "prompt"))
+            self._tokenize_failed(msg, exc)
             return
         self._to_api(ToolReply(msg.uid, token_ids=ids))
+
+    def _tokenize_failed(self, msg: TokenizeOnlyMsg, exc: BaseException) -> None:
+        self._to_api(ErrorMsg(msg.uid, f"cannot tokenize: {exc}", 400, "messages" if msg.messages is not None else "prompt"))
 
     def _encode_failed(self, msg: TokenizeMsg, exc: BaseException) -> None:
         param = "messages" if msg.messages is not None else "prompt"
@@ -161,7 +166,8 @@ class TokenizerWorker:
         self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit, msg.group))
 
     def collect_encoded(self) -> None:
-        """Start the requests whose prompts the pool has finished encoding."""
+        """Start the requests whose prompts the pool has finished encoding, and answer the
+        /tokenize calls it has finished."""
         for uid, (msg, future) in list(self.encoding.items()):
             if not future.done():
                 continue
@@ -171,6 +177,19 @@ class TokenizerWorker:
                 self._encode_failed(msg, exc)
             else:
                 self._start(msg, future.result())
+        for uid, (call, done) in list(self.tokenizing.items()):
+            if not done.done():
+                continue
+            del self.tokenizing[uid]
+            exc = done.exception()
+            if exc is not None:
+                self._tokenize_failed(call, exc)
+            else:
+                self._to_api(ToolReply(uid, token_ids=done.result()))
+
+    @property
+    def in_pool(self) -> bool:
+        return bool(self.encoding or self.tokenizing)
 
     def _piece(self, token_id: int) -> str:
         piece = self._piece_cache.get(token_id)
@@ -242,9 +261,9 @@ class TokenizerWorker:
         from minisgl.server.process_utils import parent_alive
 
         while True:
-            if not recv_sock.poll(ENCODING_POLL_MS if self.encoding else IDLE_POLL_MS):
+            if not recv_sock.poll(ENCODING_POLL_MS if self.in_pool else IDLE_POLL_MS):
                 self.collect_encoded()
-                if not self.encoding and parent_pid is not None and not parent_alive(parent_pid):
+                if not self.in_pool and parent_pid is not None and not parent_alive(parent_pid):
                     logger.error("the server process is gone; tokenizer worker exits")
                     return
                 continue
