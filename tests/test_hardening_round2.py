@@ -25,6 +25,7 @@ from server_helpers import ServerProcess, assert_error_body
 from minisgl.sampling_params import InvalidRequest, SamplingParams, check_context
 from minisgl.server.limits import MAX_JSON_DEPTH, MalformedJSON, json_depth, parse_json
 from minisgl.server.protocol import ChatCompletionRequest, GenerateRequest
+from minisgl.server.tools import PARSERS
 
 MSGS = [{"role": "user", "content": "Say something."}]
 CHAT = "/v1/chat/completions"
@@ -325,3 +326,17 @@ def test_long_tokenize_does_not_stall_streams(server: ServerProcess, client: htt
     assert max(during) < bound, seen
     assert t1 - t0 > max(during), "the /tokenize call must outlast the largest gap, or the test shows nothing: " + seen
     assert_clean(server)
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+def test_model_output_nested_past_the_recursion_limit_is_content(parser: str) -> None:
+    """A model can write JSON nested deeper than Python's recursion limit inside a call: the
+    parser keeps it as content (a 500 otherwise, in the route that parses the finished output)."""
+    deep = "[" * 5000 + "]" * 5000
+    text = {
+        "hermes": f'<tool_call>{{"name": "f", "arguments": {deep}}}</tool_call>',
+        "llama3_json": f'{{"name": "f", "parameters": {deep}}}',
+        "mistral": f'[TOOL_CALLS][{{"name": "f", "arguments": {deep}}}]',
+    }[parser]
+    content, calls = PARSERS[parser]().parse(text)
+    assert calls == [] and content == text
