@@ -340,3 +340,16 @@ def test_model_output_nested_past_the_recursion_limit_is_content(parser: str) ->
     }[parser]
     content, calls = PARSERS[parser]().parse(text)
     assert calls == [] and content == text
+
+
+def test_a_responses_function_call_nested_too_deep_names_its_item() -> None:
+    from minisgl.server.responses_protocol import ResponsesRequest
+
+    deep = "[" * 100_000 + "]" * 100_000
+    body = ResponsesRequest.model_validate(
+        {"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep}]}
+    )
+    with pytest.raises(InvalidRequest) as err:
+        body.to_chat_request()
+    assert err.value.status == 400 and err.value.param == "input[1].arguments"
+    assert f"limit of {MAX_JSON_DEPTH}" in err.value.message
