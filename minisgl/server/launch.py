@@ -32,6 +32,7 @@ from typing import Any, Dict, List
 
 from minisgl.server.args import ServerArgs
 from minisgl.server.children import Child, ChildWatchdog, StartupError, start_children, stop_children
+from minisgl.server.loading import LoadingResponder
 from minisgl.server.process_utils import IpcAddrs, configure_logging, describe_exit
 from minisgl.utils.logger import init_logger
 
@@ -242,6 +243,8 @@ def launch(args: ServerArgs) -> int:
     old_handlers = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: List[Child] = []
     ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
+    # from now until the workers are ready, the port answers 503 (server/loading.py)
+    loading = LoadingResponder(listener).start() if listener is not None else None
     try:
         from minisgl.utils.hf import resolve_model_path
 
@@ -260,6 +263,9 @@ def launch(args: ServerArgs) -> int:
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
             return EXIT_FAILURE
+        finally:
+            if loading is not None:
+                loading.stop()  # before uvicorn (or the shell) takes over
         if args.node_rank != 0:
             return serve_follower_node(args, children)
         if args.shell:
@@ -274,6 +280,8 @@ def launch(args: ServerArgs) -> int:
     except KeyboardInterrupt:
         return EXIT_OK
     finally:
+        if loading is not None:
+            loading.stop()
         if listener is not None:
             listener.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
