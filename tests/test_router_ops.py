@@ -426,3 +426,24 @@ def test_radix_events_follow_splits_and_evictions() -> None:
     plain = RadixCacheManager(PAGE)  # no recorder: no hashes kept
     plain.insert(a, list(range(6)))
     assert all(not n.hashes for n in plain._leaves())
+
+
+def test_loading_answers() -> None:
+    """What the port says before the workers are ready, by request (no server needed)."""
+    import json
+
+    from minisgl.server.loading import loading_response
+
+    def parse(raw: bytes) -> tuple[str, Dict[str, str], bytes]:
+        head, _, body = raw.partition(b"\r\n\r\n")
+        status, *lines = head.decode().split("\r\n")
+        return status, {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}, body
+
+    status, headers, body = parse(loading_response(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Request-Id: abc\r\n\r\n"))
+    assert status == "HTTP/1.1 503 Service Unavailable" and headers["x-request-id"] == "abc"
+    assert json.loads(body)["status"] == "loading" and int(headers["content-length"]) == len(body)
+    status, headers, body = parse(loading_response(b"POST /v1/chat/completions HTTP/1.1\r\nX-Request-Id: \x01bad\r\n\r\n"))
+    assert json.loads(body)["error"]["code"] == "server_loading" and headers["retry-after"] == "5"
+    assert headers["x-request-id"] != "\x01bad" and len(headers["x-request-id"]) == 32
+    _, headers, body = parse(loading_response(b"HEAD /health HTTP/1.1\r\n\r\n"))
+    assert body == b"" and int(headers["content-length"]) > 0  # HEAD: the GET's headers, no body

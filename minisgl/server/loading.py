@@ -53,7 +53,7 @@ def loading_response(head: bytes) -> bytes:
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\nRetry-After: 5\r\nX-Request-Id: {_request_id(head)}\r\nConnection: close\r\n\r\n"
     )
-    return headers.encode("ascii") + payload
+    return headers.encode("ascii") + (b"" if head.startswith(b"HEAD ") else payload)
 
 
 class LoadingResponder:
