@@ -30,9 +30,10 @@ def _start(model: str, logs: Any, name: str, *extra: str) -> ServerProcess:
 @pytest.fixture(scope="module")
 def servers(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, Any]]:
     logs = tmp_path_factory.mktemp("router_ops")
-    kv_port = free_port()
+    kv_port, replay_port = free_port(), free_port()
+    kv = ("--kv-events-endpoint", f"tcp://*:{kv_port}", "--kv-events-replay-endpoint", f"tcp://*:{replay_port}")
     started = {
-        "main": _start(tiny_chat_model, logs, "main", "--num-pages", str(NUM_PAGES), "--kv-events-endpoint", f"tcp://*:{kv_port}"),
+        "main": _start(tiny_chat_model, logs, "main", "--num-pages", str(NUM_PAGES), *kv),
         "drain": _start(tiny_chat_model, logs, "drain", "--num-pages", "2048", "--shutdown-timeout", "60"),
         "cut": _start(tiny_chat_model, logs, "cut", "--num-pages", "2048", "--shutdown-timeout", "1"),
     }
@@ -40,7 +41,8 @@ def servers(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> I
         first_health = _first_answer(started["main"])
         for s in started.values():
             s.wait_ready()
-        yield {**started, "kv_endpoint": f"tcp://127.0.0.1:{kv_port}", "first_health": first_health}
+        yield {**started, "kv_endpoint": f"tcp://127.0.0.1:{kv_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+               "first_health": first_health}  # fmt: skip
     finally:
         for s in started.values():
             s.stop()
@@ -331,6 +333,33 @@ def test_kv_events_removed_on_eviction(servers: Dict[str, Any], subscriber: Subs
     assert removed, "no eviction"
     for e in removed:
         assert e[2] == "CPU" and e[1] and set(e[1]) <= stored_hashes, e
+
+
+def test_kv_events_replay_resends_what_was_published(servers: Dict[str, Any], subscriber: Subscriber) -> None:
+    srv: ServerProcess = servers["main"]
+    srv.wait_idle()
+    _flush(srv)
+    live = subscriber.until("AllBlocksCleared")
+    last = subscriber.last_seq
+    assert last is not None and last >= 2
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(servers["replay_endpoint"])
+    try:
+        dealer.send_multipart([b"", (last - 2).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert dealer.poll(30_000), "no replay answer"
+            empty, seq, payload = dealer.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            replayed.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)[1]))
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    assert [s for s, _ in replayed] == [last - 2, last - 1, last]
+    assert replayed[-1][1][-1] == live[-1] == ["AllBlocksCleared"]
 
 
 # ---- SIGTERM: the drain ---------------------------------------------------------------------------

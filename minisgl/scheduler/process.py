@@ -238,7 +238,7 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         from minisgl.scheduler.kv_event_publisher import attach_kv_events
 
         try:
-            kv_events = attach_kv_events(scheduler, args.kv_events_endpoint)
+            kv_events = attach_kv_events(scheduler, args.kv_events_endpoint, args.kv_events_replay_endpoint)
         except zmq.ZMQError as exc:
             fail_startup(ready_conn, f"--kv-events-endpoint {args.kv_events_endpoint}", exc)
     ready_conn.send(("ready", info))

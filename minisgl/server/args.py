@@ -141,6 +141,12 @@ class ServerArgs:
         group=SERVER,
         default_text="off",
     )
+    kv_events_replay_endpoint: str | None = knob(
+        None,
+        "with --kv-events-endpoint: a ZeroMQ ROUTER endpoint (bound) that resends recent KV-event batches on request",
+        group=SERVER,
+        default_text="off",
+    )
     nnodes: int = knob(1, "machines the --tp ranks are spread over", group=MULTI_NODE, type=positive_int)
     node_rank: int = knob(0, "this machine's index in [0, --nnodes); node 0 serves HTTP", group=MULTI_NODE, type=int)
     # launch owns the rendezvous (it hosts the store on one machine); the engines get this address
