@@ -63,7 +63,8 @@ class RadixCacheManager(BaseCacheManager):
         upper.last_access = node.last_access
         node.parent.children[node.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[m * ps :], node.pages[m:], upper
-        upper.hashes, node.hashes = node.hashes[:m], node.hashes[m:]
+        if node.hashes:  # (only with KV events)
+            upper.hashes, node.hashes = node.hashes[:m], node.hashes[m:]
         upper.children[node.key[:ps]] = node
         return upper
 

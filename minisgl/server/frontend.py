@@ -237,13 +237,13 @@ class Frontend:
     def fail_all(self, message: str, status: int = 503) -> None:
         """A worker died: end every waiting request with an error."""
         self.failure = message
-        self.end_all(message, status)
+        self.end_all(message, status, abort=False)  # (no worker to tell)
 
-    def end_all(self, message: str, status: int = 503, code: str = "server_unavailable") -> None:
-        """End every request in flight with an error (a stream sends it as its last chunk) and
-        abort its choices in the scheduler, which frees their pages."""
+    def end_all(self, message: str, status: int = 503, code: str = "server_unavailable", abort: bool = True) -> None:
+        """End every request in flight with an error (a stream sends it as its last chunk); with
+        `abort`, also abort its choices in the scheduler, which frees their pages."""
         for uid, stream in list(self._streams.items()):
-            if uid in stream.unfinished:
+            if abort and uid in stream.unfinished:
                 self._send(AbortReq(uid))
             stream._deliver(uid, ErrorMsg(uid, message, status, None, code))
 
