@@ -177,9 +177,11 @@ def test_token_ids_and_base64(lm_server: ServerProcess, lm_dir: Path) -> None:
     for ids, f, b in zip(prompts, floats.data, raw["data"]):
         _assert_close(f.embedding, oracle.embed(ids, "last", normalize=True))
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
-        assert np.array_equal(decoded, np.asarray(f.embedding, dtype=np.float32))  # the same float32 bits
+        # (another request: its batch and prefix-cache hits differ, so the last bits may too)
+        _assert_close(decoded, np.asarray(f.embedding, dtype=np.float32))
+        _assert_close(decoded, oracle.embed(ids, "last", normalize=True))
     single = client.embeddings.create(model=lm_dir.name, input=prompts[1])  # the SDK asks for base64 and decodes it
-    assert np.array_equal(np.asarray(single.data[0].embedding, dtype=np.float32), np.asarray(floats.data[1].embedding, dtype=np.float32))
+    _assert_close(single.data[0].embedding, oracle.embed(prompts[1], "last", normalize=True))
 
 
 def test_no_page_leak(lm_server: ServerProcess) -> None:
@@ -245,9 +247,13 @@ def test_bare_decoder_mean_pooling_chunked(bare_server: ServerProcess, bare_dir:
     resp = bare_server.openai().embeddings.create(model=bare_dir.name, input=prompts, encoding_format="float")
     for ids, item in zip(prompts, resp.data):
         _assert_close(item.embedding, oracle.embed(ids, "mean", normalize=False))
-    # the same long input again, now alone in its steps: mean pooling never reads the prefix cache
-    again = bare_server.openai().embeddings.create(model=bare_dir.name, input="The quick brown fox " * 20, encoding_format="float")
-    _assert_close(again.data[0].embedding, oracle.embed(oracle.ids("The quick brown fox " * 20), "mean", normalize=False))
+    # the long input again, and a text: its pages are in the prefix cache now, and a hit would
+    # skip rows that mean pooling needs, so it is never looked up
+    text = "The quick brown fox " * 20
+    again = bare_server.openai().embeddings.create(model=bare_dir.name, input=[prompts[3], text], encoding_format="float")
+    _assert_close(again.data[0].embedding, oracle.embed(prompts[3], "mean", normalize=False))
+    _assert_close(again.data[1].embedding, oracle.embed(oracle.ids(text), "mean", normalize=False))
+    assert again.usage.prompt_tokens == 200 + len(oracle.ids(text))
     m = bare_server.wait_idle()
     assert m["minisgl_kv_pages_free"] == m["minisgl_kv_pages_total"], m
 
@@ -295,3 +301,23 @@ def test_dimensions_truncate_and_renormalize() -> None:
     assert np.abs(got - want).max() < 1e-6
     b64 = encode_vector(vec.tobytes(), None, "base64")
     assert isinstance(b64, str) and np.array_equal(np.frombuffer(base64.b64decode(b64), dtype="<f4"), vec)
+
+
+def test_offline_llm_embed(lm_dir: Path, bare_dir: Path) -> None:
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    oracle = Oracle(lm_dir)
+    small = dict(dtype="float32", device="cpu", max_seq_len_override=MAX_SEQ_LEN, max_running_req=4, num_page_override=512)
+    llm = LLM(str(lm_dir), task="embed", max_extend_tokens=16, **small)
+    try:
+        prompts: List[Any] = ["hello there, how are you?", _ids(40, 30)]
+        vectors = llm.embed(prompts)
+        _assert_close(vectors[0], oracle.embed(oracle.ids(prompts[0]), "last", normalize=True))
+        _assert_close(vectors[1], oracle.embed(prompts[1], "last", normalize=True))
+        with pytest.raises(ValueError, match="embed task"):
+            llm.generate("hi", SamplingParams(max_tokens=2))
+    finally:
+        llm.shutdown()
+    with pytest.raises(ValueError, match="bare decoder"):  # no LM head: it cannot generate
+        LLM(str(bare_dir), task="generate", **small)

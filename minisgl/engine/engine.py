@@ -143,9 +143,7 @@ def _resolve_task(config: EngineConfig) -> EngineConfig:
     if task not in ("generate", "embed"):
         raise ValueError(f"task must be auto, generate or embed, got {config.task!r}")
     if task == "generate" and bare:
-        raise ValueError(
-            f"{config.model_config.architecture} is a bare decoder without an LM head: it can only embed (--task embed)"
-        )
+        raise ValueError(f"{config.model_config.architecture} is a bare decoder without an LM head: it can only embed (--task embed)")
     if task == "generate":
         return dataclasses.replace(config, task=task)
     spec = read_pooling_spec(resolve_model_path(config.model_path), config.hf_config, config.pooling, config.normalize)

@@ -530,7 +530,8 @@ class Policy:
             if vector is None or req.status is _FINISHED:  # a mid-prompt chunk, or aborted meanwhile
                 continue
             self._finish(req, "stop")
-            outputs.append(TokenOutput(req.uid, None, True, "stop", prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt, embedding=vector))
+            cached = req.num_cached_prompt
+            outputs.append(TokenOutput(req.uid, None, True, "stop", prompt_tokens=req.prompt_len, cached_tokens=cached, embedding=vector))
         return outputs
 
     def _finish(self, req: SchedReq, reason: str) -> None:

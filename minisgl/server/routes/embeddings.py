@@ -35,8 +35,7 @@ async def embeddings(request: Request) -> Response:
     if state.task != "embed":
         raise APIError(
             400,
-            "this server runs the generate task: start it with --task embed (or serve an embedding checkpoint) "
-            "to serve /v1/embeddings",
+            "this server runs the generate task: start it with --task embed (or serve an embedding checkpoint) to serve /v1/embeddings",
             code="wrong_task",
         )
     body: EmbeddingRequest = await read_body(request, EmbeddingRequest)
