@@ -124,10 +124,11 @@ class EngineConfig:
     )
     normalize: bool | None = knob(
         None,
-        "embed task: L2-normalize the pooled vector (or not)",
+        "embed task: L2-normalize the pooled vector (or not); by default as the checkpoint's modules.json says (a Normalize "
+        "module), on without sentence-transformers files",
         group=MODEL,
         negatable=True,
-        default_text="a Normalize module in modules.json; on without sentence-transformers files",
+        default_text="from the checkpoint",
     )
     # Batch-invariant kernels (attention backend "deterministic", fixed-shape GEMMs): greedy and
     # seeded outputs do not depend on batch composition, chunking or prefix-cache state.
