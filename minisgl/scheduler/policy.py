@@ -480,7 +480,7 @@ class Policy:
     def consume(self, plan: StepPlan, result: Any) -> List[TokenOutput]:
         """A launched step's host results (a runner.StepResult): tokens appended, stop
         conditions checked, prompt logprobs gathered."""
-        if result.embeddings is not None:
+        if self.pooling is not None:  # the embed task: every step's results are vectors
             return self._consume_embeddings(plan, result.embeddings)
         tokens = result.tokens
         lps = result.logprobs
