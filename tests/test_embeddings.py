@@ -321,3 +321,29 @@ def test_offline_llm_embed(lm_dir: Path, bare_dir: Path) -> None:
         llm.shutdown()
     with pytest.raises(ValueError, match="bare decoder"):  # no LM head: it cannot generate
         LLM(str(bare_dir), task="generate", **small)
+
+
+def test_dimensions_follow_the_declared_matryoshka_sizes(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from minisgl.engine.pooling import read_pooling_spec
+    from minisgl.server.routes.common import APIError
+    from minisgl.server.routes.embeddings import _check_dimensions
+
+    # what the scheduler reports comes from config.json (and the sentence-transformers files)
+    _write_sentence_transformers(tmp_path, "mean_tokens", normalize=False)
+    spec = read_pooling_spec(str(tmp_path), SimpleNamespace(matryoshka_dimensions=[64, 16, 32]), "auto", None)
+    assert (spec.method, spec.normalize, spec.matryoshka_dims) == ("mean", False, (16, 32, 64))
+    assert read_pooling_spec(str(tmp_path), SimpleNamespace(is_matryoshka=True), "cls", True).matryoshka_dims == ()
+    with pytest.raises(ValueError, match="--pooling"):  # max pooling is not implemented: start-up says so
+        _write_sentence_transformers(tmp_path, "max_tokens", normalize=False)
+        read_pooling_spec(str(tmp_path), SimpleNamespace(), "auto", None)
+
+    def state(dims: Any) -> Any:
+        return SimpleNamespace(info={"hidden_size": 64, "matryoshka_dimensions": dims})
+
+    assert _check_dimensions(state([16, 32, 64]), 32) == 32 and _check_dimensions(state([]), 7) == 7
+    for dims, asked in (([16, 32, 64], 24), ([], 65), (None, 64)):
+        with pytest.raises(APIError) as err:
+            _check_dimensions(state(dims), asked)
+        assert err.value.status == 400 and err.value.param == "dimensions"
