@@ -194,7 +194,7 @@ class CpuDecodeLoop:
 
     def can_run(self, batch: Batch) -> bool:
         return (
-            batch.is_decode and batch.prompt_logprob_rows is None and batch.padded_size <= self.rows
+            batch.is_decode and not batch.return_hidden and batch.prompt_logprob_rows is None and batch.padded_size <= self.rows
             and isinstance(batch.attn_metadata, CpuAttnMetadata)
         )  # fmt: skip
 

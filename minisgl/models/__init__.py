@@ -6,7 +6,7 @@ from typing import Callable, Type
 
 from torch import nn
 
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import BARE_DECODERS, ModelConfig
 from minisgl.utils.registry import Registry
 
 MODELS: Registry[Callable[[], Type[nn.Module]]] = Registry("model architecture")
@@ -55,7 +55,9 @@ def _phi3() -> Type[nn.Module]:
 
 
 def create_model(config: ModelConfig) -> nn.Module:
-    return MODELS.get(config.architecture)()(config)
+    # a bare decoder (an embedding model) is built as its causal LM, the LM head tied to the embedding
+    arch = BARE_DECODERS.get(config.architecture, config.architecture)
+    return MODELS.get(arch)()(config)
 
 
 __all__ = ["ModelConfig", "MODELS", "create_model"]

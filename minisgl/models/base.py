@@ -132,8 +132,12 @@ class CausalLM(nn.Module):
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self) -> torch.Tensor:
+        """Logits of each request's last token, or with `batch.return_hidden` the final-normed
+        hidden state of every fed token (the embed task pools them, engine/pooling.py)."""
         batch = get_global_ctx().batch
         hidden = self.model(batch.input_ids)
+        if batch.return_hidden:  # the embed task: every fed row after the final norm, pooled by the engine
+            return hidden
         if batch.is_prefill:
             if batch.prompt_logprob_rows is not None:  # prompt logprobs: the engine projects these rows
                 batch.prompt_hidden = hidden[batch.prompt_logprob_rows]
@@ -147,6 +151,8 @@ class CausalLM(nn.Module):
             return None
         if name == "lm_head.weight" and self.config.tie_word_embeddings:
             return None
+        if self.config.is_bare_decoder and not name.startswith("model."):
+            name = "model." + name  # a bare decoder's checkpoint names its weights from the decoder down
         for src, dst, part in STACKED_PARAMS:
             if src in name:
                 return name.replace(src, dst), part

@@ -44,6 +44,10 @@ def _window_cut(hf: Any) -> int | None:
     return None
 
 
+# Bare decoder architectures -> the causal LM whose decoder they are (models/__init__.py).
+BARE_DECODERS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -70,6 +74,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = field(default_factory=list)
+    # The checkpoint is the decoder alone (Qwen3Model, LlamaModel: an embedding model), without an
+    # LM head; its weight names may lack the "model." prefix.
+    is_bare_decoder: bool = False
 
     @property
     def is_moe(self) -> bool:
@@ -92,6 +99,7 @@ class ModelConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+        bare = archs[0] in BARE_DECODERS
         return cls(
             architecture=archs[0],
             model_type=getattr(hf, "model_type", ""),
@@ -104,7 +112,8 @@ class ModelConfig:
             vocab_size=hf.vocab_size,
             rms_norm_eps=hf.rms_norm_eps,
             hidden_act=getattr(hf, "hidden_act", "silu"),
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            # a bare decoder has no LM head: it shares the embedding's (never used: it embeds only)
+            tie_word_embeddings=bare or bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             rotary_config=RotaryConfig(
                 head_dim=head_dim,
@@ -121,4 +130,5 @@ class ModelConfig:
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
             decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
             mlp_only_layers=list(getattr(hf, "mlp_only_layers", None) or []),
+            is_bare_decoder=bare,
         )

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.metrics import ServerMetrics
-from minisgl.server.routes import admin, chat, completions, native, responses
+from minisgl.server.routes import admin, chat, completions, embeddings, native, responses
 from minisgl.server.routes.common import (
     APIError,
     ServerState,
@@ -76,7 +76,7 @@ def create_app(
             allow_headers=["Authorization", "Content-Type"],
             max_age=600,
         )
-    for module in (admin, chat, completions, native, responses):
+    for module in (admin, chat, completions, native, responses, embeddings):
         app.include_router(module.router)
     app.include_router(admin.open_router)
     return app
