@@ -165,20 +165,21 @@ def _record_runners(engine: Any) -> List[tuple]:
 @pytest.mark.parametrize("name", NAMES)
 def test_llm_greedy_matches_hf(name, model_dir, hf):
     """Greedy tokens through the offline API (16-token prefill chunks, the radix cache: a cold
-    run, then a warm one that reuses the prompts' pages) equal HF generate's, tie-aware."""
+    run, then a warm one that reuses the prompts' pages and a new prompt sharing the first 24
+    tokens of one) equal HF generate's, tie-aware."""
     oracle = hf(name)
     prompts = random_prompts([3, 20, 30], seed=410 + NAMES.index(name))
+    shares_prefix = prompts[2][:24] + random_prompts([9], seed=415)[0]
     max_tokens = 12
     kw = dict(page_size=4, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
     with running_llm(model_dir(name), **kw) as llm:
         log = _record_runners(llm.scheduler.engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        results = llm.generate(prompts, params) + llm.generate(prompts, params)
-    assert sum(r.cached_tokens for r in results[len(prompts) :]) > 0, "the warm run hit no cache"
+        results = llm.generate(prompts, params) + llm.generate(prompts + [shares_prefix], params)
+    assert results[-1].cached_tokens >= 20, "the prompt sharing a prefix reused none of its pages"
     assert sum(1 for _, phase in log if phase == "prefill") > len(prompts), "no prompt was chunked"
     compared = 0
-    for i, res in enumerate(results):
-        ids = prompts[i % len(prompts)]
+    for i, (res, ids) in enumerate(zip(results, prompts + prompts + [shares_prefix])):
         ref, ref_logits = greedy(name, oracle, ids, max_tokens)
         compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"{name} prompt {i}")
     assert compared >= 0.8 * max_tokens * len(results)
@@ -258,6 +259,9 @@ def _build_on_meta(cfg: ModelConfig) -> Any:
 def test_configs_read_and_what_we_refuse_is_named(tmp_path):
     mixtral = _config("mixtral", tmp_path / "mixtral")
     assert (mixtral.num_experts, mixtral.moe_intermediate_size) == (4, 96) and mixtral.layer_is_moe(1)
+    qwen2_moe = _config("qwen2_moe", tmp_path / "qwen2_moe", decoder_sparse_step=2, mlp_only_layers=[])
+    assert [qwen2_moe.layer_is_moe(i) for i in range(3)] == [False, True, False]
+    assert qwen2_moe.shared_expert_intermediate_size == 80
     granite = _config("granite", tmp_path / "granite")
     assert (granite.embedding_multiplier, granite.residual_multiplier) == (3.0, 0.6)
     assert (granite.attention_multiplier, granite.logits_scaling) == (0.11, 2.5)
