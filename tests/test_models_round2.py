@@ -196,6 +196,17 @@ DECLINED_BECAUSE = {
 }
 
 
+# which layers' attention the CPU attention kernels take (full rotate-half rotary, default scale)
+KERNELS_TAKE = {
+    "mixtral": [True, True, True],
+    "qwen2_moe": [True, True, True],
+    "olmo2": [True, True, True],  # (its whole-projection q/k norm runs before, in SelfAttention)
+    "granite": [False, False, False],  # attention_multiplier
+    "smollm3": [True, False, True],  # layer 1 is NoPE
+    "glm4": [False, False, False],  # partial, interleaved rotary
+}
+
+
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU decode runners")
 @pytest.mark.parametrize("name", NAMES)
 def test_cpu_decode_runner_in_bf16(name, tmp_path):
@@ -214,8 +225,11 @@ def test_cpu_decode_runner_in_bf16(name, tmp_path):
         assert engine.cpu_runner is None
         kern = cpu_kernels()
         if kern is not None and kern.has_gemv:  # the loop would be built for Llama here
-            why = _describe(engine.model, get_global_ctx().attn_backend, 1)[1]
+            backend = get_global_ctx().attn_backend
+            why = _describe(engine.model, backend, 1)[1]
             assert DECLINED_BECAUSE[name] in why, why
+            takes = [backend.takes(layer.self_attn.attn) for layer in engine.model.model.layers]
+            assert takes == KERNELS_TAKE[name]
     assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
 
 
@@ -279,3 +293,17 @@ def test_configs_read_and_what_we_refuse_is_named(tmp_path):
     with pytest.raises(ValueError, match="longrope with an interleaved rotary layout"):
         scaling = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}
         _build_on_meta(_config("glm4", tmp_path / "glm_long", rope_parameters={**scaling, "rope_theta": 1e4, "partial_rotary_factor": 0.5}))
+    # OLMo 2's whole-projection k norm is sharded with the KV heads: fewer KV heads than ranks
+    # (each rank a replica) would normalise a replica by the wrong width
+    from minisgl.distributed.info import clear_tp_info, set_tp_info, try_get_tp_info
+
+    before = try_get_tp_info()
+    set_tp_info(0, 2)
+    try:
+        with pytest.raises(ValueError, match=r"num_key_value_heads \(1\) divisible by tp \(2\)"):
+            _build_on_meta(_config("olmo2", tmp_path / "olmo2_kv1", num_key_value_heads=1))
+    finally:
+        if before is None:
+            clear_tp_info()
+        else:
+            set_tp_info(before.rank, before.size)
