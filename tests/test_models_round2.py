@@ -22,7 +22,9 @@ from helpers import (
     PageAllocator,
     assert_greedy_match,
     make_req,
+    prefill_logits,
     random_prompts,
+    run_generation,
     running_engine,
     teacher_forced_logits,
 )
@@ -211,17 +213,24 @@ KERNELS_TAKE = {
 @pytest.mark.parametrize("name", NAMES)
 def test_cpu_decode_runner_in_bf16(name, tmp_path):
     """bf16 on CPU, where the C decode loop would apply to Llama: each of these declines it for
-    the reason its layers give (no silent fall-off, no silent wrong answer), and its decode steps
-    run on the module path."""
+    the reason its layers give (no silent fall-off, no silent wrong answer), its decode steps run
+    on the module path (with the CPU attention kernels where they take the layer), and the bf16
+    logits are about as close to HF float32 on the same weights as HF bf16's are (greedy tokens
+    of these tiny models flip at bf16-sized near-ties, so they are no oracle here)."""
+    from transformers import AutoModelForCausalLM
+
     from minisgl.core import get_global_ctx
     from minisgl.engine.cpu_decode import _describe
     from minisgl.kernel.cpu import cpu_kernels
 
     path = build(name, tmp_path / name, seed=90 + NAMES.index(name), dtype=torch.bfloat16)
-    with running_llm(path, dtype=torch.bfloat16, max_running_req=2, page_size=4, max_seq_len_override=64) as llm:
-        engine = llm.scheduler.engine
+    prompts = random_prompts([9, 21], seed=420)
+    with running_engine(path, dtype=torch.bfloat16, page_size=4, max_seq_len=64) as engine:
         log = _record_runners(engine)
-        llm.generate([random_prompts([9], seed=420)[0]], SamplingParams(temperature=0.0, max_tokens=4))
+        alloc = PageAllocator(engine)
+        for row, ids in enumerate(prompts):
+            alloc.allocate(row, len(ids) + 4)
+        run_generation(engine, [make_req(ids, row, output_len=4) for row, ids in enumerate(prompts)], 4)
         assert engine.cpu_runner is None
         kern = cpu_kernels()
         if kern is not None and kern.has_gemv:  # the loop would be built for Llama here
@@ -230,7 +239,18 @@ def test_cpu_decode_runner_in_bf16(name, tmp_path):
             assert DECLINED_BECAUSE[name] in why, why
             takes = [backend.takes(layer.self_attn.attn) for layer in engine.model.model.layers]
             assert takes == KERNELS_TAKE[name]
+        ours = prefill_logits(engine, [make_req(ids, row, output_len=1) for row, ids in enumerate(prompts)])
     assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+    # bf16 logits (the CPU attention kernels, bf16 GEMMs and norms) are about as close to HF
+    # float32 on the same weights as HF's own bf16 forward is (within 2x: rounding orders differ,
+    # the MoE's most; a misplaced norm or scale is off by whole logits)
+    hf32, hf16 = (AutoModelForCausalLM.from_pretrained(str(path), dtype=dt).eval() for dt in (torch.float32, torch.bfloat16))
+    for i, ids in enumerate(prompts):
+        with torch.inference_mode():
+            ref = hf32(input_ids=torch.tensor([ids])).logits[0, -1]
+            hf_err = (hf16(input_ids=torch.tensor([ids])).logits[0, -1].float() - ref).abs().max().item()
+        err = (ours[i] - ref).abs().max().item()
+        assert err < 2 * hf_err + 0.02, f"{name} bf16 prompt {i}: max |logit - HF fp32| {err:.3g}, HF bf16's {hf_err:.3g}"
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------
