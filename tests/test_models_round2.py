@@ -67,7 +67,13 @@ ARCHS: Dict[str, Tuple[str, Dict[str, Any]]] = {
     "olmo2": ("olmo2", dict()),
     "granite": (
         "granite",
-        dict(embedding_multiplier=3.0, residual_multiplier=0.6, attention_multiplier=0.11, logits_scaling=2.5),
+        dict(
+            embedding_multiplier=3.0,
+            residual_multiplier=0.6,
+            attention_multiplier=0.11,
+            logits_scaling=2.5,
+            tie_word_embeddings=True,  # as Granite 3.x: the head reads the embedding, unmultiplied
+        ),
     ),
     "smollm3": ("smollm3", dict(no_rope_layer_interval=2)),  # layer 1 is NoPE
     "glm4": ("glm4", dict(partial_rotary_factor=0.5, attention_bias=True)),

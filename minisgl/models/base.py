@@ -1,8 +1,11 @@
 """The decoder-only transformer shared by every supported architecture.
 
-Architectures differ in a few switches (q/k/v bias, per-head q/k RMSNorm, MoE blocks), so each
-architecture module is a small subclass of `CausalLM` that sets them. Submodule names follow the
-HF checkpoints (model.layers.N.self_attn..., lm_head) so weight names map with a few rules.
+Architectures differ in a few switches (q/k/v bias, q/k RMSNorm per head or over the whole
+projection, MoE blocks, no pre-norms, post-norms, NoPE layers, an attention scale, residual /
+embedding / logit multipliers), so each architecture module is a small subclass of `CausalLM`
+that sets them; a fast path that cannot compute a switch declines it (the `plain` properties).
+Submodule names follow the HF checkpoints (model.layers.N.self_attn..., lm_head) so weight names
+map with a few rules (the post-norm slots take each architecture's names in `map_weight_name`).
 
 This is the only definition of the layer: fast paths replace its ops (the norms, `norm_linear`,
 the linear layers, attention, MoE) behind their interfaces, or replay it whole (CUDA graphs, the
