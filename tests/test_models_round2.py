@@ -10,6 +10,7 @@ config scalars (Granite's multipliers) are set away from 1; SmolLM3 has a NoPE l
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -27,6 +28,7 @@ from helpers import (
     run_generation,
     running_engine,
     teacher_forced_logits,
+    to_transformers4_layout,
 )
 from sched_helpers import running_llm
 
@@ -309,6 +311,13 @@ def test_configs_read_and_what_we_refuse_is_named(tmp_path):
     assert smol.no_rope_layers == [3, 7]
     glm = _config("glm4", tmp_path / "glm")
     assert (glm.rotary_config.head_dim, glm.rotary_config.rotary_dim) == (16, 8)
+    # GLM-4-0414's own config.json (transformers 4): rope_theta and partial_rotary_factor top-level
+    _config("glm4", tmp_path / "glm_v4")
+    to_transformers4_layout(tmp_path / "glm_v4", 10000.0, None)  # (GLM-4-0414's theta)
+    v4 = json.loads((tmp_path / "glm_v4" / "config.json").read_text())
+    (tmp_path / "glm_v4" / "config.json").write_text(json.dumps({**v4, "partial_rotary_factor": 0.5}))
+    rc = ModelConfig.from_hf(cached_load_hf_config(str(tmp_path / "glm_v4"))).rotary_config
+    assert (rc.rotary_dim, rc.base, rc.scaling) == (8, 10000.0, None)
     # options of these architectures we do not implement are refused by name
     with pytest.raises(ValueError, match="mlp_bias"):
         _build_on_meta(_config("granite", tmp_path / "granite_bias", mlp_bias=True))
