@@ -18,6 +18,8 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
         scaling = dict(params)
     elif getattr(hf, "rope_scaling", None):
         scaling = dict(hf.rope_scaling)
+        if scaling.get("rope_type", scaling.get("type")) in ("default", None):
+            scaling = None  # (transformers 5 mirrors rope_parameters here: plain rope, no scaling)
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
         # transformers 4 kept these at the top level; LongRoPE needs both (layers/rotary.py)
         original = scaling.get("original_max_position_embeddings", getattr(hf, "original_max_position_embeddings", None))
