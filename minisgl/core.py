@@ -105,6 +105,9 @@ class Batch:
     prompt_logprob_counts: List[int] = field(init=False, default_factory=list)  # per request
     # A mixed batch (phase "prefill") starts with this many decode rows (one token each).
     num_decode_rows: int = field(init=False, default=0)
+    # The embed task: the model returns every fed row's final-normed hidden state instead of
+    # logits (prefill only; the module path runs it, CUDA graphs and the CPU decode loop refuse it).
+    return_hidden: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.padded_reqs = list(self.reqs)

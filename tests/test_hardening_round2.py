@@ -14,13 +14,13 @@ import random
 import statistics
 import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from server_helpers import ServerProcess, assert_error_body
+from server_helpers import ServerProcess, assert_error_body, serving
 
 from minisgl.sampling_params import InvalidRequest, SamplingParams, check_context
 from minisgl.server.limits import MAX_JSON_DEPTH, MalformedJSON, json_depth, parse_json
@@ -161,17 +161,13 @@ def test_every_state_changing_route_requires_same_site() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerProcess(
+def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with serving(
         tiny_chat_model, "--dtype", "float32", "--max-seq-len", str(SEQ_LEN), "--num-pages", "4096",
         "--max-prompt-bytes", str(8 << 20), "--max-request-bytes", str(16 << 20), "--num-tokenizer-workers", "1",
-        "--allowed-origins", GOOD_ORIGIN,
-        log_path=tmp_path_factory.mktemp("hardening_round2") / "server.log",
-    )  # fmt: skip
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+        "--allowed-origins", GOOD_ORIGIN, log_dir=tmp_path_factory.mktemp("hardening_round2"),
+    ) as srv:  # fmt: skip
+        yield srv
 
 
 @pytest.fixture(scope="module")

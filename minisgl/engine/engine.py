@@ -21,6 +21,7 @@ from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.mixed_graph import default_max_tokens
+from minisgl.engine.pooling import Pooler, PoolingSpec, read_pooling_spec
 from minisgl.engine.runners import ModuleRunner, StepRunner, pick_runner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kernel.fused import use_fused_on
@@ -50,6 +51,9 @@ class ForwardOutput(NamedTuple):
     logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # the same for the prompt tokens of batch.prompt_logprob_rows (prefill with prompt logprobs)
     prompt_logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the embed task: [B, hidden] float32 pooled vectors on the host (a row whose prompt
+    # continues in a later chunk is zeros); next_tokens_* are then zeros, sampled from nothing
+    embeddings: torch.Tensor | None = None
 
 
 def _align_up_32(x: int) -> int:
@@ -126,7 +130,24 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     max_bs = config.cuda_graph_max_bs
     if max_bs is not None:
         max_bs = min(max_bs, config.max_running_req)
-    return dataclasses.replace(config, attention_backend=backend, cuda_graph_max_bs=max_bs)
+    config = dataclasses.replace(config, attention_backend=backend, cuda_graph_max_bs=max_bs)
+    return _resolve_task(config)
+
+
+def _resolve_task(config: EngineConfig) -> EngineConfig:
+    """task auto -> embed for a bare decoder, else generate; for embed, the pooling and
+    normalization the checkpoint declares unless overridden, and no CUDA graphs (every step is a
+    prefill that returns hidden rows, which the graphs do not)."""
+    bare = config.model_config.is_bare_decoder
+    task = config.task if config.task != "auto" else ("embed" if bare else "generate")
+    if task not in ("generate", "embed"):
+        raise ValueError(f"task must be auto, generate or embed, got {config.task!r}")
+    if task == "generate" and bare:
+        raise ValueError(f"{config.model_config.architecture} is a bare decoder without an LM head: it can only embed (--task embed)")
+    if task == "generate":
+        return dataclasses.replace(config, task=task)
+    spec = read_pooling_spec(resolve_model_path(config.model_path), config.hf_config, config.pooling, config.normalize)
+    return dataclasses.replace(config, task=task, pooling=spec.method, normalize=spec.normalize, cuda_graph_bs=[])
 
 
 def _set_cpu_threads(tp_size: int) -> None:
@@ -240,6 +261,11 @@ class Engine:
         if model_config.is_moe:
             self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device)
         self.sampler = Sampler(self.device, model_config.vocab_size)
+        self.pooling_spec: PoolingSpec | None = None
+        self.pooler: Pooler | None = None
+        if config.task == "embed":  # (pooling and normalize are resolved: this re-read adds the Matryoshka sizes)
+            self.pooling_spec = read_pooling_spec(resolve_model_path(config.model_path), config.hf_config, config.pooling, config.normalize)
+            self.pooler = Pooler(self.pooling_spec, config.max_running_req + 1, model_config.hidden_size, self.device)
         self.sampler.warmup(config.max_running_req, self.dtype)
 
         # ---- dummy request and CUDA graphs
@@ -393,6 +419,8 @@ class Engine:
                 if req.device_len > self.max_seq_len:
                     raise ValueError(f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}")
         self._move_inputs(batch)
+        if self.pooler is not None:
+            return self._embed_batch(batch, self.pooler)
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             logits = pick_runner(self.runners, batch).run(batch)
             for req in batch.reqs:
@@ -416,6 +444,23 @@ class Engine:
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs)
+
+    def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
+        """The embed task's step: a prefill whose hidden rows are pooled; nothing is sampled."""
+        if not batch.is_prefill:
+            raise ValueError("the embed task runs prefill steps only (its requests never decode)")
+        batch.return_hidden = True
+        with torch.inference_mode(), self.ctx.forward_batch(batch):
+            hidden = pick_runner(self.runners, batch).run(batch)
+            vectors = pooler(batch, hidden)  # reads the fed ranges: before complete_one
+            for req in batch.reqs:
+                req.complete_one()
+            tokens = torch.zeros(batch.size, dtype=torch.int32, device=self.device)
+            tokens_cpu = tokens.to("cpu", non_blocking=True)
+            vectors_cpu = vectors.to("cpu", non_blocking=True)
+        copy_done_event = create_event(self.device)
+        copy_done_event.record(self.stream)
+        return ForwardOutput(tokens, tokens_cpu, copy_done_event, embeddings=vectors_cpu)
 
     def _move_inputs(self, batch: Batch) -> None:
         """The seed's manual loop builds input_ids/positions on the host: move what is elsewhere

@@ -162,6 +162,8 @@ class ReplyMsg:
     # the prompt's tokens, with the first reply of a request that asked for prompt logprobs:
     # [token text, logprob or None (the first token), [[alt text, alt logprob], ...], token id]
     prompt_logprobs: List[List[Any]] | None = None
+    # the embed task, with the final reply: the pooled vector (float32 little-endian bytes)
+    embedding: bytes | None = None
 
 
 @register_message

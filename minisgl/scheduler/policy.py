@@ -80,6 +80,9 @@ class Limits:
     max_seq_len: int
     vocab_size: int
     eos_ids: FrozenSet[int]
+    # the embed task's pooling method (engine/pooling.py), None for the generate task: every
+    # request is then prefilled once, its vector returned, and it finishes (no decode)
+    pooling: str | None = None
 
 
 class Policy:
@@ -93,6 +96,7 @@ class Policy:
         self.max_seq_len = limits.max_seq_len
         self.vocab_size = limits.vocab_size
         self.eos_ids = set(limits.eos_ids)
+        self.pooling = limits.pooling
         self.allocator = PageAllocator(limits.num_pages)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
@@ -194,7 +198,9 @@ class Policy:
         `take_rejected` returns."""
         self.validate(user, compile_grammar=False)
         params = user.sampling_params
-        output_len = check_context(len(user.input_ids), params.max_tokens, self.max_seq_len, strict=False)
+        # an embedding never decodes: room for the one step past its prompt, as every request
+        max_tokens = 1 if self.pooling is not None else params.max_tokens
+        output_len = check_context(len(user.input_ids), max_tokens, self.max_seq_len, strict=False)
         req = SchedReq(user, output_len)
         req.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -405,9 +411,10 @@ class Policy:
                 future = self._future_pages(len(ids), req.output_len - req.num_output, div_ceil(len(ids), ps))
             else:
                 params = req.sampling_params
-                # a request that wants its prompt's logprobs needs every prompt token's logits: no cache hit
-                wants_prompt_lp = params.prompt_logprobs is not None
-                match = self.cache.match_prefix(req.token_ids[: 0 if wants_prompt_lp else req.prompt_len - 1])
+                # a request that wants its prompt's logprobs needs every prompt token's logits, and
+                # mean/cls pooling every row from position 0: no cache hit
+                every_row = params.prompt_logprobs is not None or self.pooling in ("mean", "cls")
+                match = self.cache.match_prefix(req.token_ids[: 0 if every_row else req.prompt_len - 1])
                 prompt_pages = div_ceil(req.prompt_len, ps)
                 if optimistic:  # the prompt is reserved; its decoding is an estimate
                     need = prompt_pages - match.num_pages
@@ -569,6 +576,8 @@ class Policy:
     def consume(self, plan: StepPlan, result: Any) -> List[TokenOutput]:
         """A launched step's host results (a runner.StepResult): tokens appended, stop
         conditions checked, prompt logprobs gathered."""
+        if self.pooling is not None:  # the embed task: every step's results are vectors
+            return self._consume_embeddings(plan, result.embeddings)
         tokens = result.tokens
         lps = result.logprobs
         plp = result.prompt_logprobs
@@ -610,6 +619,17 @@ class Policy:
             outputs.append(out)
         return outputs
 
+    def _consume_embeddings(self, plan: StepPlan, vectors: List[bytes | None]) -> List[TokenOutput]:
+        """An embed step: each request whose prompt ended in it gets its vector and finishes."""
+        outputs: List[TokenOutput] = []
+        for req, vector in zip(plan.reqs, vectors):
+            if vector is None or req.status is _FINISHED:  # a mid-prompt chunk, or aborted meanwhile
+                continue
+            self._finish(req, "stop")
+            cached = req.num_cached_prompt
+            outputs.append(TokenOutput(req.uid, None, True, "stop", prompt_tokens=req.prompt_len, cached_tokens=cached, embedding=vector))
+        return outputs
+
     def _finish(self, req: SchedReq, reason: str) -> None:
         status = req.status
         if status is Status.RUNNING:
@@ -619,7 +639,7 @@ class Policy:
         elif status is Status.RETRACTED:
             self.waiting.remove(req)
         req.status, req.finish_reason = Status.FINISHED, reason
-        if reason in ("stop", "length") and req.output_len > 0:
+        if reason in ("stop", "length") and req.output_len > 0 and self.pooling is None:
             self.estimate.finished(req.num_output / req.output_len)
         self._deferred.append(req)
 

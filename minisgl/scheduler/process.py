@@ -198,6 +198,22 @@ def _format_cause(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
 
 
+def _task_info(engine: Any) -> dict:
+    """What the API server needs to know of the task: which endpoints it serves, and for the
+    embed task the vector's size and whether `dimensions` may truncate it."""
+    spec = engine.pooling_spec
+    if spec is None:
+        return {"task": "generate"}
+    dims = spec.matryoshka_dims
+    return {
+        "task": "embed",
+        "pooling": spec.method,
+        "normalize": spec.normalize,
+        "hidden_size": engine.config.model_config.hidden_size,
+        "matryoshka_dimensions": list(dims) if dims is not None else None,
+    }
+
+
 def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
     """Entry point of the scheduler process (multiprocessing spawn target)."""
     from minisgl.server.process_utils import IpcAddrs, fail_startup, push_socket, setup_child_process
@@ -232,6 +248,7 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         "device": str(scheduler.device),
         "attention_backend": scheduler.engine.config.attention_backend,
         "overlap": scheduler.overlap,
+        **_task_info(scheduler.engine),
     }
     kv_events = None
     if args.kv_events_endpoint:  # before "ready": a subscriber may connect as soon as the server answers

@@ -67,7 +67,9 @@ class Scheduler(Policy):
             self.device = self.engine.device
             model_config = self.engine.config.model_config
             eos = set(model_config.eos_token_ids) | _generation_eos(config.model_path)
-            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos))
+            spec = self.engine.pooling_spec
+            pooling = spec.method if spec is not None else None
+            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos), pooling)
             runner = self._make_runner(self.engine)
             # On a CPU the forward runs to completion inside the launch: there is nothing for
             # the host to overlap, and reading results a step late only delays every token by a

@@ -268,6 +268,9 @@ def launch(args: ServerArgs) -> int:
                 loading.stop()  # before uvicorn (or the shell) takes over
         if args.node_rank != 0:
             return serve_follower_node(args, children)
+        if args.shell and info.get("scheduler", {}).get("task") == "embed":
+            logger.error("--shell chats: it needs the generate task, and this model runs the embed task (serve /v1/embeddings)")
+            return EXIT_USAGE
         if args.shell:
             from minisgl.shell import run_shell
 

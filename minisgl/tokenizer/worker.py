@@ -237,6 +237,7 @@ class TokenizerWorker:
             cached_tokens=out.cached_tokens,
             logprobs=logprobs,
             token_ids=new_ids,
+            embedding=out.embedding,
         )
         if matched is not None and not out.finished:
             reply.finished, reply.finish_reason, reply.matched_stop = True, "stop", matched
@@ -309,6 +310,7 @@ def merge_replies(replies: List[ReplyMsg]) -> List[ReplyMsg]:
         if r.logprobs:
             a.logprobs = (a.logprobs or []) + r.logprobs
         a.prompt_logprobs = a.prompt_logprobs if a.prompt_logprobs is not None else r.prompt_logprobs
+        a.embedding = a.embedding if a.embedding is not None else r.embedding
         a.finished, a.finish_reason, a.matched_stop = r.finished, r.finish_reason, r.matched_stop
         a.prompt_tokens, a.completion_tokens, a.cached_tokens = r.prompt_tokens, r.completion_tokens, r.cached_tokens
     return out

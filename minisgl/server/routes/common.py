@@ -167,6 +167,7 @@ class ServerState:
         self.limits = RequestLimits.for_server(args.max_request_bytes, args.max_prompt_bytes, info)
         self.model_name = args.model_name
         self.skip_tokenizer = args.skip_tokenizer_init  # token ids in, token ids out
+        self.task: str = info.get("task", "generate")  # "generate" or "embed" (--task)
         self.model_aliases = {self.model_name, args.model or "", args.model_path}
         self.created = int(time.time())
         self._api_key = args.api_key.encode() if args.api_key else None
@@ -248,6 +249,17 @@ def need_tokenizer(state: ServerState, what: str, param: str | None = None) -> N
             f"{what} needs a tokenizer, and this server runs with --skip-tokenizer-init (token ids in, token ids out)",
             param=param,
             code="tokenizer_required",
+        )
+
+
+def require_generate_task(state: ServerState) -> None:
+    """An embed server (--task embed, or a bare decoder checkpoint) generates nothing."""
+    if state.task != "generate":
+        raise APIError(
+            400,
+            "this server runs the embed task (--task embed, or an embedding checkpoint): it serves /v1/embeddings, "
+            "not text generation; start a server with --task generate for that",
+            code="wrong_task",
         )
 
 
@@ -448,6 +460,7 @@ class Result:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.prompt_logprobs: List[List[Any]] | None = None
+        self.embedding: bytes | None = None  # the embed task's vector (float32 little-endian)
 
     def add(self, reply: ReplyMsg) -> None:
         if reply.prompt_logprobs is not None:
@@ -462,6 +475,7 @@ class Result:
         if reply.finished:
             self.finish_reason = reply.finish_reason
             self.matched_stop = reply.matched_stop
+            self.embedding = reply.embedding
 
 
 async def collect(request: Request, stream: RequestStream) -> List[Result]:
