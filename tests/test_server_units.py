@@ -377,6 +377,7 @@ def test_scheduler_loop_survives_failed_steps_until_they_repeat() -> None:
 
 class _StubFrontend:
     failure: str | None = None
+    draining = False
     stats = None
     num_in_flight = 0
 

@@ -42,7 +42,9 @@ MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Any, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: int | None = None) -> None:
+    def __init__(
+        self, scheduler: Any, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: int | None = None, kv_events: Any = None
+    ) -> None:
         from minisgl.scheduler import StepFailed, UserRequest
 
         self._UserRequest = UserRequest
@@ -58,6 +60,7 @@ class SchedulerLoop:
         self._last_stats_gen = 0
         self._last_stats: SchedulerStats | None = None
         self._running = True
+        self.kv_events = kv_events  # a KVEventPublisher (--kv-events-endpoint) or None
         # TP rank 0 (scheduler/tp.py): a no-op broadcast while idle, so a dead rank shows at once
         self._heartbeat = getattr(scheduler, "heartbeat", lambda: None)
 
@@ -154,6 +157,8 @@ class SchedulerLoop:
             if self.scheduler.has_work():
                 self.step()
                 self._maybe_send_stats(idle=False)
+            if self.kv_events is not None:
+                self.kv_events.publish()  # this iteration's cache changes, one batch
 
     def step(self) -> None:
         try:
@@ -245,6 +250,14 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         "overlap": scheduler.overlap,
         **_task_info(scheduler.engine),
     }
+    kv_events = None
+    if args.kv_events_endpoint:  # before "ready": a subscriber may connect as soon as the server answers
+        from minisgl.scheduler.kv_event_publisher import attach_kv_events
+
+        try:
+            kv_events = attach_kv_events(scheduler, args.kv_events_endpoint, args.kv_events_replay_endpoint)
+        except zmq.ZMQError as exc:
+            fail_startup(ready_conn, f"--kv-events-endpoint {args.kv_events_endpoint}", exc)
     ready_conn.send(("ready", info))
     ready_conn.close()
     logger.info(
@@ -252,8 +265,10 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         config.model_path, info["device"], info["dtype"], info["max_seq_len"], info["num_pages"],
     )  # fmt: skip
     try:
-        SchedulerLoop(scheduler, recv_sock, send_sock, parent).run()
+        SchedulerLoop(scheduler, recv_sock, send_sock, parent, kv_events).run()
     finally:
+        if kv_events is not None:
+            kv_events.close()
         recv_sock.close(linger=0)
         send_sock.close(linger=100)
         ctx.term()

@@ -39,9 +39,13 @@ router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_k
 
 @open_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
+    """Readiness: 200 while the server takes requests; 503 once a worker died, and while draining
+    on SIGTERM (a router or Kubernetes then stops sending here while running requests finish)."""
     state = get_state(request)
     if not state.healthy():
         return JSONResponse({"status": "unhealthy", "reason": state.frontend.failure}, status_code=503)
+    if state.frontend.draining:
+        return JSONResponse({"status": "draining", "reason": "the server is shutting down"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
