@@ -97,13 +97,17 @@ class Batch:
     padded_reqs: List[Req] = field(init=False)
     attn_metadata: Any = field(init=False, default=None)
     # Prefill only: token rows (into the flattened batch) whose logits are wanted for prompt
-    # logprobs, the prompt token each row predicts, and where the model leaves those logits.
+    # logprobs, the prompt token each row predicts, and where the model leaves those rows' final
+    # hidden states (the engine runs the LM head over them in chunks: bounded memory).
     prompt_logprob_rows: torch.Tensor | None = field(init=False, default=None)
     prompt_logprob_targets: torch.Tensor | None = field(init=False, default=None)
-    prompt_logits: torch.Tensor | None = field(init=False, default=None)
+    prompt_hidden: torch.Tensor | None = field(init=False, default=None)
     prompt_logprob_counts: List[int] = field(init=False, default_factory=list)  # per request
     # A mixed batch (phase "prefill") starts with this many decode rows (one token each).
     num_decode_rows: int = field(init=False, default=0)
+    # The embed task: the model returns every fed row's final-normed hidden state instead of
+    # logits (prefill only; the module path runs it, CUDA graphs and the CPU decode loop refuse it).
+    return_hidden: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.padded_reqs = list(self.reqs)

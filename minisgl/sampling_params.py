@@ -186,7 +186,17 @@ class SamplingParams:
                 raise InvalidRequest("grammar must be a GrammarSpec", param="response_format")
             self.grammar.validate()
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", param="min_tokens")
+            raise InvalidRequest(
+                f"min_tokens is {self.min_tokens}, but max_tokens is {self.max_tokens}: min_tokens must be in [0, {self.max_tokens}]",
+                param="min_tokens",
+            )
+        if max_seq_len is not None and self.min_tokens >= max_seq_len:  # the prompt takes a token at least
+            raise InvalidRequest(
+                f"min_tokens is {self.min_tokens}, but this model's maximum context length is {max_seq_len} tokens "
+                f"(prompt + output): min_tokens must be in [0, {max_seq_len - 1}]",
+                param="min_tokens",
+                code="context_length_exceeded",
+            )
 
     def for_choice(self, index: int) -> "SamplingParams":
         """The parameters of choice `index` of an `n > 1` request: a seed becomes seed + index,
@@ -231,12 +241,13 @@ def check_token_ids(ids: Sequence[object], vocab_size: int | None, param: str, *
             raise InvalidRequest(f"{param} must hold integer token ids in [0, {high}), got {t!r}", param=param)
 
 
-def check_context(prompt_len: int, max_tokens: int | None, max_seq_len: int, *, strict: bool) -> int:
+def check_context(prompt_len: int, max_tokens: int | None, max_seq_len: int, *, strict: bool, min_tokens: int = 0) -> int:
     """The number of tokens a request may generate, checked against the context length.
 
     A prompt must leave room for at least one token. `max_tokens=None` means the rest of the
     context. With `strict` (the client asked for max_tokens explicitly) a prompt + max_tokens beyond
     the context is refused, as OpenAI does; otherwise (a default) it is clipped to what fits.
+    prompt + min_tokens beyond the context is always refused: such a request could never be met.
     """
     if prompt_len >= max_seq_len:
         raise InvalidRequest(
@@ -246,6 +257,13 @@ def check_context(prompt_len: int, max_tokens: int | None, max_seq_len: int, *, 
             code="context_length_exceeded",
         )
     room = max_seq_len - prompt_len
+    if min_tokens > room:
+        raise InvalidRequest(
+            f"min_tokens is {min_tokens}, but the prompt has {prompt_len} tokens and this model's maximum context length "
+            f"is {max_seq_len} tokens: min_tokens must be in [0, {room}] for this prompt",
+            param="min_tokens",
+            code="context_length_exceeded",
+        )
     if max_tokens is None:
         return room
     if strict and max_tokens > room:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Iterator
 
 import pytest
 
@@ -95,6 +95,28 @@ def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir
     from server_helpers import build_tiny_chat_model
 
     return str(build_tiny_chat_model(tmp_path_factory.getbasetemp() / "tiny_chat_llama", embedded_model_dir))
+
+
+@pytest.fixture(scope="session")
+def chat_server_process(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The session's shared chat server (server_helpers.CHAT_SERVER_FLAGS, API key), started and
+    not yet waited for: test_server computes its references while it starts. Modules that need
+    no flags of their own use it (`chat_server`) instead of starting another; its counters and
+    prefix cache carry over between them, so tests compare before/after, never absolutes."""
+    from server_helpers import API_KEY, CHAT_SERVER_FLAGS, ServerProcess
+
+    srv = ServerProcess(
+        tiny_chat_model, *CHAT_SERVER_FLAGS, log_path=tmp_path_factory.mktemp("chat_server") / "server.log", api_key=API_KEY
+    )
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_server(chat_server_process: Any) -> Any:
+    return chat_server_process.wait_ready()
 
 
 @pytest.fixture(scope="session")

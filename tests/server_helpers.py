@@ -11,8 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import httpx
 
@@ -213,3 +214,20 @@ def assert_error_body(resp: httpx.Response, status: int, param: str | None = Non
     if code is not None:
         assert err["code"] == code, err
     return err
+
+
+@contextmanager
+def serving(model: str | None, *extra: str, log_dir: Path, api_key: str | None = None) -> Iterator[ServerProcess]:
+    """A started, ready server for a fixture's lifetime (stopped however the tests end)."""
+    srv = ServerProcess(model, *extra, log_path=log_dir / "server.log", api_key=api_key)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+# The flags of the session's shared chat server (conftest `chat_server`): float32 keeps every
+# step on the module path; pages and rows enough for the 48-stream test.
+CHAT_SERVER_FLAGS = (
+    "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "16384", "--max-running-requests", "48",
+)  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any, Dict
 
 import httpx
 import pytest
-from server_helpers import API_KEY, MAX_SEQ_LEN, REPO, ServerProcess, assert_error_body
+from server_helpers import MAX_SEQ_LEN, REPO, ServerProcess, assert_error_body
 
 from minisgl.sampling_params import GrammarSpec, InvalidRequest
 from minisgl.server.protocol import IGNORED_FIELDS, ChatCompletionRequest, CompletionRequest
@@ -130,16 +130,8 @@ def test_tokenizer_info_without_a_tokenizer_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("api_round2") / "server.log"
-    srv = ServerProcess(
-        tiny_chat_model, "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "4096",
-        log_path=log, api_key=API_KEY,
-    )  # fmt: skip
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def server(chat_server: ServerProcess) -> ServerProcess:
+    return chat_server  # the session's (conftest): this module needs no flags of its own
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any, Dict, List
 import httpx
 import jsonschema
 import pytest
-from server_helpers import API_KEY, MAX_SEQ_LEN, ServerProcess, assert_error_body
+from server_helpers import MAX_SEQ_LEN, ServerProcess, assert_error_body
 
 from minisgl.server.protocol import ChatCompletionRequest
 from minisgl.server.responses_protocol import ResponsesRequest
@@ -38,16 +38,8 @@ ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("responses") / "server.log"
-    srv = ServerProcess(
-        tiny_chat_model, "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "4096",
-        log_path=log, api_key=API_KEY,
-    )  # fmt: skip
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def server(chat_server: ServerProcess) -> ServerProcess:
+    return chat_server  # the session's (conftest): this module needs no flags of its own
 
 
 def _chat(server: ServerProcess, messages: List[Dict[str, Any]], **kw: Any) -> Any:

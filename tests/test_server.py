@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
-from server_helpers import API_KEY, MAX_SEQ_LEN, ServerProcess
+from server_helpers import MAX_SEQ_LEN, ServerProcess
 from server_helpers import assert_error_body as _assert_error
 
 # ---------------------------------------------------------------------------------------------
@@ -36,31 +36,14 @@ N_NEW = 24
 
 
 @pytest.fixture(scope="module")
-def _server_process(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    # float32: every step on the module path (the C decode loop is bf16's), slower than the loop
-    # for test_client_disconnect_aborts_request's long answer; test_server_embedded covers the loop.
-    srv = ServerProcess(
-        tiny_chat_model,
-        "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "16384",
-        "--max-running-requests", "48",
-        log_path=log,
-        api_key=API_KEY,
-    )  # fmt: skip
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(chat_server_process: ServerProcess, reference: Dict[str, Any]) -> ServerProcess:
+    """The session's chat server (conftest; the reference outputs are computed while it starts
+    when this module is the first to use it)."""
+    return chat_server_process.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def server(_server_process: ServerProcess, reference: Dict[str, Any]) -> ServerProcess:
-    """The running server (the reference outputs are computed while it starts)."""
-    return _server_process.wait_ready()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_chat_model: str, _server_process: ServerProcess) -> Dict[str, Any]:
+def reference(tiny_chat_model: str, chat_server_process: ServerProcess) -> Dict[str, Any]:
     """Greedy outputs of LLM.generate on the same checkpoint (built and shut down here), computed
     while the server process starts."""
     from minisgl.core import SamplingParams

@@ -339,12 +339,16 @@ class _FailingScheduler:
     def __init__(self) -> None:
         self.active: Dict[int, Any] = {7: object()}
         self.waiting: List[Any] = []
+        self.compiling: Dict[int, Any] = {}  # requests whose grammar compiles
         self.max_seq_len = 64
 
     def step(self) -> Any:
         from minisgl.scheduler import StepFailed
 
         raise StepFailed([7], [], ValueError("boom"))
+
+    def take_rejected(self) -> List[Any]:
+        return []
 
 
 class _Sock:
@@ -373,6 +377,7 @@ def test_scheduler_loop_survives_failed_steps_until_they_repeat() -> None:
 
 class _StubFrontend:
     failure: str | None = None
+    draining = False
     stats = None
     num_in_flight = 0
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import random
 import re
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import httpx
 import pytest
 import torch
 from helpers import TEST_DEVICE
-from server_helpers import API_KEY, ServerProcess, assert_error_body
+from server_helpers import API_KEY, ServerProcess, assert_error_body, serving
 
 from minisgl.sampling_params import GrammarSpec, SamplingParams
 from minisgl.server.tools import PARSERS, ToolParser, tool_turn_grammar
@@ -255,15 +255,11 @@ def test_constrained_and_free_rows_with_min_tokens_share_a_step(llm: Any) -> Non
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("tools_round2") / "server.log"
-    srv = ServerProcess(
-        tiny_chat_model, "--dtype", "float32", "--max-seq-len", "1024", "--num-pages", "4096", log_path=log, api_key=API_KEY
-    )
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()
+def server(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # a longer context than the shared server's: the tools' system message and 200-token turns
+    with serving(tiny_chat_model, "--dtype", "float32", "--max-seq-len", "1024", "--num-pages", "4096",
+                 log_dir=tmp_path_factory.mktemp("tools_round2"), api_key=API_KEY) as srv:  # fmt: skip
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,31 @@ class EngineConfig:
         default_text="none",
     )
     cpu_fast_decode: bool = True
+    # What the server does with the model (engine/pooling.py): "generate" (the LM head samples
+    # tokens) or "embed" (prefill only; the final-normed hidden rows are pooled into one vector
+    # per request). "auto": embed for a bare decoder checkpoint (Qwen3Model, no LM head).
+    task: str = knob(
+        "auto",
+        "generate (chat/completions) or embed (/v1/embeddings: prefill only, pooled hidden states); "
+        "auto: embed for a bare decoder checkpoint (Qwen3Model, LlamaModel, ...), else generate",
+        group=MODEL,
+        choices=("auto", "generate", "embed"),
+    )
+    pooling: str = knob(
+        "auto",
+        "embed task: how the final-normed hidden rows become one vector (last token, mean, cls = first); "
+        "auto: the checkpoint's sentence-transformers 1_Pooling/config.json, else last",
+        group=MODEL,
+        choices=("auto", "last", "mean", "cls"),
+    )
+    normalize: bool | None = knob(
+        None,
+        "embed task: L2-normalize the pooled vector (or not); by default as the checkpoint's modules.json says (a Normalize "
+        "module), on without sentence-transformers files",
+        group=MODEL,
+        negatable=True,
+        default_text="from the checkpoint",
+    )
     # Batch-invariant kernels (attention backend "deterministic", fixed-shape GEMMs): greedy and
     # seeded outputs do not depend on batch composition, chunking or prefix-cache state.
     deterministic: bool = knob(

@@ -125,7 +125,10 @@ def _describe(model: nn.Module, backend: Any, rows: int) -> Tuple[Any, str]:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if type(layer) is not DecoderLayer or type(attn) is not SelfAttention or type(mlp) is not GatedMLP:
             return None, f"layer {i} is {type(layer).__name__}({type(attn).__name__}, {type(mlp).__name__})"
-        assert isinstance(attn, SelfAttention) and isinstance(mlp, GatedMLP)
+        assert isinstance(layer, DecoderLayer) and isinstance(attn, SelfAttention) and isinstance(mlp, GatedMLP)
+        if not layer.plain or not attn.plain:  # post-norms, multipliers, NoPE, wide q/k norm...
+            return None, f"layer {i} has options the loop does not compute (DecoderLayer/SelfAttention.plain)"
+        assert isinstance(layer.input_layernorm, RMSNorm) and isinstance(layer.post_attention_layernorm, RMSNorm)
         a = attn.attn
         if not backend.takes(a) or a.layer_id != i:
             return None, f"layer {i}'s attention is not one the kernels take"
@@ -194,7 +197,7 @@ class CpuDecodeLoop:
 
     def can_run(self, batch: Batch) -> bool:
         return (
-            batch.is_decode and batch.prompt_logprob_rows is None and batch.padded_size <= self.rows
+            batch.is_decode and not batch.return_hidden and batch.prompt_logprob_rows is None and batch.padded_size <= self.rows
             and isinstance(batch.attn_metadata, CpuAttnMetadata)
         )  # fmt: skip
 

@@ -21,6 +21,7 @@ from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner
 from minisgl.engine.mixed_graph import default_max_tokens
+from minisgl.engine.pooling import Pooler, PoolingSpec, read_pooling_spec
 from minisgl.engine.runners import ModuleRunner, StepRunner, pick_runner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
 from minisgl.kernel.fused import use_fused_on
@@ -50,6 +51,9 @@ class ForwardOutput(NamedTuple):
     logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # the same for the prompt tokens of batch.prompt_logprob_rows (prefill with prompt logprobs)
     prompt_logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # the embed task: [B, hidden] float32 pooled vectors on the host (a row whose prompt
+    # continues in a later chunk is zeros); next_tokens_* are then zeros, sampled from nothing
+    embeddings: torch.Tensor | None = None
 
 
 def _align_up_32(x: int) -> int:
@@ -126,7 +130,24 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     max_bs = config.cuda_graph_max_bs
     if max_bs is not None:
         max_bs = min(max_bs, config.max_running_req)
-    return dataclasses.replace(config, attention_backend=backend, cuda_graph_max_bs=max_bs)
+    config = dataclasses.replace(config, attention_backend=backend, cuda_graph_max_bs=max_bs)
+    return _resolve_task(config)
+
+
+def _resolve_task(config: EngineConfig) -> EngineConfig:
+    """task auto -> embed for a bare decoder, else generate; for embed, the pooling and
+    normalization the checkpoint declares unless overridden, and no CUDA graphs (every step is a
+    prefill that returns hidden rows, which the graphs do not)."""
+    bare = config.model_config.is_bare_decoder
+    task = config.task if config.task != "auto" else ("embed" if bare else "generate")
+    if task not in ("generate", "embed"):
+        raise ValueError(f"task must be auto, generate or embed, got {config.task!r}")
+    if task == "generate" and bare:
+        raise ValueError(f"{config.model_config.architecture} is a bare decoder without an LM head: it can only embed (--task embed)")
+    if task == "generate":
+        return dataclasses.replace(config, task=task)
+    spec = read_pooling_spec(resolve_model_path(config.model_path), config.hf_config, config.pooling, config.normalize)
+    return dataclasses.replace(config, task=task, pooling=spec.method, normalize=spec.normalize, cuda_graph_bs=[])
 
 
 def _set_cpu_threads(tp_size: int) -> None:
@@ -148,14 +169,33 @@ def _host_available_memory() -> int:
 
 def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the model's raw distribution (before penalties and temperature), host copies."""
+    chosen, top_vals, top_ids = _logprobs_on_device(logits, tokens, k)
+    return chosen.to("cpu", non_blocking=True), top_vals.to("cpu", non_blocking=True), top_ids.to("cpu", non_blocking=True)
+
+
+def _logprobs_on_device(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens.long().unsqueeze(1)).squeeze(1)
     top_vals, top_ids = logp.topk(max(k, 1), dim=-1)
-    return (
-        chosen.to("cpu", non_blocking=True),
-        top_vals[:, :k].to("cpu", non_blocking=True),
-        top_ids[:, :k].to("cpu", non_blocking=True),
-    )
+    return chosen, top_vals[:, :k], top_ids[:, :k]
+
+
+# Prompt rows projected per LM-head call: [rows, vocab] float32 is the peak (256 x 152k = 156 MB),
+# not [prompt, vocab] (a 2,000-token prompt over a 49k vocabulary was 0.9 GB at once).
+PROMPT_LOGPROB_ROWS = 256
+
+
+def _prompt_logprobs(lm_head: Any, hidden: torch.Tensor, targets: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_token_logprobs` of the prompt rows whose final hidden states are `hidden`, with the LM
+    head, the float32 log-softmax and the top-k run over chunks of rows (all per-row ops, so the
+    values are those of one call over every row); the results are gathered on the device and
+    copied to the host once."""
+    parts = [
+        _logprobs_on_device(lm_head(hidden[s : s + PROMPT_LOGPROB_ROWS]), targets[s : s + PROMPT_LOGPROB_ROWS], k)
+        for s in range(0, hidden.shape[0], PROMPT_LOGPROB_ROWS)
+    ]
+    chosen, top_vals, top_ids = (torch.cat(ts) if len(ts) > 1 else ts[0] for ts in zip(*parts))
+    return chosen.to("cpu", non_blocking=True), top_vals.to("cpu", non_blocking=True), top_ids.to("cpu", non_blocking=True)
 
 
 WARMUP_PREFILL_TOKENS = 16
@@ -221,6 +261,11 @@ class Engine:
         if model_config.is_moe:
             self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device)
         self.sampler = Sampler(self.device, model_config.vocab_size)
+        self.pooling_spec: PoolingSpec | None = None
+        self.pooler: Pooler | None = None
+        if config.task == "embed":  # (pooling and normalize are resolved: this re-read adds the Matryoshka sizes)
+            self.pooling_spec = read_pooling_spec(resolve_model_path(config.model_path), config.hf_config, config.pooling, config.normalize)
+            self.pooler = Pooler(self.pooling_spec, config.max_running_req + 1, model_config.hidden_size, self.device)
         self.sampler.warmup(config.max_running_req, self.dtype)
 
         # ---- dummy request and CUDA graphs
@@ -374,6 +419,8 @@ class Engine:
                 if req.device_len > self.max_seq_len:
                     raise ValueError(f"request {req.uid} needs {req.device_len} tokens, more than max_seq_len={self.max_seq_len}")
         self._move_inputs(batch)
+        if self.pooler is not None:
+            return self._embed_batch(batch, self.pooler)
         with torch.inference_mode(), self.ctx.forward_batch(batch):
             logits = pick_runner(self.runners, batch).run(batch)
             for req in batch.reqs:
@@ -389,14 +436,31 @@ class Engine:
             if args.logprobs_k is not None:
                 logprobs = _token_logprobs(logits, next_tokens_gpu, args.logprobs_k)
             prompt_logprobs = None
-            if batch.prompt_logits is not None:
+            if batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
                 k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
-                prompt_logprobs = _token_logprobs(batch.prompt_logits, batch.prompt_logprob_targets, k)
-                batch.prompt_logits = None
+                prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
+                batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs)
+
+    def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
+        """The embed task's step: a prefill whose hidden rows are pooled; nothing is sampled."""
+        if not batch.is_prefill:
+            raise ValueError("the embed task runs prefill steps only (its requests never decode)")
+        batch.return_hidden = True
+        with torch.inference_mode(), self.ctx.forward_batch(batch):
+            hidden = pick_runner(self.runners, batch).run(batch)
+            vectors = pooler(batch, hidden)  # reads the fed ranges: before complete_one
+            for req in batch.reqs:
+                req.complete_one()
+            tokens = torch.zeros(batch.size, dtype=torch.int32, device=self.device)
+            tokens_cpu = tokens.to("cpu", non_blocking=True)
+            vectors_cpu = vectors.to("cpu", non_blocking=True)
+        copy_done_event = create_event(self.device)
+        copy_done_event.record(self.stream)
+        return ForwardOutput(tokens, tokens_cpu, copy_done_event, embeddings=vectors_cpu)
 
     def _move_inputs(self, batch: Batch) -> None:
         """The seed's manual loop builds input_ids/positions on the host: move what is elsewhere

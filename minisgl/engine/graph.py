@@ -108,7 +108,8 @@ class GraphRunner:
 
     # the step-runner protocol (engine/runners.py): decode and mixed-step graphs, one memory pool
     def can_run(self, batch: Batch) -> bool:
-        return self.can_use_cuda_graph(batch)
+        # the graphs end in the LM head's logits; an embed batch needs the hidden rows
+        return not batch.return_hidden and self.can_use_cuda_graph(batch)
 
     def run(self, batch: Batch) -> torch.Tensor:
         return self.replay(batch)

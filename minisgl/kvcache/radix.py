@@ -3,6 +3,10 @@
 Each edge holds a run of whole pages (its key is their token ids). A request pins the path it
 matched (reference counts propagate to the root), so pinned pages are never evicted; unpinned
 leaves are evicted least-recently-used first when the pool runs out.
+
+With a KVEventRecorder attached (`events`, for --kv-events-endpoint), every node also keeps the
+chained hashes of its pages (kvcache/events.py), and inserts, evictions and resets are recorded as
+KV events; without one, no hash is computed.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import itertools
 from typing import Any, Dict, List, Sequence, Tuple
 
 from minisgl.kvcache.base import CACHE_MANAGERS, BaseCacheManager, MatchResult
+from minisgl.kvcache.events import KVEventRecorder
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "hashes")
 
     def __init__(self, key: Tuple[int, ...], pages: List[int], parent: "_Node | None", ref: int = 0) -> None:
         self.key = key
@@ -24,6 +29,7 @@ class _Node:
         self.parent = parent
         self.ref = ref
         self.last_access = 0
+        self.hashes: List[int] = []  # one per page, only while KV events are recorded
 
 
 @CACHE_MANAGERS.register("radix")
@@ -34,6 +40,7 @@ class RadixCacheManager(BaseCacheManager):
         self._evictable = 0
         self._total = 0
         self._clock = itertools.count(1)
+        self.events: KVEventRecorder | None = None  # set before the first insert
 
     # ---- helpers -------------------------------------------------------------------------------
     def _page_key(self, ids: Sequence[int], page: int) -> Tuple[int, ...]:
@@ -56,6 +63,8 @@ class RadixCacheManager(BaseCacheManager):
         upper.last_access = node.last_access
         node.parent.children[node.key[:ps]] = upper
         node.key, node.pages, node.parent = node.key[m * ps :], node.pages[m:], upper
+        if node.hashes:  # (only with KV events)
+            upper.hashes, node.hashes = node.hashes[:m], node.hashes[m:]
         upper.children[node.key[:ps]] = node
         return upper
 
@@ -107,6 +116,8 @@ class RadixCacheManager(BaseCacheManager):
         leaf = _Node(tuple(token_ids[i * self.page_size :]), list(pages[i:]), node)
         leaf.last_access = next(self._clock)
         node.children[leaf.key[: self.page_size]] = leaf
+        if self.events is not None:
+            leaf.hashes = self.events.stored(node.hashes[-1] if node.hashes else None, leaf.key)
         self._evictable += len(leaf.pages)
         self._total += len(leaf.pages)
         return duplicates, len(leaf.pages)
@@ -123,10 +134,24 @@ class RadixCacheManager(BaseCacheManager):
             assert parent is not None
             del parent.children[node.key[: self.page_size]]
             freed.extend(node.pages)
+            if self.events is not None:
+                self.events.removed(node.hashes)
             self._evictable -= len(node.pages)
             self._total -= len(node.pages)
             if parent is not self.root and not parent.children and parent.ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def reset(self) -> List[int]:
+        events = self.events
+        if events is None or self._evictable != self._total:
+            return self.evict(self._evictable)  # (some pages pinned: each dropped node is named)
+        self.events = None  # everything goes: one AllBlocksCleared instead of a BlockRemoved per node
+        try:
+            freed = self.evict(self._evictable)
+        finally:
+            self.events = events
+        events.cleared()
         return freed
 
     def _leaves(self) -> List[_Node]:

@@ -24,21 +24,33 @@ class AttentionLayer(nn.Module):
         num_q_heads: int,
         num_kv_heads: int,
         head_dim: int,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        softmax_scale: float | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_q_heads * head_dim, num_kv_heads * head_dim
-        self.rotary = rotary
+        self.rotary = rotary  # None: a NoPE layer (SmolLM3), no position rotation at all
+        # None: the backends' 1/sqrt(head_dim). Otherwise (Granite's attention_multiplier) q is
+        # scaled by softmax_scale * sqrt(head_dim) before the backend, whose 1/sqrt(head_dim)
+        # then makes the product softmax_scale: every backend serves it unchanged.
+        self.softmax_scale = softmax_scale
         # A tuple, not submodules: the norms' weights belong to the owning self_attn block, so
         # their state-dict names match the checkpoint's (self_attn.q_norm.weight).
         self._qk_norm = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
 
+    @property
+    def plain(self) -> bool:
+        """Whether this is the attention the fused kernels compute (the CUDA prologue, the CPU
+        kernels): full-width rotate-half rotary and the default scale."""
+        r = self.rotary
+        return r is not None and r.rotary_dim == self.head_dim and not r.interleaved and self.softmax_scale is None
+
     def _can_fuse(self, qkv: torch.Tensor, cache_dtype: torch.dtype) -> bool:
-        if not use_fused(qkv) or self.rotary.rotary_dim != self.head_dim or self.rotary.cos.device != qkv.device:
+        if not use_fused(qkv) or not self.plain or self.rotary is None or self.rotary.cos.device != qkv.device:
             return False
         # the kernel stores the model dtype or fp8 (bitwise the pool's reference fp8 store)
         if cache_dtype not in (qkv.dtype, torch.float8_e4m3fn):
@@ -55,6 +67,7 @@ class AttentionLayer(nn.Module):
         if o is not None:
             return o
         if self._can_fuse(qkv, kv.dtype):
+            assert self.rotary is not None  # (_can_fuse: plain)
             norm = self._qk_norm
             q = triton_ops().attention_prologue(  # type: ignore[union-attr]
                 qkv, batch.positions, norm[0].weight if norm else None, norm[1].weight if norm else None,
@@ -69,6 +82,9 @@ class AttentionLayer(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self._qk_norm is not None:
             q, k = self._qk_norm[0](q), self._qk_norm[1](k)
-        q, k = self.rotary(batch.positions, q, k)
+        if self.rotary is not None:
+            q, k = self.rotary(batch.positions, q, k)
+        if self.softmax_scale is not None:
+            q = q * (self.softmax_scale * self.head_dim**0.5)
         o = backend.forward(q, k, v, self.layer_id, batch)
         return o.reshape(-1, self.q_size)

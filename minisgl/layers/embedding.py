@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 
 
 class VocabParallelEmbedding(ShardedModule):
+    # Granite's embedding_multiplier (the embedding's output, times this)
+    multiplier: float = 1.0
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         tp = get_tp_info()
@@ -29,6 +32,10 @@ class VocabParallelEmbedding(ShardedModule):
         return narrow_rank(full, 0, self.local_vocab, get_tp_info().rank)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self._lookup(ids)
+        return out if self.multiplier == 1.0 else out * self.multiplier
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if get_tp_info().size == 1:
             return F.embedding(ids, self.weight)
         local = ids - self.vocab_start
@@ -42,8 +49,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     # the CPU GEMM over this weight (tp == 1), bound at engine init as on the linear layers
     cpu_gemm: "QuantLinear | None" = None
+    # Granite's logits_scaling: logits are divided by it. Here, inside the head, so every step
+    # runner (the module path, graphs, the CPU loop, prompt logprobs) sees the same logits.
+    logits_scaling: float = 1.0
+    # Gemma 2's final_logit_softcapping: logits = tanh(logits / c) * c, here for the same reason
+    softcap: float | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = self._project(hidden)
+        logits = logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+    def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:
             return self.cpu_gemm(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
         logits = F.linear(hidden, self.weight)

@@ -10,14 +10,15 @@ kernel/cpu/ops.py does, where it was built."""
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Tuple, Union
 
 import torch
 from torch import nn
 
+from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernel.cpu import ops as cpu_ops
 from minisgl.kernel.fused import triton_ops, use_fused
-from minisgl.layers.base import ShardedModule
+from minisgl.layers.base import ShardedModule, narrow_rank
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,3 +66,39 @@ class RMSNorm(ShardedModule):
         if residual is not None:
             x = x + residual
         return rms_norm(x, self.weight, self.eps), x
+
+
+class ResidualAdd(nn.Module):
+    """The pre-norm slot of a block that has none (OLMo 2's post-norm layers): only the deferred
+    residual add, so every block keeps the `block(x, residual, norm)` protocol."""
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor]:
+        x = x if residual is None else x + residual
+        return x, x
+
+
+class WideRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection (OLMo 2's q/k norm: all heads at once, not per head). At
+    tp > 1 each rank holds its heads' columns, so the sum of squares is all-reduced first: every
+    rank normalises by the full width's statistics, as the unsharded model does."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        size = get_tp_info().size
+        if width % size:
+            raise ValueError(f"a width-{width} RMSNorm does not split evenly over {size} ranks")
+        super().__init__(width // size, eps)
+        self.width = width
+
+    def shard(self, param_name: str, full: torch.Tensor, part: object = None) -> torch.Tensor:
+        return narrow_rank(full, 0, self.weight.shape[0], get_tp_info().rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if get_tp_info().size == 1:
+            return rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        sum_sq = all_reduce(xf.pow(2).sum(-1, keepdim=True))
+        return self.weight * (xf * torch.rsqrt(sum_sq / self.width + self.eps)).to(x.dtype)
+
+
+# what sits before a block's first projection: a norm, or only the residual add
+PreNorm = Union[RMSNorm, ResidualAdd]

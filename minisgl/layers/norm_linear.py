@@ -15,14 +15,14 @@ from typing import Tuple
 import torch
 
 from minisgl.layers.linear import _Linear
-from minisgl.layers.norm import RMSNorm
+from minisgl.layers.norm import PreNorm, RMSNorm
 
 
 def norm_linear(
-    norm: RMSNorm, linear: _Linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
+    norm: PreNorm, linear: _Linear, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(linear(norm(x + residual)), silu-and-mul'ed when gated; the new residual stream)."""
-    if linear.skinny is not None and linear.fused_kind == ("gated" if gated else "norm"):
+    if isinstance(norm, RMSNorm) and linear.skinny is not None and linear.fused_kind == ("gated" if gated else "norm"):
         fused = linear.skinny.run(linear.fused_kind, x, linear.weight, residual, norm)
         if fused is not None:
             y, new_residual = fused

@@ -48,10 +48,12 @@ class RotaryConfig:
     max_position: int
     base: float
     scaling: Dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    # GLM's layout: the rotated pairs are adjacent dims (0, 1), (2, 3)... instead of (i, i + d/2)
+    interleaved: bool = False
 
     def key(self) -> Tuple[Any, ...]:
         scaling = tuple(sorted((k, str(v)) for k, v in (self.scaling or {}).items()))
-        return (self.head_dim, self.rotary_dim, self.max_position, self.base, scaling)
+        return (self.head_dim, self.rotary_dim, self.max_position, self.base, scaling, self.interleaved)
 
 
 def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
@@ -80,9 +82,11 @@ def _cos_sin_table(cfg: RotaryConfig) -> Tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of every position, [max_position, rotary_dim] each (float32)."""
     t = torch.arange(cfg.max_position, dtype=torch.float32)
     if _rope_type(cfg) in ("longrope", "su"):  # "su": LongRoPE's name in the first Phi-3 configs
+        if cfg.interleaved:
+            raise ValueError("longrope with an interleaved rotary layout is not supported")
         return _longrope_table(cfg, t)
     freqs = torch.outer(t, _inv_freq(cfg))
-    emb = torch.cat([freqs, freqs], dim=-1)
+    emb = freqs.repeat_interleave(2, dim=-1) if cfg.interleaved else torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
 
@@ -135,7 +139,7 @@ def _rope_type(cfg: RotaryConfig) -> str:
 class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: RotaryConfig, device: torch.device | None = None) -> None:
         super().__init__()
-        self.head_dim, self.rotary_dim = cfg.head_dim, cfg.rotary_dim
+        self.head_dim, self.rotary_dim, self.interleaved = cfg.head_dim, cfg.rotary_dim, cfg.interleaved
         # Computed on the device it serves (its cos/sin round as that device's do), outside any
         # `torch.device("meta")` context the caller may be in.
         with torch.device(device if device is not None else _ROPE_DEVICE):
@@ -144,14 +148,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
-        if use_fused(q) and self.cos.device == q.device:
+        if use_fused(q) and self.cos.device == q.device and not self.interleaved:  # the kernel rotates halves
             return triton_ops().apply_rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)  # type: ignore[union-attr]
         return self.forward_torch(positions, q, k)
 
     def forward_torch(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
+        rotate = _rotate_pairs if self.interleaved else _rotate_half
+        return _apply(q, cos, sin, self.rotary_dim, rotate), _apply(k, cos, sin, self.rotary_dim, rotate)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -159,11 +164,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+def _rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """The interleaved layout's rotate_half: (x0, x1, x2, x3...) -> (-x1, x0, -x3, x2...)."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, rotate: Any = _rotate_half) -> torch.Tensor:
     if rotary_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + rotate(x) * sin
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+    return torch.cat([rot * cos + rotate(rot) * sin, rest], dim=-1)
 
 
 def get_rope(cfg: RotaryConfig) -> RotaryEmbedding:

@@ -148,6 +148,38 @@ class LLM:
             return [list(prompts)]  # one token list or one conversation
         return list(prompts)  # type: ignore[arg-type]
 
+    # ---- embeddings --------------------------------------------------------------------------
+    def embed(self, prompts: Prompt | Sequence[Prompt]) -> List[List[float]]:
+        """One pooled vector per prompt (text or token ids), on an LLM that runs the embed task
+        (`LLM(path, task="embed")`, or an embedding checkpoint): the same path as the server's
+        /v1/embeddings (engine/pooling.py)."""
+        if self.scheduler.pooling is None:
+            raise ValueError("this LLM runs the generate task: build it with LLM(path, task='embed') to embed")
+        items = self._as_list(prompts)
+        if not items:
+            raise ValueError("prompts is empty")
+        requests = [UserRequest(next(self._uids), self.encode(p, i), SamplingParams(max_tokens=1)) for i, p in enumerate(items)]
+        for req in requests:  # validate all before queueing any
+            self.scheduler.validate(req)
+        for req in requests:
+            self.scheduler.add_request(req)
+        vectors: Dict[int, List[float]] = {}
+        with _interrupts_between_steps(self._workers is not None) as check_interrupt:
+            try:
+                while len(vectors) < len(requests):
+                    for out in self.scheduler.step():
+                        if out.embedding is not None:
+                            vectors[out.uid] = np.frombuffer(out.embedding, dtype="<f4").tolist()
+                    check_interrupt()
+                self.scheduler.run_until_idle()
+            except BaseException:
+                for req in requests:
+                    if req.uid not in vectors:
+                        self.scheduler.abort(req.uid)
+                self.scheduler.run_until_idle()
+                raise
+        return [vectors[req.uid] for req in requests]
+
     # ---- generation --------------------------------------------------------------------------
     def generate(
         self,
@@ -156,6 +188,8 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
     ) -> List[GenerationResult]:
+        if self.scheduler.pooling is not None:
+            raise ValueError("this LLM runs the embed task: call embed(), or build LLM(path, task='generate') from a causal LM")
         items = self._as_list(prompts)
         if not items:
             raise ValueError("prompts is empty")

@@ -35,6 +35,7 @@ class TokenizeMsg:
     skip_special_tokens: bool = True
     chat_template_kwargs: Dict[str, Any] | None = None
     tools: List[Dict[str, Any]] | None = None  # function definitions for the chat template
+    group: int = 0  # fair admission: the requests of one client call share it (0: none; set by Frontend.submit)
 
 
 @register_message
@@ -78,6 +79,7 @@ class UserMsg:
     input_ids: List[int]
     sampling: SamplingParams
     max_tokens_explicit: bool = False
+    group: int = 0  # TokenizeMsg.group
 
 
 @register_message
@@ -160,6 +162,8 @@ class ReplyMsg:
     # the prompt's tokens, with the first reply of a request that asked for prompt logprobs:
     # [token text, logprob or None (the first token), [[alt text, alt logprob], ...], token id]
     prompt_logprobs: List[List[Any]] | None = None
+    # the embed task, with the final reply: the pooled vector (float32 little-endian bytes)
+    embedding: bytes | None = None
 
 
 @register_message

@@ -19,7 +19,7 @@ class TokenOutput:
     """One generated token (or a final notice) for one request."""
 
     uid: int
-    token_id: int | None  # None only for a request aborted before producing a token
+    token_id: int | None  # None for a request aborted before producing a token, and for an embedding
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprob: float | None = None
@@ -28,6 +28,8 @@ class TokenOutput:
     cached_tokens: int = 0
     # with the first token of a request that asked: [(token_id, logprob, [(id, logprob), ...]), ...]
     prompt_logprobs: List[List[Any]] | None = None
+    # the embed task (token_id None): the request's pooled vector, float32 little-endian bytes
+    embedding: bytes | None = None
 
 
 @register_message

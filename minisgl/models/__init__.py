@@ -6,7 +6,7 @@ from typing import Callable, Type
 
 from torch import nn
 
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import BARE_DECODERS, ModelConfig
 from minisgl.utils.registry import Registry
 
 MODELS: Registry[Callable[[], Type[nn.Module]]] = Registry("model architecture")
@@ -54,6 +54,48 @@ def _phi3() -> Type[nn.Module]:
     return Phi3ForCausalLM
 
 
+@MODELS.register("MixtralForCausalLM")
+def _mixtral() -> Type[nn.Module]:
+    from minisgl.models.mixtral import MixtralForCausalLM
+
+    return MixtralForCausalLM
+
+
+@MODELS.register("Qwen2MoeForCausalLM")
+def _qwen2_moe() -> Type[nn.Module]:
+    from minisgl.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM
+
+
+@MODELS.register("Olmo2ForCausalLM")
+def _olmo2() -> Type[nn.Module]:
+    from minisgl.models.olmo2 import Olmo2ForCausalLM
+
+    return Olmo2ForCausalLM
+
+
+@MODELS.register("GraniteForCausalLM")
+def _granite() -> Type[nn.Module]:
+    from minisgl.models.granite import GraniteForCausalLM
+
+    return GraniteForCausalLM
+
+
+@MODELS.register("SmolLM3ForCausalLM")
+def _smollm3() -> Type[nn.Module]:
+    from minisgl.models.smollm3 import SmolLM3ForCausalLM
+
+    return SmolLM3ForCausalLM
+
+
+@MODELS.register("Glm4ForCausalLM")
+def _glm4() -> Type[nn.Module]:
+    from minisgl.models.glm4 import Glm4ForCausalLM
+
+    return Glm4ForCausalLM
+
+
 @MODELS.register("Gemma2ForCausalLM")
 def _gemma2() -> Type[nn.Module]:
     from minisgl.models.gemma import Gemma2ForCausalLM
@@ -69,7 +111,9 @@ def _gemma3() -> Type[nn.Module]:
 
 
 def create_model(config: ModelConfig) -> nn.Module:
-    return MODELS.get(config.architecture)()(config)
+    # a bare decoder (an embedding model) is built as its causal LM, the LM head tied to the embedding
+    arch = BARE_DECODERS.get(config.architecture, config.architecture)
+    return MODELS.get(arch)()(config)
 
 
 __all__ = ["ModelConfig", "MODELS", "create_model"]

@@ -21,6 +21,8 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
         scaling = dict(params)
     elif getattr(hf, "rope_scaling", None):
         scaling = dict(hf.rope_scaling)
+        if scaling.get("rope_type", scaling.get("type")) in ("default", None):
+            scaling = None  # (transformers 5 mirrors rope_parameters here: plain rope, no scaling)
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
         # transformers 4 kept these at the top level; LongRoPE needs both (layers/rotary.py)
         original = scaling.get("original_max_position_embeddings", getattr(hf, "original_max_position_embeddings", None))
@@ -85,6 +87,24 @@ def _window_cut(hf: Any) -> int | None:
     return None
 
 
+# Bare decoder architectures -> the causal LM whose decoder they are (models/__init__.py).
+BARE_DECODERS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+
+
+def _no_rope_layers(hf: Any) -> List[int]:
+    """SmolLM3's NoPE layers. Its `no_rope_layers` is a per-layer flag list, 1 = uses rotary
+    (transformers fills it from `no_rope_layer_interval`: every interval-th layer is NoPE)."""
+    flags = getattr(hf, "no_rope_layers", None)
+    if flags is None:
+        interval = getattr(hf, "no_rope_layer_interval", None)
+        if interval is None:
+            return []
+        flags = [int((i + 1) % int(interval) != 0) for i in range(hf.num_hidden_layers)]
+    if len(flags) != hf.num_hidden_layers:
+        raise ValueError(f"no_rope_layers has {len(flags)} entries, the model has {hf.num_hidden_layers} layers")
+    return [i for i, uses_rope in enumerate(flags) if not uses_rope]
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -101,6 +121,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     rotary_config: RotaryConfig
+    mlp_bias: bool = False
     eos_token_ids: List[int] = field(default_factory=list)
     # the sliding window the context was cut to (_window_cut), else None
     context_cut_by_window: int | None = None
@@ -111,6 +132,20 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: List[int] = field(default_factory=list)
+    # The checkpoint is the decoder alone (Qwen3Model, LlamaModel: an embedding model), without an
+    # LM head; its weight names may lack the "model." prefix.
+    is_bare_decoder: bool = False
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    # Granite: embeddings times embedding_multiplier, each block's output times
+    # residual_multiplier, attention scale attention_multiplier (None: 1/sqrt(head_dim)), logits
+    # divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
+    # SmolLM3: the layers that apply no rotary (NoPE)
+    no_rope_layers: List[int] = field(default_factory=list)
+
     # Attention beyond softmax(q k^T / sqrt(head_dim)) over every earlier key (Gemma 2 and 3):
     # each layer's sliding window (empty: every layer global; None: that layer global), the
     # rotary of the windowed layers where it differs (Gemma 3), the score scale (None:
@@ -120,6 +155,9 @@ class ModelConfig:
     attn_scale: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+
+    def layer_has_rope(self, layer_id: int) -> bool:
+        return layer_id not in self.no_rope_layers
 
     def window_of(self, layer_id: int) -> int | None:
         """Layer `layer_id`'s sliding window: its queries see the keys less than this many
@@ -183,6 +221,10 @@ class ModelConfig:
             base=theta,
             scaling=scaling,
         )
+        bare = archs[0] in BARE_DECODERS
+        # only MoE configs (Qwen*-MoE, Mixtral) count as MoE: a dense config may carry an unused field
+        is_moe = "moe" in getattr(hf, "model_type", "") or getattr(hf, "num_local_experts", None) is not None
+        attention_multiplier = getattr(hf, "attention_multiplier", None)
         return cls(
             architecture=arch,
             model_type=getattr(hf, "model_type", ""),
@@ -196,17 +238,27 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             # (Gemma names it hidden_activation)
             hidden_act=str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")),
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            # a bare decoder has no LM head: it shares the embedding's (never used: it embeds only)
+            tie_word_embeddings=bare or bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
             rotary_config=rotary,
             eos_token_ids=eos_ids,
             context_cut_by_window=_window_cut(hf),
-            num_experts=int(num_experts) if "moe" in getattr(hf, "model_type", "") else 0,
+            num_experts=int(num_experts) if is_moe else 0,
             num_experts_per_tok=int(getattr(hf, "num_experts_per_tok", 0) or 0),
-            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or 0),
+            # Mixtral's experts are intermediate_size wide
+            moe_intermediate_size=int(getattr(hf, "moe_intermediate_size", 0) or hf.intermediate_size),
             norm_topk_prob=bool(getattr(hf, "norm_topk_prob", False)),
             decoder_sparse_step=int(getattr(hf, "decoder_sparse_step", 1) or 1),
             mlp_only_layers=list(getattr(hf, "mlp_only_layers", None) or []),
+            is_bare_decoder=bare,
+            shared_expert_intermediate_size=int(getattr(hf, "shared_expert_intermediate_size", 0) or 0),
+            embedding_multiplier=float(getattr(hf, "embedding_multiplier", 1.0)),
+            residual_multiplier=float(getattr(hf, "residual_multiplier", 1.0)),
+            attention_multiplier=float(attention_multiplier) if attention_multiplier is not None else None,
+            logits_scaling=float(getattr(hf, "logits_scaling", 1.0)),
+            no_rope_layers=_no_rope_layers(hf),
             layer_windows=_layer_windows(hf, arch),
             local_rotary_config=_local_rope(hf, rotary),
             # Gemma scales the scores by query_pre_attn_scalar^-0.5, not head_dim^-0.5

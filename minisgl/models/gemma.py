@@ -19,7 +19,6 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from minisgl.core import get_global_ctx
 from minisgl.distributed import get_tp_info
 from minisgl.layers import (
     AttentionLayer,
@@ -119,10 +118,6 @@ class GemmaModel(DecoderModel):
         return x
 
 
-def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
-    return torch.tanh(x / cap) * cap
-
-
 class Gemma2ForCausalLM(CausalLM):
     qk_norm = False
 
@@ -134,16 +129,8 @@ class Gemma2ForCausalLM(CausalLM):
         # (not CausalLM.__init__: its layers are the Llama-shaped DecoderLayer)
         self.model = GemmaModel(cfg, self.qk_norm)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
-
-    def forward(self) -> torch.Tensor:
-        logits = super().forward()
-        cap = self.config.final_logit_softcapping
-        if cap is None:
-            return logits
-        batch = get_global_ctx().batch
-        if batch.prompt_logits is not None:
-            batch.prompt_logits = _softcap(batch.prompt_logits, cap)
-        return _softcap(logits, cap)
+        # inside the head, so every runner and the prompt logprobs see the capped logits
+        self.lm_head.softcap = cfg.final_logit_softcapping
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):

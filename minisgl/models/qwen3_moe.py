@@ -78,11 +78,17 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def map_weight_name(self, name: str) -> Tuple[str, Any] | None:
-        m = _EXPERT.search(name)
-        if m is None:
-            return super().map_weight_name(name)
-        prefix = name[: m.start()]
-        expert, proj = int(m.group(1)), m.group(2)
-        if proj == "down":
-            return f"{prefix}.mlp.experts.w2", expert
-        return f"{prefix}.mlp.experts.w13", (expert, 0 if proj == "gate" else 1)
+        return map_expert_weight(name) or super().map_weight_name(name)
+
+
+def map_expert_weight(name: str) -> Tuple[str, Any] | None:
+    """An expert's checkpoint tensor (mlp.experts.{i}.gate/up/down_proj) -> (the layer's merged
+    expert parameter, its part); None for any other name."""
+    m = _EXPERT.search(name)
+    if m is None:
+        return None
+    prefix = name[: m.start()]
+    expert, proj = int(m.group(1)), m.group(2)
+    if proj == "down":
+        return f"{prefix}.mlp.experts.w2", expert
+    return f"{prefix}.mlp.experts.w13", (expert, 0 if proj == "gate" else 1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any, Dict, List, Sequence
 
@@ -42,14 +43,16 @@ class GrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.compiler = xgrammar.GrammarCompiler(info, max_threads=1)
         self._cache: "OrderedDict[tuple[str, str], Any]" = OrderedDict()
+        self._cache_lock = threading.Lock()  # compiles run on scheduler/grammar_compile.py's threads
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar; InvalidRequest (400) naming the client's field if it is invalid."""
         key = (spec.kind, spec.value)
-        compiled = self._cache.get(key)
-        if compiled is not None:
-            self._cache.move_to_end(key)
-            return compiled
+        with self._cache_lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+                return compiled
         try:
             if spec.kind == "tool_call":
                 grammar = self._tool_turn_grammar(spec.value)
@@ -60,9 +63,10 @@ class GrammarBackend:
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # what the parts' own checks did not catch
             raise refusal(spec.kind, exc, spec.param) from None
-        self._cache[key] = compiled
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._cache_lock:
+            self._cache[key] = compiled
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
     def _grammar(self, kind: str, value: str, param: str) -> Any:

@@ -12,6 +12,8 @@ business (`scheduler.py`): the policy releases them on `release_deferred()`.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, FrozenSet, List
@@ -20,14 +22,16 @@ from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
-from minisgl.scheduler.queue import make_queue, urgency
+from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
 
 logger = init_logger(__name__)
 _FINISHED = Status.FINISHED  # (read per row per step)
+PROMPT_LOGPROB_CHUNK = 512  # prompt tokens per step of a request that wants prompt logprobs
 
 
 class NewTokenEstimate:
@@ -76,6 +80,9 @@ class Limits:
     max_seq_len: int
     vocab_size: int
     eos_ids: FrozenSet[int]
+    # the embed task's pooling method (engine/pooling.py), None for the generate task: every
+    # request is then prefilled once, its vector returned, and it finishes (no decode)
+    pooling: str | None = None
 
 
 class Policy:
@@ -89,9 +96,11 @@ class Policy:
         self.max_seq_len = limits.max_seq_len
         self.vocab_size = limits.vocab_size
         self.eos_ids = set(limits.eos_ids)
+        self.pooling = limits.pooling
         self.allocator = PageAllocator(limits.num_pages)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
+        self._group_rows: Dict[int, int] = {}  # group -> table rows its requests hold (fair admission)
         self.waiting = make_queue(config.schedule_policy)  # new and retracted requests
         self._queued: Dict[int, SchedReq] = {}  # uid -> a new request in `waiting`
         self.active: Dict[int, SchedReq] = {}  # admitted, not yet released (retracted ones too)
@@ -120,6 +129,11 @@ class Policy:
         self._num_penalized = 0  # admitted requests whose sampling needs the host-side history
         self._num_constrained = 0  # admitted requests with a grammar (their next mask needs the last token)
         self.grammar: Any = None  # GrammarBackend, created by the first request with a grammar
+        self._grammar_lock = threading.Lock()  # the backend is created on a compile thread
+        self._compile_pool: CompilePool | None = None
+        # uid -> (request, its compile): not queued yet, holding no row and no pages
+        self._compiling: Dict[int, tuple[SchedReq, CompileJob]] = {}
+        self._rejected: List[tuple[int, InvalidRequest]] = []  # failed compiles, for take_rejected()
 
     # ---- views -------------------------------------------------------------------------------
     @property
@@ -135,9 +149,11 @@ class Policy:
         return self.waiting.retracted
 
     # ---- requests ----------------------------------------------------------------------------
-    def validate(self, req: UserRequest) -> None:
+    def validate(self, req: UserRequest, compile_grammar: bool = True) -> None:
         """Raise InvalidRequest (a ValueError) naming what is wrong with the request (nothing is
-        changed). The same checks as the API server's, so the offline API and the server agree."""
+        changed). The same checks as the API server's, so the offline API and the server agree.
+        The grammar is compiled here (blocking) unless `compile_grammar` is off: `add_request`
+        compiles it off the loop instead."""
         if req.uid in self._queued or req.uid in self.active:
             raise InvalidRequest(f"request uid {req.uid} is already in use")
         check_token_ids(req.input_ids, self.vocab_size, "input_ids")
@@ -147,36 +163,100 @@ class Policy:
             raise InvalidRequest(
                 "priority scheduling is off: start the server with --schedule-policy priority to use 'priority'", param="priority"
             )
-        if req.sampling_params.grammar is not None:
-            self._grammar_backend().compile(req.sampling_params.grammar)  # a bad grammar is a 400 now
-        check_context(len(req.input_ids), req.sampling_params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens)
+        if compile_grammar and req.sampling_params.grammar is not None:
+            # a bad grammar is a 400 now; the compile stays in the pool's cache for add_request
+            job = self.compile_pool().submit(req.sampling_params.grammar)
+            self.grammar_submitted(job)
+            job.wait()
+        params = req.sampling_params
+        check_context(len(req.input_ids), params.max_tokens, self.max_seq_len, strict=req.strict_max_tokens, min_tokens=params.min_tokens)
 
     def _grammar_backend(self) -> Any:
-        if self.grammar is None:
-            from minisgl.scheduler.grammar import GrammarBackend
-            from minisgl.utils.hf import load_tokenizer
+        with self._grammar_lock:  # (the first compile thread may be creating it)
+            if self.grammar is None:
+                from minisgl.scheduler.grammar import GrammarBackend
+                from minisgl.utils.hf import load_tokenizer
 
-            self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
-            if self._on_grammar is not None:
-                self._on_grammar(self.grammar)
-        return self.grammar
+                grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.vocab_size)
+                if self._on_grammar is not None:
+                    self._on_grammar(grammar)
+                self.grammar = grammar
+            return self.grammar
+
+    def compile_pool(self) -> CompilePool:
+        """The threads that compile grammars (created by the first request with a grammar)."""
+        if self._compile_pool is None:
+            self._compile_pool = CompilePool(lambda spec: self._grammar_backend().compile(spec))
+        return self._compile_pool
+
+    def grammar_submitted(self, job: CompileJob) -> None:
+        """Hook: a request's grammar started compiling (TP rank 0 tells its followers)."""
 
     def add_request(self, user: UserRequest) -> None:
-        self.validate(user)
+        """Queue a request. One with a grammar waits, holding nothing, until its grammar is
+        compiled (off the loop); a grammar that fails to compile ends it with the 400 that
+        `take_rejected` returns."""
+        self.validate(user, compile_grammar=False)
         params = user.sampling_params
-        output_len = check_context(len(user.input_ids), params.max_tokens, self.max_seq_len, strict=False)
+        # an embedding never decodes: room for the one step past its prompt, as every request
+        max_tokens = 1 if self.pooling is not None else params.max_tokens
+        output_len = check_context(len(user.input_ids), max_tokens, self.max_seq_len, strict=False)
         req = SchedReq(user, output_len)
         req.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             req.stop_ids |= self.eos_ids
-        self.waiting.push(req)
         self._queued[req.uid] = req
+        if params.grammar is not None:
+            job = self.compile_pool().submit(params.grammar)
+            self._compiling[req.uid] = (req, job)
+            self.grammar_submitted(job)
+            self._poll_compiles()  # a cached grammar is ready at once
+        else:
+            self.waiting.push(req)
+
+    def _poll_compiles(self) -> None:
+        """Requests whose grammar compiled join the queue (with their matcher); a failed or
+        timed-out compile ends its request (`take_rejected`)."""
+        if not self._compiling:
+            return
+        now = time.monotonic()
+        for uid, (req, job) in list(self._compiling.items()):
+            ready, outcome = job.outcome(now)
+            if not ready:
+                continue
+            del self._compiling[uid]
+            if isinstance(outcome, InvalidRequest):
+                del self._queued[uid]
+                req.status, req.finish_reason = Status.FINISHED, "error"
+                self._rejected.append((uid, outcome))
+                logger.info("request %d: grammar refused after %.2f s: %s", uid, job.seconds, outcome.message)
+            else:
+                req.grammar_matcher = self._grammar_backend().xgr.GrammarMatcher(outcome)
+                self.waiting.push(req)
+
+    def wait_for_compiles(self, timeout_s: float) -> None:
+        """Nothing to run but grammars compiling: block until one is done (bounded), not spin."""
+        if self._compiling and self._compile_pool is not None:
+            self._compile_pool.wait_any([job for _, job in self._compiling.values()], timeout_s)
+        self._poll_compiles()
+
+    @property
+    def compiling(self) -> Dict[int, CompileJob]:
+        """uid -> its grammar's compile, for the requests waiting on one."""
+        return {uid: job for uid, (_, job) in self._compiling.items()}
+
+    def take_rejected(self) -> List[tuple[int, InvalidRequest]]:
+        """Requests refused after `add_request` returned (their grammar did not compile): each
+        gets the 400 it would have got at once; nothing of theirs was admitted."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def abort(self, uid: int) -> bool:
         """Stop a request wherever it is; its pages are freed. Returns whether it was found."""
         req = self._queued.pop(uid, None)
         if req is not None:  # never admitted: nothing to release
-            self.waiting.remove(req)
+            if self._compiling.pop(uid, None) is None:  # (a compile still running is cached for others)
+                self.waiting.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "abort"
             self._early.append(TokenOutput(uid, None, True, "abort", prompt_tokens=req.prompt_len))
             return True
@@ -188,7 +268,7 @@ class Policy:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self._prefilling or self._running or self._early)
+        return bool(self.waiting or self._prefilling or self._running or self._early or self._compiling)
 
     def take_early(self) -> List[TokenOutput]:
         """Outputs produced outside a step (abort notices)."""
@@ -207,6 +287,7 @@ class Policy:
         """The next step (None: nothing to run). `decodable, need` come from `decodable()`; a
         step that needs retraction must be planned with no step in flight (its pages are
         freed at once)."""
+        self._poll_compiles()
         pick = self._schedule(decodable, need, in_flight)
         return self._plan(pick) if pick is not None else None
 
@@ -252,14 +333,20 @@ class Policy:
         expected = length + math.ceil(max(0, remaining) * self.effective_new_token_ratio)
         return max(0, div_ceil(expected, self.page_size) - held)
 
-    def _expected_decode_pages(self) -> int:
-        """What admitted requests are expected to still take from the pool while decoding."""
-        total = 0
+    def _expected_decode_pages(self) -> tuple[int, int]:
+        """What admitted requests are expected to still take from the pool while decoding: in
+        all, and the part of it that groups holding several rows expect (fair admission)."""
+        total = crowd = 0
+        rows = self._group_rows
         for r in self._running.values():
-            total += self._future_pages(r.device_len, r.output_len - r.num_output, len(r.pages))
+            pages = self._future_pages(r.device_len, r.output_len - r.num_output, len(r.pages))
+            total += pages
+            crowd += pages if rows.get(r.group, 0) > 1 else 0
         for r in self._prefilling.values():
-            total += self._future_pages(r.prefill_len, r.output_len - r.num_output, len(r.pages) + r.reserved_pages)
-        return total
+            pages = self._future_pages(r.prefill_len, r.output_len - r.num_output, len(r.pages) + r.reserved_pages)
+            total += pages
+            crowd += pages if rows.get(r.group, 0) > 1 else 0
+        return total, crowd
 
     def _decode_page_need(self, reqs: List[SchedReq]) -> int:
         ps = self.page_size
@@ -268,7 +355,7 @@ class Policy:
     def _retract_until_fits(self, decodable: List[SchedReq], need: int) -> tuple[List[SchedReq], int]:
         """Take pages back from the least urgent decoders until this decode step's `need`
         fits; returns who stays and what they need (no step is in flight: freed pages are unused)."""
-        keep = sorted(decodable, key=urgency)  # the least urgent last
+        keep = sorted(decodable, key=lambda r: retraction_order(r, self._group_rows))  # the first to go last
         while keep and need > self.available_pages():
             # Everyone may go: prefilling requests hold reserved pages and always progress, and
             # the retracted resume (from the front of the queue) as pages return.
@@ -308,7 +395,7 @@ class Policy:
             budget = self._add_chunk(req, budget, reqs)
         optimistic = self.config.admission == "optimistic"
         # (only when something may be admitted: it walks every admitted request)
-        expected = self._expected_decode_pages() if optimistic and self.waiting else 0
+        expected, crowd = self._expected_decode_pages() if optimistic and self.waiting else (0, 0)
         flying = in_flight.reqs if in_flight is not None else []
         while budget > 0 and self.free_rows:
             head = self.waiting.peek()
@@ -324,9 +411,10 @@ class Policy:
                 future = self._future_pages(len(ids), req.output_len - req.num_output, div_ceil(len(ids), ps))
             else:
                 params = req.sampling_params
-                # a request that wants its prompt's logprobs needs every prompt token's logits: no cache hit
-                wants_prompt_lp = params.prompt_logprobs is not None
-                match = self.cache.match_prefix(req.token_ids[: 0 if wants_prompt_lp else req.prompt_len - 1])
+                # a request that wants its prompt's logprobs needs every prompt token's logits, and
+                # mean/cls pooling every row from position 0: no cache hit
+                every_row = params.prompt_logprobs is not None or self.pooling in ("mean", "cls")
+                match = self.cache.match_prefix(req.token_ids[: 0 if every_row else req.prompt_len - 1])
                 prompt_pages = div_ceil(req.prompt_len, ps)
                 if optimistic:  # the prompt is reserved; its decoding is an estimate
                     need = prompt_pages - match.num_pages
@@ -334,10 +422,19 @@ class Policy:
                 else:  # worst case: prompt and every token it may generate
                     need = div_ceil(req.prompt_len + req.output_len, ps) - match.num_pages
                     future = 0
-            if not self._fits(need, future, expected):
+            # Fair admission (with the queue's round-robin over groups): the first request of a
+            # group does not wait behind the estimated decoding of groups that hold several
+            # rows (a client's n=64 choices; their real pages still count), and the last free
+            # row is kept for it. Its estimate and single requests' estimates still count.
+            new_group = req.status is Status.WAITING and req.group not in self._group_rows
+            if not new_group and len(self.free_rows) == 1 and req.status is Status.WAITING:
+                self.cache.unlock(match.handle)
+                break
+            if not self._fits(need, future, expected - crowd if new_group else expected):
                 self.cache.unlock(match.handle)
                 break  # wait for running requests to finish and return pages
             self.waiting.pop()
+            self._group_rows[req.group] = self._group_rows.get(req.group, 0) + 1
             first = req.status is Status.WAITING
             if first:
                 self._start(req)
@@ -346,6 +443,7 @@ class Policy:
                 self._hit_tokens += req.cached_len
             self._admitted(req, need)
             expected += future
+            crowd += future if self._group_rows[req.group] > 1 else 0
             budget = self._add_chunk(req, budget, reqs)
         if not reqs:
             return None
@@ -362,7 +460,8 @@ class Policy:
         params = req.sampling_params
         self._num_penalized += params.has_penalties
         if params.grammar is not None:
-            req.grammar_matcher = self._grammar_backend().matcher(params.grammar)
+            if req.grammar_matcher is None:  # (set when its compile finished)
+                req.grammar_matcher = self._grammar_backend().matcher(params.grammar)
             self._num_constrained += 1
         self._prompt_tokens += req.prompt_len
         if self._share_rows:
@@ -378,6 +477,10 @@ class Policy:
 
     def _add_chunk(self, req: SchedReq, budget: int, reqs: List[SchedReq]) -> int:
         chunk = min(req.prefill_len - req.cached_len, budget)
+        if _wants_prompt_logprobs(req):
+            # every position of its chunk goes through the LM head: short chunks, so the
+            # others' decode rows run between them (their logprobs are the same either way)
+            chunk = min(chunk, PROMPT_LOGPROB_CHUNK)
         req.device_len = req.cached_len + chunk
         reqs.append(req)
         return budget - chunk
@@ -473,6 +576,8 @@ class Policy:
     def consume(self, plan: StepPlan, result: Any) -> List[TokenOutput]:
         """A launched step's host results (a runner.StepResult): tokens appended, stop
         conditions checked, prompt logprobs gathered."""
+        if self.pooling is not None:  # the embed task: every step's results are vectors
+            return self._consume_embeddings(plan, result.embeddings)
         tokens = result.tokens
         lps = result.logprobs
         plp = result.prompt_logprobs
@@ -514,6 +619,17 @@ class Policy:
             outputs.append(out)
         return outputs
 
+    def _consume_embeddings(self, plan: StepPlan, vectors: List[bytes | None]) -> List[TokenOutput]:
+        """An embed step: each request whose prompt ended in it gets its vector and finishes."""
+        outputs: List[TokenOutput] = []
+        for req, vector in zip(plan.reqs, vectors):
+            if vector is None or req.status is _FINISHED:  # a mid-prompt chunk, or aborted meanwhile
+                continue
+            self._finish(req, "stop")
+            cached = req.num_cached_prompt
+            outputs.append(TokenOutput(req.uid, None, True, "stop", prompt_tokens=req.prompt_len, cached_tokens=cached, embedding=vector))
+        return outputs
+
     def _finish(self, req: SchedReq, reason: str) -> None:
         status = req.status
         if status is Status.RUNNING:
@@ -523,7 +639,7 @@ class Policy:
         elif status is Status.RETRACTED:
             self.waiting.remove(req)
         req.status, req.finish_reason = Status.FINISHED, reason
-        if reason in ("stop", "length") and req.output_len > 0:
+        if reason in ("stop", "length") and req.output_len > 0 and self.pooling is None:
             self.estimate.finished(req.num_output / req.output_len)
         self._deferred.append(req)
 
@@ -587,12 +703,15 @@ class Policy:
         req.pages = []
         self.free_rows.append(req.table_idx)
         req.table_idx = -1
+        held = self._group_rows.pop(req.group) - 1
+        if held:
+            self._group_rows[req.group] = held
 
     # ---- introspection -----------------------------------------------------------------------
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self._running) + len(self._prefilling),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self._compiling),  # (a grammar compiling counts as waiting)
             total_pages=self.allocator.num_pages,
             free_pages=self.allocator.num_free + self.cache.evictable_pages,
             cached_pages=self.cache.cached_pages,
@@ -618,6 +737,7 @@ class Policy:
         )
         assert self.cache.evictable_pages == self.cache.cached_pages, "a cached page is still pinned"
         assert len(self.free_rows) == self.config.max_running_req, "a table row leaked"
+        assert not self._group_rows, f"rows still counted for groups {self._group_rows}"
         assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
         assert self._num_penalized == 0, "a finished request is still counted as using penalties"

@@ -42,7 +42,9 @@ MAX_CONSECUTIVE_FAILED_STEPS = 8
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Any, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: int | None = None) -> None:
+    def __init__(
+        self, scheduler: Any, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: int | None = None, kv_events: Any = None
+    ) -> None:
         from minisgl.scheduler import StepFailed, UserRequest
 
         self._UserRequest = UserRequest
@@ -58,6 +60,7 @@ class SchedulerLoop:
         self._last_stats_gen = 0
         self._last_stats: SchedulerStats | None = None
         self._running = True
+        self.kv_events = kv_events  # a KVEventPublisher (--kv-events-endpoint) or None
         # TP rank 0 (scheduler/tp.py): a no-op broadcast while idle, so a dead rank shows at once
         self._heartbeat = getattr(scheduler, "heartbeat", lambda: None)
 
@@ -91,8 +94,11 @@ class SchedulerLoop:
         from minisgl.sampling_params import InvalidRequest
 
         try:
-            req = self._UserRequest(msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit)
+            req = self._UserRequest(
+                msg.uid, list(msg.input_ids), msg.sampling, strict_max_tokens=msg.max_tokens_explicit, group=msg.group or None
+            )
             self.scheduler.add_request(req)  # validates: the same checks as the API server's
+            self._send_rejected()  # (a grammar that failed to compile before)
         except InvalidRequest as exc:
             self._error(msg.uid, exc.message, exc.status, exc.param, exc.code)
         except Exception as exc:  # never let one request take the scheduler down
@@ -151,6 +157,8 @@ class SchedulerLoop:
             if self.scheduler.has_work():
                 self.step()
                 self._maybe_send_stats(idle=False)
+            if self.kv_events is not None:
+                self.kv_events.publish()  # this iteration's cache changes, one batch
 
     def step(self) -> None:
         try:
@@ -171,10 +179,16 @@ class SchedulerLoop:
             self._failed_steps = 0
         if outputs:
             self._send(TokenBatchMsg(outputs))  # the scheduler's records, as they are
+        self._send_rejected()
+
+    def _send_rejected(self) -> None:
+        # requests whose grammar failed to compile off the loop: the 400 they got at once before
+        for uid, exc in self.scheduler.take_rejected():
+            self._error(uid, exc.message, exc.status, exc.param, exc.code)
 
     def _fail_everyone(self, reason: str) -> None:
         logger.error("the scheduler stops: %s", reason)
-        uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting}
+        uids = set(self.scheduler.active) | {r.uid for r in self.scheduler.waiting} | set(self.scheduler.compiling)
         for uid in uids:
             self._error(uid, "internal error in the scheduler (see the server log)", status=500)
 
@@ -182,6 +196,22 @@ class SchedulerLoop:
 def _format_cause(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     return "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+
+
+def _task_info(engine: Any) -> dict:
+    """What the API server needs to know of the task: which endpoints it serves, and for the
+    embed task the vector's size and whether `dimensions` may truncate it."""
+    spec = engine.pooling_spec
+    if spec is None:
+        return {"task": "generate"}
+    dims = spec.matryoshka_dims
+    return {
+        "task": "embed",
+        "pooling": spec.method,
+        "normalize": spec.normalize,
+        "hidden_size": engine.config.model_config.hidden_size,
+        "matryoshka_dimensions": list(dims) if dims is not None else None,
+    }
 
 
 def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
@@ -218,7 +248,16 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         "device": str(scheduler.device),
         "attention_backend": scheduler.engine.config.attention_backend,
         "overlap": scheduler.overlap,
+        **_task_info(scheduler.engine),
     }
+    kv_events = None
+    if args.kv_events_endpoint:  # before "ready": a subscriber may connect as soon as the server answers
+        from minisgl.scheduler.kv_event_publisher import attach_kv_events
+
+        try:
+            kv_events = attach_kv_events(scheduler, args.kv_events_endpoint, args.kv_events_replay_endpoint)
+        except zmq.ZMQError as exc:
+            fail_startup(ready_conn, f"--kv-events-endpoint {args.kv_events_endpoint}", exc)
     ready_conn.send(("ready", info))
     ready_conn.close()
     logger.info(
@@ -226,8 +265,10 @@ def run_scheduler_process(args: Any, ready_conn: Any, rank: int = 0) -> None:
         config.model_path, info["device"], info["dtype"], info["max_seq_len"], info["num_pages"],
     )  # fmt: skip
     try:
-        SchedulerLoop(scheduler, recv_sock, send_sock, parent).run()
+        SchedulerLoop(scheduler, recv_sock, send_sock, parent, kv_events).run()
     finally:
+        if kv_events is not None:
+            kv_events.close()
         recv_sock.close(linger=0)
         send_sock.close(linger=100)
         ctx.term()

@@ -22,6 +22,9 @@ class UserRequest:
     sampling_params: SamplingParams
     # The client set max_tokens: beyond the context it is refused, not clipped (as OpenAI).
     strict_max_tokens: bool = False
+    # Fair admission's unit (scheduler/queue.py): the requests of one client call (its n choices,
+    # its prompts) share a group; None: a group of its own.
+    group: int | None = None
 
 
 class Status(enum.Enum):
@@ -57,6 +60,7 @@ class SchedReq(Req):
             cache_handle=None,
         )
         self.status = Status.WAITING
+        self.group = user.uid if user.group is None else user.group
         self.pages: List[int] = []  # page i holds positions [i*page_size, (i+1)*page_size)
         self.num_cached_prompt = 0
         self.matched_len = 0  # tokens whose pages came from the prefix cache (this admission)

@@ -31,6 +31,9 @@ class StepResult:
     logprobs: List[RowLogprobs | None] | None = None  # None: no row asked
     # (logprob, top logprobs, top ids) per prompt-logprob row of the plan, as host lists
     prompt_logprobs: Tuple[List[float], List[List[float]], List[List[int]]] | None = None
+    # the embed task: per row its pooled vector as float32 little-endian bytes (None: its prompt
+    # continues in a later chunk); None for a generate step
+    embeddings: List[bytes | None] | None = None
 
 
 @dataclass
@@ -102,6 +105,8 @@ class Runner:
             batch.positions = pos_t.to(torch.int32)
             engine.attn_backend.prepare_metadata(batch)
             output = engine.forward_batch(batch, args)
+            if output.embeddings is not None:  # an embed step samples nothing: no token to keep
+                return Flight(plan, batch, output)
             # Each request's last fed token sits at (row, p); its sample belongs at (row, p + 1).
             n = batch.size
             last = slice(0, n) if batch.is_decode else batch.attn_metadata.last_indices[:n]
@@ -158,6 +163,9 @@ class Runner:
                 k = req.sampling_params.logprobs
                 rows.append(None if k is None else (float(lp[0][i]), list(zip(lp[2][i, :k].tolist(), lp[1][i, :k].tolist()))))
             result.logprobs = rows
+        if out.embeddings is not None:
+            vectors = out.embeddings.numpy().astype("<f4")
+            result.embeddings = [vectors[i].tobytes() if emits else None for i, emits in enumerate(flight.plan.emits)]
         if out.prompt_logprobs is not None:
             # to host lists once per step, not a tensor op per prompt token
             values, top_values, top_ids = (t.tolist() for t in out.prompt_logprobs)

@@ -24,6 +24,8 @@ from minisgl.scheduler.request import TokenOutput
 from minisgl.scheduler.runner import Runner, is_fatal
 from minisgl.utils.hf import resolve_model_path
 
+COMPILE_WAIT_S = 0.02  # the longest an idle loop waits for a grammar compile before it reads messages again
+
 __all__ = ["Scheduler", "SchedulerStats", "StepFailed", "StepRunner", "is_fatal"]
 
 
@@ -65,7 +67,9 @@ class Scheduler(Policy):
             self.device = self.engine.device
             model_config = self.engine.config.model_config
             eos = set(model_config.eos_token_ids) | _generation_eos(config.model_path)
-            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos))
+            spec = self.engine.pooling_spec
+            pooling = spec.method if spec is not None else None
+            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos), pooling)
             runner = self._make_runner(self.engine)
             # On a CPU the forward runs to completion inside the launch: there is nothing for
             # the host to overlap, and reading results a step late only delays every token by a
@@ -131,6 +135,9 @@ class Scheduler(Policy):
             launched = _InFlight(plan, self.runner.launch(plan))
             self.launched(plan)
         self._host_s += time.perf_counter() - start
+        if plan is None and self._in_flight is None and self.compiling:
+            # only grammars compiling: wait for one (bounded, so new messages are still read)
+            self.wait_for_compiles(COMPILE_WAIT_S)
         must_sync = launched is not None and self.must_sync
         if self.overlap and not must_sync:
             if self._in_flight is not None:
@@ -191,6 +198,9 @@ class Scheduler(Policy):
         super().check_invariants()
 
     def shutdown(self) -> None:
+        pool = getattr(self, "_compile_pool", None)  # (None too if __init__ failed before it)
+        if pool is not None:
+            pool.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import multiprocessing as mp
 import pickle
+import threading
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Tuple
@@ -37,7 +39,9 @@ import torch
 
 from minisgl.distributed import DistributedInfo, broadcast_message
 from minisgl.engine import Engine
+from minisgl.sampling_params import GrammarSpec
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, StepPlan
 from minisgl.scheduler.request import SchedReq, TokenOutput, UserRequest
 from minisgl.scheduler.runner import Flight, Runner
@@ -48,15 +52,16 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 HEARTBEAT_S = 1.0
-ACTIONS = ("step", "noop", "exit", "fingerprint")  # sent as their index
+# "grammar" carries a GrammarSpec that rank 0 started compiling: the followers compile it too
+ACTIONS = ("step", "noop", "exit", "fingerprint", "grammar")  # sent as their index
 
 
-def _send(action: str, plan: StepPlan | None = None) -> None:
+def _send(action: str, plan: StepPlan | GrammarSpec | None = None) -> None:
     data = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL) if plan is not None else b""
     broadcast_message(ACTIONS.index(action), data)
 
 
-def _recv() -> Tuple[str, StepPlan | None]:
+def _recv() -> Tuple[str, Any]:
     code, data = broadcast_message(0)
     return ACTIONS[code], (pickle.loads(data) if data else None)
 
@@ -90,6 +95,12 @@ class LeaderScheduler(Scheduler):
 
     def _make_runner(self, engine: Engine) -> Runner:
         return _PublishingRunner(engine, self._publish)
+
+    def grammar_submitted(self, job: CompileJob) -> None:
+        # The followers start compiling now, in parallel with this rank, so the grammar is
+        # (almost always) ready there when the plan that admits the request arrives.
+        if not job.future.done():
+            self._publish("grammar", job.spec)
 
     def step(self) -> List[TokenOutput]:
         self._busy = True
@@ -130,7 +141,7 @@ class LeaderScheduler(Scheduler):
         assert isinstance(self.runner, Runner)
         return _gather_fingerprints(self.runner)
 
-    def _publish(self, action: str, plan: StepPlan | None = None) -> None:
+    def _publish(self, action: str, plan: StepPlan | GrammarSpec | None = None) -> None:
         self._last_publish = time.monotonic()
         try:
             _send(action, plan)
@@ -159,7 +170,26 @@ class Follower:
         self.runner = Runner(self.engine)
         self.reqs: Dict[int, SchedReq] = {}
         self.grammar: Any = None
+        self._compile_pool: CompilePool | None = None
+        self._grammar_lock = threading.Lock()  # two compile threads may both need the backend first
         self._last: Flight | None = None
+
+    def compile_pool(self) -> CompilePool:
+        if self._compile_pool is None:
+            # no timeout here: rank 0 decides; a grammar it admitted compiled in time there
+            self._compile_pool = CompilePool(lambda spec: self._grammar_backend().compile(spec), timeout_s=math.inf)
+        return self._compile_pool
+
+    def _grammar_backend(self) -> Any:
+        with self._grammar_lock:
+            if self.grammar is None:
+                from minisgl.scheduler.grammar import GrammarBackend
+                from minisgl.utils.hf import load_tokenizer
+
+                vocab_size = self.engine.config.model_config.vocab_size
+                self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), vocab_size)
+                self.runner.use_grammar(self.grammar)
+            return self.grammar
 
     def execute(self, plan: StepPlan) -> None:
         for uid in plan.releases:
@@ -187,16 +217,15 @@ class Follower:
         req = SchedReq(UserRequest(new.uid, new.prompt, new.params), output_len=0)
         req.stop_ids = set(new.stop_ids)
         if new.params.grammar is not None:
-            if self.grammar is None:
-                from minisgl.scheduler.grammar import GrammarBackend
-                from minisgl.utils.hf import load_tokenizer
-
-                self.grammar = GrammarBackend(load_tokenizer(self.config.model_path), self.engine.config.model_config.vocab_size)
-                self.runner.use_grammar(self.grammar)
-            req.grammar_matcher = self.grammar.matcher(new.params.grammar)
+            # compiling since rank 0's "grammar" message; blocks only if not done yet
+            compiled = self.compile_pool().submit(new.params.grammar).future.result()
+            req.grammar_matcher = self._grammar_backend().xgr.GrammarMatcher(compiled)
         return req
 
     def shutdown(self) -> None:
+        pool = getattr(self, "_compile_pool", None)  # (None too if __init__ failed before it)
+        if pool is not None:
+            pool.close()
         self.engine.shutdown()
 
 
@@ -214,6 +243,9 @@ def follow(follower: Follower) -> None:
                 continue
             if action == "fingerprint":
                 _gather_fingerprints(follower.runner)
+                continue
+            if action == "grammar":
+                follower.compile_pool().submit(plan)
                 continue
             assert plan is not None
             follower.execute(plan)

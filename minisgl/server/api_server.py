@@ -22,7 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.metrics import ServerMetrics
-from minisgl.server.routes import admin, chat, completions, native, responses
+from minisgl.server.request_id import RequestIdMiddleware
+from minisgl.server.routes import admin, chat, completions, embeddings, loads, native, responses
 from minisgl.server.routes.common import (
     APIError,
     ServerState,
@@ -76,7 +77,10 @@ def create_app(
             allow_headers=["Authorization", "Content-Type"],
             max_age=600,
         )
-    for module in (admin, chat, completions, native, responses):
+    # outermost (added last): the id is on every response, CORS preflights and 500s included
+    app.add_middleware(RequestIdMiddleware)
+    for module in (admin, chat, completions, native, responses, embeddings):
         app.include_router(module.router)
     app.include_router(admin.open_router)
+    app.include_router(loads.router)
     return app

@@ -24,6 +24,7 @@ from minisgl.utils.cli import (
     field_values,
     knob,
     nonnegative_int,
+    positive_float,
     positive_int,
 )
 from minisgl.utils.env import read_env
@@ -127,6 +128,25 @@ class ServerArgs:
     shell_temperature: float = knob(0.0, "sampling temperature of --shell answers (0: greedy)", group=SERVER, type=float)
     shell_max_tokens: int = knob(1024, "longest --shell answer, in tokens", group=SERVER, type=positive_int)
     log_level: str = knob("info", "log level of every process", group=SERVER, choices=("debug", "info", "warning", "error", "critical"))
+    # issue 30 (behind a router): the drain on SIGTERM and the KV events (docs/SERVER.md, "Behind a router")
+    shutdown_timeout: float = knob(
+        30.0,
+        "on SIGTERM, seconds requests in flight may take to finish (new ones get 503) before the rest are ended with an error",
+        group=SERVER,
+        type=positive_float,
+    )
+    kv_events_endpoint: str | None = knob(
+        None,
+        "publish prefix-cache changes as vLLM-format KV events on this ZeroMQ PUB endpoint (tcp://*:5557 binds)",
+        group=SERVER,
+        default_text="off",
+    )
+    kv_events_replay_endpoint: str | None = knob(
+        None,
+        "with --kv-events-endpoint: a ZeroMQ ROUTER endpoint (bound) that resends recent KV-event batches on request",
+        group=SERVER,
+        default_text="off",
+    )
     nnodes: int = knob(1, "machines the --tp ranks are spread over", group=MULTI_NODE, type=positive_int)
     node_rank: int = knob(0, "this machine's index in [0, --nnodes); node 0 serves HTTP", group=MULTI_NODE, type=int)
     # launch owns the rendezvous (it hosts the store on one machine); the engines get this address

@@ -22,6 +22,7 @@ from minisgl.utils.logger import init_logger
 logger = init_logger("minisgl.server")
 
 TERMINATE_GRACE_S = 5.0
+PROGRESS_EVERY_S = 5.0  # a "still loading" line at least this often while the workers start
 
 
 class StartupError(RuntimeError):
@@ -73,9 +74,9 @@ def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
     info: Dict[str, Any] = {}
     waiting = {c.conn: c for c in children}
     sentinels = {c.process.sentinel: c for c in children}
-    start = time.monotonic()
+    start = last_progress = time.monotonic()
     while waiting:
-        for obj in mp.connection.wait(list(waiting) + list(sentinels), timeout=30.0):
+        for obj in mp.connection.wait(list(waiting) + list(sentinels), timeout=PROGRESS_EVERY_S):
             child = waiting.pop(obj, None)
             if child is not None:
                 try:
@@ -98,8 +99,10 @@ def start_children(args: ServerArgs, children: List[Child]) -> Dict[str, Any]:
                 raise StartupError(
                     f"the {dead.name} process (pid {dead.process.pid}) {describe_exit(dead.process.exitcode)} during start-up"
                 )
-        if waiting:
-            logger.debug("still waiting for: %s", ", ".join(c.name for c in waiting.values()))
+        if waiting and time.monotonic() - last_progress >= PROGRESS_EVERY_S:
+            # a long load (a big checkpoint, a GGUF conversion) shows it is alive
+            logger.info("still loading after %.0f s: %s", time.monotonic() - start, ", ".join(c.name for c in waiting.values()))
+            last_progress = time.monotonic()
     return info
 
 

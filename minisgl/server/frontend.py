@@ -35,6 +35,7 @@ from minisgl.message import (
 )
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.process_utils import IpcAddrs
+from minisgl.server.request_id import current_request_id
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -64,6 +65,7 @@ class RequestStream:
         self.frontend = frontend
         self.uids = uids
         self.label = label  # what the request log line calls it (the endpoint)
+        self.request_id = current_request_id.get()  # X-Request-Id of the HTTP request (None in the shell)
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -122,8 +124,8 @@ class RequestStream:
         """One info line per request (as vLLM/SGLang print), when its last choice ends."""
         ttft = "-" if self.ttft is None else f"{self.ttft * 1000:.0f} ms"
         logger.info(
-            "%s requests %s: %s; prompt %d (cached %d) + output %d tokens; ttft %s; %.3f s",
-            self.label or "request", self.uids if len(self.uids) <= 4 else f"{self.uids[:4]}...", ", ".join(self.outcomes),
+            "%s%s requests %s: %s; prompt %d (cached %d) + output %d tokens; ttft %s; %.3f s",
+            self.label or "request", f" [{self.request_id}]" if self.request_id else "", self.uids if len(self.uids) <= 4 else f"{self.uids[:4]}...", ", ".join(self.outcomes),
             self.prompt_tokens, self.cached_tokens, self.completion_tokens, ttft, time.perf_counter() - self.start,
         )  # fmt: skip
 
@@ -147,6 +149,7 @@ class Frontend:
         self.max_pending = max_pending  # choices in flight at most (None: unbounded)
         self.stats: SchedulerStats | None = None
         self.failure: str | None = None  # set when a worker died: new requests get 503
+        self.draining = False  # set on SIGTERM (server/drain.py): new requests get 503, running ones finish
         self._uids = itertools.count(1)
         self._streams: Dict[int, RequestStream] = {}
         self._sync_ctx = zmq.Context()
@@ -187,11 +190,16 @@ class Frontend:
     def submit(self, msgs: List[TokenizeMsg], label: str = "") -> RequestStream:
         if self.failure is not None:
             raise Unavailable(self.failure)
+        if self.draining:
+            raise Unavailable("it is shutting down (draining the requests in flight)")
         if self.max_pending is not None and len(self._streams) + len(msgs) > self.max_pending:
             raise Overloaded(
                 f"the server is at capacity ({len(self._streams)} requests in flight, at most {self.max_pending}: "
                 "--max-running-requests + --max-queued-requests); retry later"
             )
+        if len(msgs) > 1:  # one client call (n choices, several prompts): one group for fair admission
+            for m in msgs:
+                m.group = msgs[0].uid
         frames = [encode_msg(m) for m in msgs]  # before registering: a failure leaves nothing behind
         stream = RequestStream(self, [m.uid for m in msgs], label)
         for uid in stream.uids:
@@ -229,8 +237,15 @@ class Frontend:
     def fail_all(self, message: str, status: int = 503) -> None:
         """A worker died: end every waiting request with an error."""
         self.failure = message
+        self.end_all(message, status, abort=False)  # (no worker to tell)
+
+    def end_all(self, message: str, status: int = 503, code: str = "server_unavailable", abort: bool = True) -> None:
+        """End every request in flight with an error (a stream sends it as its last chunk); with
+        `abort`, also abort its choices in the scheduler, which frees their pages."""
         for uid, stream in list(self._streams.items()):
-            stream._deliver(uid, ErrorMsg(uid, message, status, None, "server_unavailable"))
+            if abort and uid in stream.unfinished:
+                self._send(AbortReq(uid))
+            stream._deliver(uid, ErrorMsg(uid, message, status, None, code))
 
     @property
     def num_in_flight(self) -> int:

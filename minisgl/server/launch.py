@@ -8,7 +8,8 @@
 With --nnodes K, node R > 0 runs only its tp/K scheduler ranks (no HTTP, no tokenizer).
 
 The children (server/children.py: spawned, each reporting readiness through a pipe) talk over
-ZeroMQ ipc:// sockets in a private temporary folder. SIGINT/SIGTERM stops the HTTP server gracefully, then the children
+ZeroMQ ipc:// sockets in a private temporary folder. SIGINT/SIGTERM drains the HTTP server
+(server/drain.py: 503 to new requests, --shutdown-timeout for those in flight), then the children
 are terminated (SIGTERM, SIGKILL after a few seconds); children also die with the parent
 (PR_SET_PDEATHSIG) and notice a vanished parent on their own. If a child dies while serving, the
 server logs which one and how, fails the requests in flight with 503, and exits with status 1.
@@ -31,6 +32,7 @@ from typing import Any, Dict, List
 
 from minisgl.server.args import ServerArgs
 from minisgl.server.children import Child, ChildWatchdog, StartupError, start_children, stop_children
+from minisgl.server.loading import LoadingResponder
 from minisgl.server.process_utils import IpcAddrs, configure_logging, describe_exit
 from minisgl.utils.logger import init_logger
 
@@ -90,10 +92,11 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], li
     import uvicorn
 
     from minisgl.server.api_server import create_app
+    from minisgl.server.drain import DrainingServer
     from minisgl.server.frontend import Frontend
     from minisgl.server.metrics import ServerMetrics
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(args.model_name)
     sched = info.get("scheduler", {})
     max_pending = int(sched.get("max_running_req") or 0) + args.max_queued_requests
     frontend = Frontend(IpcAddrs.in_dir(args.ipc_dir), metrics, max_pending=max_pending)
@@ -127,11 +130,11 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], li
         port=args.port,
         log_level=args.log_level,
         access_log=args.log_level == "debug",
-        timeout_graceful_shutdown=3,
+        timeout_graceful_shutdown=5,  # after the drain (server/drain.py): only closing connections is left
         timeout_keep_alive=5,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, frontend, args.shutdown_timeout)
     holder["server"] = server
     server.run(sockets=[listener])
     if watchdog.failure is not None:
@@ -240,6 +243,8 @@ def launch(args: ServerArgs) -> int:
     old_handlers = {sig: signal.signal(sig, _raise_shutdown) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: List[Child] = []
     ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
+    # from now until the workers are ready, the port answers 503 (server/loading.py)
+    loading = LoadingResponder(listener).start() if listener is not None else None
     try:
         from minisgl.utils.hf import resolve_model_path
 
@@ -258,8 +263,14 @@ def launch(args: ServerArgs) -> int:
         except StartupError as exc:
             logger.error("start-up failed: %s", exc)
             return EXIT_FAILURE
+        finally:
+            if loading is not None:
+                loading.stop()  # before uvicorn (or the shell) takes over
         if args.node_rank != 0:
             return serve_follower_node(args, children)
+        if args.shell and info.get("scheduler", {}).get("task") == "embed":
+            logger.error("--shell chats: it needs the generate task, and this model runs the embed task (serve /v1/embeddings)")
+            return EXIT_USAGE
         if args.shell:
             from minisgl.shell import run_shell
 
@@ -272,6 +283,8 @@ def launch(args: ServerArgs) -> int:
     except KeyboardInterrupt:
         return EXIT_OK
     finally:
+        if loading is not None:
+            loading.stop()
         if listener is not None:
             listener.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -3,6 +3,10 @@
 Scheduler-side numbers (running/waiting requests, KV usage, cache hit rate, throughput, token
 counters) come from the scheduler's SchedulerStats; latencies (time to first token, inter-token latency,
 end-to-end) are measured here, where the client sees them.
+
+Routers parse other engines' names, so the load gauges are also published under those
+(`RouterMetrics`): vLLM's (the Kubernetes inference gateway's endpoint picker, SMG, Dynamo) and
+SGLang's (SMG), each with a `model_name` label as those engines set it.
 """
 
 from __future__ import annotations
@@ -18,8 +22,47 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # no `*_created` series: they only add noise to a scrape
 
 
+class RouterMetrics:
+    """The load gauges under the names routers read (same values as ours, one scrape)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        r, label = registry, ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=r)
+
+        # vLLM's names (v1 engine); kv usage is the share of pages not free, in [0, 1]
+        self.running = gauge("vllm:num_requests_running", "Requests being prefilled or decoded").labels(model_name)
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests queued in the scheduler").labels(model_name)
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0..1").labels(model_name)
+        self.gpu_kv_usage = gauge("vllm:gpu_cache_usage_perc", "KV-cache usage, 0..1 (vLLM's older name)").labels(model_name)
+        # vLLM v1 publishes prefix caching as two token counters (hit rate = hits / queries)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", label, registry=r).labels(
+            model_name
+        )
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", label, registry=r).labels(
+            model_name
+        )
+        # SGLang's names
+        self.queue = gauge("sglang:num_queue_reqs", "Requests queued in the scheduler").labels(model_name)
+        self.sglang_running = gauge("sglang:num_running_reqs", "Requests being prefilled or decoded").labels(model_name)
+        self.token_usage = gauge("sglang:token_usage", "KV-cache usage, 0..1").labels(model_name)
+        self.sglang_hit_rate = gauge("sglang:cache_hit_rate", "Prefix-cache hit rate over all prompt tokens").labels(model_name)
+
+    def update(self, s: SchedulerStats, last: SchedulerStats | None) -> None:
+        for g in (self.running, self.sglang_running):
+            g.set(s.num_running)
+        for g in (self.waiting, self.queue):
+            g.set(s.num_waiting)
+        for g in (self.kv_usage, self.gpu_kv_usage, self.token_usage):
+            g.set(s.kv_usage)
+        self.sglang_hit_rate.set(s.cache_hit_rate)
+        self.prefix_queries.inc(max(0, s.prompt_tokens - (last.prompt_tokens if last else 0)))
+        self.prefix_hits.inc(max(0, s.cache_hit_tokens - (last.cache_hit_tokens if last else 0)))
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
         self.num_running = Gauge("minisgl_num_running_requests", "Requests being prefilled or decoded", registry=r)
         self.num_waiting = Gauge("minisgl_num_waiting_requests", "Requests queued in the scheduler", registry=r)
@@ -48,6 +91,7 @@ class ServerMetrics:
         self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("minisgl_inter_token_latency_seconds", "Time between output tokens", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("minisgl_e2e_request_latency_seconds", "Request latency", buckets=_E2E_BUCKETS, registry=r)
+        self.router = RouterMetrics(r, model_name)
         self._last: SchedulerStats | None = None
 
     def update_stats(self, s: SchedulerStats) -> None:
@@ -64,6 +108,7 @@ class ServerMetrics:
         self.num_retracted.set(s.num_retracted)
         self.new_token_ratio.set(s.new_token_ratio)
         last = self._last
+        self.router.update(s, last)
         self.prompt_tokens.inc(max(0, s.prompt_tokens - (last.prompt_tokens if last else 0)))
         self.generation_tokens.inc(max(0, s.generated_tokens - (last.generated_tokens if last else 0)))
         self.aborted.inc(max(0, s.aborted_requests - (last.aborted_requests if last else 0)))

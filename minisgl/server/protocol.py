@@ -16,9 +16,10 @@ and are accepted (clients that fill every field with a neutral value keep workin
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from minisgl.sampling_params import (
     INT64_MAX,
@@ -36,6 +37,7 @@ from minisgl.sampling_params import (
     InvalidRequest,
     SamplingParams,
 )
+from minisgl.server.limits import MalformedJSON, parse_json
 
 MAX_N = 64
 MAX_CHOICES = 256  # prompts x n of one request
@@ -144,10 +146,7 @@ def _guided_grammar(kind: str, value: Any, param: str) -> GrammarSpec:
     """vLLM's guided_json / regex / choice / grammar as the GrammarSpec that /generate would build."""
     if kind == "json":
         if isinstance(value, str):
-            try:
-                json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(f"{param} is not a JSON schema: {exc}", param=param) from None
+            parse_json(value, param, f"{param} (a JSON schema)")
             return GrammarSpec("json_schema", value, param)
         return GrammarSpec("json_schema", json.dumps(value), param)
     if kind == "regex":
@@ -258,7 +257,13 @@ class SamplingFields(_Base):
 
 
 def _to_sampling_params(
-    src: Any, *, max_tokens: int | None, min_tokens: int, grammar: Optional[GrammarSpec], logprobs: int | None
+    src: Any,
+    *,
+    max_tokens: int | None,
+    min_tokens: int,
+    grammar: Optional[GrammarSpec],
+    logprobs: int | None,
+    bias_param: str = "logit_bias",
 ) -> SamplingParams:
     """The fields /v1 and /generate share, under the same names, as one SamplingParams."""
     return SamplingParams(
@@ -276,23 +281,34 @@ def _to_sampling_params(
         frequency_penalty=float(src.frequency_penalty),
         repetition_penalty=float(src.repetition_penalty),
         logprobs=logprobs,
-        logit_bias=_parse_logit_bias(src.logit_bias),
+        logit_bias=_parse_logit_bias(src.logit_bias, bias_param),
         min_tokens=min_tokens,
         grammar=grammar,
         priority=getattr(src, "priority", 0),
     )
 
 
-def _parse_logit_bias(bias: Optional[Dict[str, float]]) -> Optional[Dict[int, float]]:
+# A token id as OpenAI writes it: ASCII decimal without sign, spaces, separators or leading zeros.
+# int() also reads " 10", "+10", "1_0" and "١٠" (Arabic-Indic digits), and "010" as 10 (merging two
+# keys silently); [0-9] matches ASCII digits only, unlike \d.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")
+
+
+def _parse_logit_bias(bias: Optional[Dict[str, float]], param: str = "logit_bias") -> Optional[Dict[int, float]]:
     """OpenAI's string keys as token ids (their range is checked by SamplingParams.validate)."""
     if not bias:
         return None
     out: Dict[int, float] = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not _TOKEN_ID_KEY.fullmatch(key):
+            raise InvalidRequest(
+                f'{param} keys must be token ids in canonical decimal form ("0", or ASCII digits without a sign, '
+                f"spaces, separators or leading zeros), got {key!r}",
+                param=param,
+            )
+        token = int(key)
+        if token in out:  # cannot happen with canonical keys; kept so that a bias is never lost silently
+            raise InvalidRequest(f"{param} gives token id {token} twice", param=param)
         out[token] = float(value)
     return out
 
@@ -321,6 +337,22 @@ class NamedToolChoice(_Base):
 class CalledFunction(_Base):
     name: ShortStr
     arguments: str  # JSON text, as OpenAI sends it
+    _value: Any = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _parse_arguments(self) -> "CalledFunction":
+        # Parsed once, here, with the depth checked first: chat templates render the arguments as
+        # a mapping (`arguments | tojson`); text that is not JSON is rendered as it is.
+        try:
+            self._value = parse_json(self.arguments, "arguments", "the tool call's arguments")
+        except MalformedJSON:
+            self._value = self.arguments
+        except InvalidRequest as exc:  # pydantic's location ends at `function`: name the field
+            raise InvalidRequest(exc.message if exc.message.startswith("the tool call's") else f"arguments: {exc.message}") from None
+        return self
+
+    def arguments_value(self) -> Any:
+        return self._value
 
 
 class MessageToolCall(_Base):
@@ -351,19 +383,11 @@ class ChatMessage(_Base):
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
-            # chat templates render arguments as a mapping (`arguments | tojson`)
             msg["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments_value()}}
                 for c in self.tool_calls
             ]
         return msg
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
 
 
 TemplateValue = Union[bool, int, float, Annotated[str, Field(max_length=4096)], None]
@@ -489,6 +513,8 @@ class GenerateSampling(_Base):
         if not given:
             return None
         kind, value = given[0]
+        if kind == "json_schema":  # parsed here, depth first, not only by the scheduler's compiler
+            parse_json(value, "sampling_params.json_schema", "sampling_params.json_schema")
         return GrammarSpec(kind, value, f"sampling_params.{kind}")
 
     def stop_list(self) -> List[str]:
@@ -496,7 +522,12 @@ class GenerateSampling(_Base):
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
         return _to_sampling_params(
-            self, max_tokens=self.max_new_tokens, min_tokens=self.min_new_tokens, grammar=self.grammar(), logprobs=logprobs
+            self,
+            max_tokens=self.max_new_tokens,
+            min_tokens=self.min_new_tokens,
+            grammar=self.grammar(),
+            logprobs=logprobs,
+            bias_param="sampling_params.logit_bias",
         )
 
 

@@ -307,7 +307,12 @@ class ResponsesRequest(_Base):
             if isinstance(item, MessageItem):
                 out.append(ChatMessage(role=item.role, content=_text_of(item.content, f"input[{i}].content")))
             elif isinstance(item, FunctionCallItem):
-                call = MessageToolCall(id=item.call_id, function=CalledFunction(name=item.name, arguments=item.arguments))
+                try:  # (the arguments are parsed here, depth-checked: name the item, not a chat field)
+                    function = CalledFunction(name=item.name, arguments=item.arguments)
+                except ValidationError as exc:
+                    reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+                    raise InvalidRequest(f"input[{i}].arguments: {reason}", param=f"input[{i}].arguments") from None
+                call = MessageToolCall(id=item.call_id, function=function)
                 last = out[-1] if out else None
                 if last is not None and last.role == "assistant":
                     last.tool_calls = [*(last.tool_calls or []), call]

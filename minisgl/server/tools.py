@@ -53,7 +53,7 @@ def _as_call(obj: Any, args_key: str) -> ToolCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # model output nested past the recursion limit is text
             return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
 
@@ -103,7 +103,7 @@ class HermesParser(ToolParser):
         for match in self._block.finditer(text):
             try:
                 call = _as_call(json.loads(match.group(1)), "arguments")
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # model output nested past the recursion limit is text
                 call = None
             if call is not None:
                 calls.append(call)
@@ -134,7 +134,7 @@ class Llama3JsonParser(ToolParser):
         while True:  # JSON objects separated by ";" (a ";" inside a string separates nothing)
             try:
                 obj, at = self._decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):  # model output nested past the recursion limit is text
                 return text, []
             call = _as_call(obj, "parameters")
             if call is None:
@@ -163,7 +163,7 @@ class MistralParser(ToolParser):
             return text, []
         try:
             items = json.loads(tail.strip())
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # model output nested past the recursion limit is text
             return text, []
         items = items if isinstance(items, list) else [items]
         calls = [c for c in (_as_call(i, "arguments") for i in items) if c is not None]

@@ -5,7 +5,8 @@ GIL while it encodes (a megabyte prompt blocks a Python thread for a noticeable 
 large prompt would pause everyone's stream. Prompts of at least `threshold_chars` characters go to
 a `ProcessPoolExecutor` of `--num-tokenizer-workers` processes, each with its own copy of the
 tokenizer; the loop polls the futures and carries on. Small prompts (nearly all of them) are
-encoded inline, where the round trip to a pool would cost more than the encoding.
+encoded inline, where the round trip to a pool would cost more than the encoding. /tokenize's
+large texts and chats go the same way (`submit_tokenize_only`): they are the same work.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ def _encode(
     return _ENCODER.encode_text(text)
 
 
+def _tokenize_only(
+    text: str | None, messages: List[Dict[str, Any]] | None, add_special_tokens: bool, add_generation_prompt: bool
+) -> List[int]:
+    assert _ENCODER is not None
+    return _ENCODER.tokenize_only(text, messages, add_special_tokens, add_generation_prompt)
+
+
 def prompt_chars(text: str | None, messages: List[Dict[str, Any]] | None) -> int:
     if messages is not None:
         return sum(len(m.get("content") or "") for m in messages)
@@ -67,6 +75,11 @@ class EncodePool:
         tools: List[Dict[str, Any]] | None = None,
     ) -> "Future[List[int]]":
         return self._executor.submit(_encode, text, messages, template_kwargs, tools)
+
+    def submit_tokenize_only(
+        self, text: str | None, messages: List[Dict[str, Any]] | None, add_special_tokens: bool, add_generation_prompt: bool
+    ) -> "Future[List[int]]":
+        return self._executor.submit(_tokenize_only, text, messages, add_special_tokens, add_generation_prompt)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -46,6 +46,16 @@ class PromptEncoder:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
+    def tokenize_only(
+        self, text: str | None, messages: List[Dict[str, Any]] | None, add_special_tokens: bool, add_generation_prompt: bool
+    ) -> List[int]:
+        """What /tokenize answers: chat messages through the template, or a text (possibly empty)."""
+        if self.tokenizer is None:
+            raise ValueError(NO_TOKENIZER)
+        if messages is not None:
+            return self.encode_chat(messages, {"add_generation_prompt": add_generation_prompt})
+        return list(self.tokenizer(text or "", add_special_tokens=add_special_tokens).input_ids)
+
     def encode_ids(self, input_ids: List[int]) -> List[int]:
         if not input_ids:
             raise ValueError("prompt is empty")

@@ -2,14 +2,15 @@
 
 From the API server it receives TokenizeMsg (encode the prompt, apply the chat template, start a
 DetokState, forward a UserMsg to the scheduler; large prompts are encoded in an `EncodePool` so
-that this loop keeps streaming everyone else's tokens meanwhile) and AbortReq (forget the request,
-forward an AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
+that this loop keeps streaming everyone else's tokens meanwhile), TokenizeOnlyMsg (/tokenize and
+/detokenize; large texts go to the pool too) and AbortReq (forget the request, forward an AbortMsg). From the scheduler it receives TokenBatchMsg (detokenize incrementally, match stop
 strings, reply to the API server), ErrorMsg and SchedulerStats (relayed). A stop string ends the request
 here, and the scheduler is told to abort it so its pages are freed at once.
 """
 
 from __future__ import annotations
 
+import signal
 import traceback
 from concurrent.futures import Future
 from typing import Any, Dict, List, Tuple
@@ -52,6 +53,7 @@ class TokenizerWorker:
         self.encoder = PromptEncoder(tokenizer)
         self.pool = pool
         self.encoding: Dict[int, Tuple[TokenizeMsg, "Future[List[int]]"]] = {}  # uid -> in the pool
+        self.tokenizing: Dict[int, Tuple[TokenizeOnlyMsg, "Future[List[int]]"]] = {}  # /tokenize, in the pool
         self.to_scheduler = to_scheduler
         self.to_api = to_api
         self.states: Dict[int, DetokState] = {}
@@ -124,19 +126,23 @@ class TokenizerWorker:
         if self.tokenizer is None:  # the API server refuses these first; a second line of defence
             self._to_api(ErrorMsg(msg.uid, NO_TOKENIZER, 400, None, "tokenizer_required"))
             return
+        if msg.token_ids is None and self.pool is not None and self.pool.wants(msg.text, msg.messages):
+            # as for prompts: megabytes of text would stall everyone's streams for seconds here
+            future = self.pool.submit_tokenize_only(msg.text, msg.messages, msg.add_special_tokens, msg.add_generation_prompt)
+            self.tokenizing[msg.uid] = (msg, future)
+            return
         try:
             if msg.token_ids is not None:
                 self._to_api(ToolReply(msg.uid, text=self.tokenizer.decode(msg.token_ids, skip_special_tokens=False)))
                 return
-            if msg.messages is not None:
-                kwargs = {"add_generation_prompt": msg.add_generation_prompt}
-                ids = self.encoder.encode_chat(msg.messages, kwargs)
-            else:
-                ids = list(self.tokenizer(msg.text or "", add_special_tokens=msg.add_special_tokens).input_ids)
+            ids = self.encoder.tokenize_only(msg.text, msg.messages, msg.add_special_tokens, msg.add_generation_prompt)
         except Exception as exc:
-            self._to_api(ErrorMsg(msg.uid, f"cannot tokenize: {exc}", 400, "messages" if msg.messages is not None else "prompt"))
+            self._tokenize_failed(msg, exc)
             return
         self._to_api(ToolReply(msg.uid, token_ids=ids))
+
+    def _tokenize_failed(self, msg: TokenizeOnlyMsg, exc: BaseException) -> None:
+        self._to_api(ErrorMsg(msg.uid, f"cannot tokenize: {exc}", 400, "messages" if msg.messages is not None else "prompt"))
 
     def _encode_failed(self, msg: TokenizeMsg, exc: BaseException) -> None:
         param = "messages" if msg.messages is not None else "prompt"
@@ -158,10 +164,11 @@ class TokenizerWorker:
         )
         if msg.sampling.prompt_logprobs is not None:
             self.states[msg.uid].prompt_ids = ids[:1]
-        self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit))
+        self._to_scheduler(UserMsg(msg.uid, ids, msg.sampling, msg.max_tokens_explicit, msg.group))
 
     def collect_encoded(self) -> None:
-        """Start the requests whose prompts the pool has finished encoding."""
+        """Start the requests whose prompts the pool has finished encoding, and answer the
+        /tokenize calls it has finished."""
         for uid, (msg, future) in list(self.encoding.items()):
             if not future.done():
                 continue
@@ -171,6 +178,19 @@ class TokenizerWorker:
                 self._encode_failed(msg, exc)
             else:
                 self._start(msg, future.result())
+        for uid, (call, done) in list(self.tokenizing.items()):
+            if not done.done():
+                continue
+            del self.tokenizing[uid]
+            exc = done.exception()
+            if exc is not None:
+                self._tokenize_failed(call, exc)
+            else:
+                self._to_api(ToolReply(uid, token_ids=done.result()))
+
+    @property
+    def in_pool(self) -> bool:
+        return bool(self.encoding or self.tokenizing)
 
     def _piece(self, token_id: int) -> str:
         piece = self._piece_cache.get(token_id)
@@ -217,6 +237,7 @@ class TokenizerWorker:
             cached_tokens=out.cached_tokens,
             logprobs=logprobs,
             token_ids=new_ids,
+            embedding=out.embedding,
         )
         if matched is not None and not out.finished:
             reply.finished, reply.finish_reason, reply.matched_stop = True, "stop", matched
@@ -242,9 +263,9 @@ class TokenizerWorker:
         from minisgl.server.process_utils import parent_alive
 
         while True:
-            if not recv_sock.poll(ENCODING_POLL_MS if self.encoding else IDLE_POLL_MS):
+            if not recv_sock.poll(ENCODING_POLL_MS if self.in_pool else IDLE_POLL_MS):
                 self.collect_encoded()
-                if not self.encoding and parent_pid is not None and not parent_alive(parent_pid):
+                if not self.in_pool and parent_pid is not None and not parent_alive(parent_pid):
                     logger.error("the server process is gone; tokenizer worker exits")
                     return
                 continue
@@ -289,6 +310,7 @@ def merge_replies(replies: List[ReplyMsg]) -> List[ReplyMsg]:
         if r.logprobs:
             a.logprobs = (a.logprobs or []) + r.logprobs
         a.prompt_logprobs = a.prompt_logprobs if a.prompt_logprobs is not None else r.prompt_logprobs
+        a.embedding = a.embedding if a.embedding is not None else r.embedding
         a.finished, a.finish_reason, a.matched_stop = r.finished, r.finish_reason, r.matched_stop
         a.prompt_tokens, a.completion_tokens, a.cached_tokens = r.prompt_tokens, r.completion_tokens, r.cached_tokens
     return out
@@ -362,11 +384,21 @@ def run_tokenizer_worker(args: Any, ready_conn: Any) -> None:
     logger.info("tokenizer worker ready (%s)", args.tokenizer_path or "no tokenizer: --skip-tokenizer-init")
     use_pool = tokenizer is not None and args.num_tokenizer_workers > 0
     pool = EncodePool(args.tokenizer_path, args.num_tokenizer_workers, args.log_level) if use_pool else None
+    if pool is not None:
+        # The pool's queues hold named semaphores that only a normal exit unlinks: leaving by
+        # os._exit (the children's SIGTERM handler) left them to the resource tracker, which
+        # warned of 5 leaked semaphores at every stop. SystemExit runs the `finally` below.
+        signal.signal(signal.SIGTERM, _exit_normally)
     try:
         TokenizerWorker(tokenizer, to_scheduler, to_api, pool).run(recv_sock, parent)
     finally:
         if pool is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the shutdown itself is not interrupted
             pool.shutdown()
         for sock in (recv_sock, to_scheduler, to_api):
             sock.close(linger=0)
         ctx.term()
+
+
+def _exit_normally(signum: int, frame: Any) -> None:
+    raise SystemExit(0)

@@ -43,6 +43,8 @@ class Option:
     default_text: str | None = None
     # the parser's default, read when the parser is built (an environment variable); None: the field's
     parser_default: Callable[[], Any] | None = None
+    # a boolean with a --no-<flag> twin (argparse.BooleanOptionalAction); the field's default when neither is given
+    negatable: bool = False
 
     @property
     def is_switch(self) -> bool:
@@ -61,10 +63,11 @@ def knob(
     values: Mapping[str, Any] | None = None,
     default_text: str | None = None,
     parser_default: Callable[[], Any] | None = None,
+    negatable: bool = False,
 ) -> Any:
     """A dataclass field with a default that is also the command-line option described here."""
     assert group in GROUPS, group
-    option = Option(help, group, flags, type, choices, switch, values, default_text, parser_default)
+    option = Option(help, group, flags, type, choices, switch, values, default_text, parser_default, negatable)
     if not option.is_switch:
         # every valued option states its default in --help, so docs/SERVER.md can be checked against it
         assert (default is None) == (default_text is not None), f"a None default needs default_text, and only it has one: {help!r}"
@@ -109,6 +112,9 @@ def add_options(groups: Dict[str, Any], cls: type) -> None:
             )
             continue
         names = flag_names(f, option)
+        if option.negatable:
+            group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            continue
         choices = list(option.values) if option.values is not None else option.choices
         metavar = None if choices else names[0].lstrip("-").replace("-", "_").upper()  # as argparse names it by flag
         group.add_argument(

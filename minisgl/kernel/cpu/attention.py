@@ -89,15 +89,16 @@ class CpuAttnBackend(TorchAttnBackend):
         self._amx = k.lib.prefill_attention_amx_bf16 if dtype == torch.bfloat16 and k.has_amx else None
 
     def takes(self, layer: Any) -> bool:
-        """Whether the kernels run this attention layer (full rotary, a head size and GQA group
-        they were built for, plain causal attention at the default scale, plain q/k RMSNorm).
-        They mask no sliding window and soft-cap nothing: such layers (Gemma) attend through the
-        torch backend this one derives from."""
+        """Whether the kernels run this attention layer (full rotate-half rotary, the default
+        scale: `AttentionLayer.plain`; a head size and GQA group they were built for; plain causal
+        attention at the default scale in the config, plain q/k RMSNorm). They mask no sliding
+        window and soft-cap nothing: such layers (Gemma) attend through the torch backend this
+        one derives from."""
         k = self.kernels
         d, hq, hk = layer.head_dim, layer.num_q_heads, layer.num_kv_heads
         norms = layer._qk_norm or ()
         return (
-            k is not None and layer.rotary.rotary_dim == d and d % 2 == 0 and d <= k.max_head_dim
+            k is not None and layer.plain and d % 2 == 0 and d <= k.max_head_dim
             and hq % hk == 0 and hq // hk <= k.max_group and hk == self.kv_cache.num_kv_heads
             and self.model_config.plain_attention(layer.layer_id) and not any(n.unit_offset for n in norms)
         )  # fmt: skip

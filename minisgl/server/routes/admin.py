@@ -2,7 +2,8 @@
 
 `/health` and `/metrics` answer without the API key (load balancers and Prometheus probe them);
 everything else here needs it when the server has one. Every GET route also answers HEAD (the
-same status and headers, no body; the same auth).
+same status and headers, no body; the same auth). Every route that changes state depends on
+`require_same_site` (no cross-site 'simple' POSTs).
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from minisgl.server.frontend import Unavailable
 from minisgl.server.metrics import CONTENT_TYPE
 from minisgl.server.protocol import ChatMessage, TokenId
 from minisgl.server.protocol import _Base as _Strict
-from minisgl.server.routes.common import APIError, GuardedRoute, check_model, get_state, need_tokenizer, read_body, require_api_key
+from minisgl.server.routes.common import (
+    APIError,
+    GuardedRoute,
+    check_model,
+    get_state,
+    has_body,
+    need_tokenizer,
+    read_body,
+    require_api_key,
+    require_same_site,
+)
 
 open_router = APIRouter(route_class=GuardedRoute)
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
@@ -28,9 +39,13 @@ router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_k
 
 @open_router.api_route("/health", methods=["GET", "HEAD"])
 async def health(request: Request) -> Response:
+    """Readiness: 200 while the server takes requests; 503 once a worker died, and while draining
+    on SIGTERM (a router or Kubernetes then stops sending here while running requests finish)."""
     state = get_state(request)
     if not state.healthy():
         return JSONResponse({"status": "unhealthy", "reason": state.frontend.failure}, status_code=503)
+    if state.frontend.draining:
+        return JSONResponse({"status": "draining", "reason": "the server is shutting down"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
@@ -103,8 +118,14 @@ async def server_info(request: Request) -> Dict[str, Any]:
     }
 
 
-@router.post("/flush_cache")
+class FlushCacheRequest(_Strict):
+    """No fields: a body, when sent, is `{}` (anything else is refused, never ignored)."""
+
+
+@router.post("/flush_cache", dependencies=[Depends(require_same_site)])
 async def flush_cache(request: Request) -> Dict[str, Any]:
+    if has_body(request):
+        await read_body(request, FlushCacheRequest)
     try:
         done = await get_state(request).frontend.flush_cache()
     except Unavailable as exc:
@@ -138,7 +159,10 @@ async def tokenize(request: Request) -> Dict[str, Any]:
     need_tokenizer(state, "/tokenize")
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-    messages = [m.to_template() for m in body.messages] if body.messages is not None else None
+    try:
+        messages = [m.to_template() for m in body.messages] if body.messages is not None else None
+    except ValueError as exc:  # a content part that is not text
+        raise APIError(400, str(exc), param="messages") from None
     size = len((body.prompt or "").encode("utf-8")) + sum(len(str(m["content"]).encode("utf-8")) for m in messages or [])
     state.limits.check_prompt_text(size, "prompt" if messages is None else "messages")
     reply = await _tool_call(state, text=body.prompt, messages=messages, add_special_tokens=body.add_special_tokens,

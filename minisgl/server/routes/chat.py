@@ -28,6 +28,7 @@ from minisgl.server.routes.common import (
     need_tokenizer,
     read_body,
     require_api_key,
+    require_generate_task,
     respond,
     stream_error,
     usage,
@@ -41,6 +42,7 @@ router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_k
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
+    require_generate_task(state)
     body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, UNSUPPORTED_CHAT_FIELDS)
     log_ignored(request, body)
     check_model(state, body.model)

@@ -25,7 +25,7 @@ from minisgl.message import ErrorMsg, ReplyMsg, TokenizeMsg
 from minisgl.sampling_params import InvalidRequest, SamplingParams
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend, Overloaded, RequestStream, Unavailable
-from minisgl.server.limits import RequestLimits, check_json_tree
+from minisgl.server.limits import RequestLimits, parse_json
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.protocol import is_unset
 from minisgl.utils.logger import init_logger
@@ -167,6 +167,7 @@ class ServerState:
         self.limits = RequestLimits.for_server(args.max_request_bytes, args.max_prompt_bytes, info)
         self.model_name = args.model_name
         self.skip_tokenizer = args.skip_tokenizer_init  # token ids in, token ids out
+        self.task: str = info.get("task", "generate")  # "generate" or "embed" (--task)
         self.model_aliases = {self.model_name, args.model or "", args.model_path}
         self.created = int(time.time())
         self._api_key = args.api_key.encode() if args.api_key else None
@@ -196,6 +197,50 @@ def require_api_key(request: Request) -> None:
         raise APIError(401, "incorrect API key provided", code="invalid_api_key")
 
 
+def _origin_key(origin: str) -> str:
+    """An origin compared as browsers mean it: lower case, no default port."""
+    origin = origin.strip().lower().rstrip("/")
+    for scheme, port in (("http://", ":80"), ("https://", ":443")):
+        if origin.startswith(scheme) and origin.endswith(port):
+            return origin[: -len(port)]
+    return origin
+
+
+def has_body(request: Request) -> bool:
+    """Whether the request declares a body (a chunked one, or a Content-Length above 0)."""
+    if "transfer-encoding" in request.headers:
+        return True
+    return request.headers.get("content-length", "0").strip() not in ("", "0")
+
+
+def require_same_site(request: Request) -> None:
+    """Route dependency of every state-changing route (POST /flush_cache, ...). CORS does not stop
+    a cross-site 'simple' request (text/plain, a form, no body): the browser sends it without a
+    preflight and only hides the answer, after the cache is gone. So: a request whose `Origin` is
+    neither this server's own nor in --allowed-origins gets 403, and one with a body, or sent from
+    a page at all (it has an Origin), must declare it JSON (415), which a page cannot do without a
+    preflight. curl and the SDKs send no Origin: their bodyless POSTs keep working."""
+    state = get_state(request)
+    origin = request.headers.get("origin")
+    if origin is not None:
+        own = _origin_key(f"{request.url.scheme}://{request.headers.get('host', '')}")
+        allowed = {_origin_key(o) for o in state.args.allowed_origins or []}
+        if _origin_key(origin) != own and "*" not in allowed and _origin_key(origin) not in allowed:
+            raise APIError(
+                403,
+                f"cross-origin request refused: the origin {origin!r} may not change this server's state "
+                "(it is not this server's origin nor in --allowed-origins)",
+                code="forbidden_origin",
+            )
+    if (origin is not None or has_body(request)) and not _is_json_media_type(request.headers.get("content-type", "")):
+        content_type = request.headers.get("content-type", "")
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, got {content_type or 'none'!r}",
+            code="unsupported_media_type",
+        )
+
+
 def need_tokenizer(state: ServerState, what: str, param: str | None = None) -> None:
     """Refuse `what` on a server without a tokenizer (--skip-tokenizer-init): never ignore it."""
     if state.skip_tokenizer:
@@ -204,6 +249,17 @@ def need_tokenizer(state: ServerState, what: str, param: str | None = None) -> N
             f"{what} needs a tokenizer, and this server runs with --skip-tokenizer-init (token ids in, token ids out)",
             param=param,
             code="tokenizer_required",
+        )
+
+
+def require_generate_task(state: ServerState) -> None:
+    """An embed server (--task embed, or a bare decoder checkpoint) generates nothing."""
+    if state.task != "generate":
+        raise APIError(
+            400,
+            "this server runs the embed task (--task embed, or an embedding checkpoint): it serves /v1/embeddings, "
+            "not text generation; start a server with --task generate for that",
+            code="wrong_task",
         )
 
 
@@ -229,7 +285,8 @@ def _is_json_media_type(content_type: str) -> bool:
 async def read_body(request: Request, model: type[BaseModel], unsupported: Sequence[str] = ()) -> Any:
     """The request's JSON body as `model`, or an APIError: 415 unless the body is declared JSON
     (so that a web page cannot POST here with a 'simple' cross-site request, which a browser sends
-    without asking first), 413 beyond the size limit, 400 for malformed, too deep or invalid JSON."""
+    without asking first), 413 beyond the size limit, 400 for malformed, too deep or invalid JSON
+    (`limits.parse_json`: the depth is checked before anything parses it)."""
     limits = get_state(request).limits
     content_type = request.headers.get("content-type", "")
     if not _is_json_media_type(content_type):
@@ -255,17 +312,11 @@ async def read_body(request: Request, model: type[BaseModel], unsupported: Seque
     if not body:
         raise APIError(400, "the request body is empty: send a JSON object")
     try:
-        data = json.loads(body)
-    except RecursionError:
-        raise APIError(400, f"the request body is nested deeper than {limits.max_json_depth} levels", code="invalid_json") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-    try:
-        check_json_tree(data, limits.max_json_depth)
+        data = parse_json(body, None, "the request body", limits.max_json_depth)
     except InvalidRequest as exc:
         raise APIError.from_invalid(exc) from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
     for name in unsupported:
         if name in data:
             if not is_unset(data[name]):
@@ -409,6 +460,7 @@ class Result:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.prompt_logprobs: List[List[Any]] | None = None
+        self.embedding: bytes | None = None  # the embed task's vector (float32 little-endian)
 
     def add(self, reply: ReplyMsg) -> None:
         if reply.prompt_logprobs is not None:
@@ -423,6 +475,7 @@ class Result:
         if reply.finished:
             self.finish_reason = reply.finish_reason
             self.matched_stop = reply.matched_stop
+            self.embedding = reply.embedding
 
 
 async def collect(request: Request, stream: RequestStream) -> List[Result]:

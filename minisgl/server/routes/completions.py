@@ -27,6 +27,7 @@ from minisgl.server.routes.common import (
     prompt_messages,
     read_body,
     require_api_key,
+    require_generate_task,
     respond,
     stream_error,
     usage,
@@ -41,6 +42,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = get_state(request)
+    require_generate_task(state)
     body: CompletionRequest = await read_body(request, CompletionRequest, UNSUPPORTED_COMPLETION_FIELDS)
     log_ignored(request, body)
     check_model(state, body.model)

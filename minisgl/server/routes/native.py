@@ -24,6 +24,7 @@ from minisgl.server.routes.common import (
     prompt_messages,
     read_body,
     require_api_key,
+    require_generate_task,
     respond,
     stream_error,
     validated,
@@ -50,6 +51,7 @@ _RENAME = {
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     state = get_state(request)
+    require_generate_task(state)
     body: GenerateRequest = await read_body(request, GenerateRequest)
     param = "text" if body.text is not None else "input_ids"
     try:
