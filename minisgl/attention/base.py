@@ -39,6 +39,10 @@ class AttnCap(enum.Flag):
 class BaseAttnBackend(ABC):
     # the pool formats (kvcache/pool.py KV_CACHE_DTYPES) this backend's kernels read and write
     kv_cache_dtypes: Tuple[str, ...] = ("auto",)
+    # the attention options beyond plain causal softmax (ModelConfig.attention_features: a
+    # per-layer sliding_window, attn_logit_softcapping, query_pre_attn_scalar) this backend
+    # computes; a model that needs another is refused at init, by the option's name
+    attention_features: Tuple[str, ...] = ()
 
     def __init__(self, model_config: ModelConfig) -> None:
         ctx = get_global_ctx()
@@ -47,6 +51,12 @@ class BaseAttnBackend(ABC):
             raise ValueError(
                 f"attention backend {type(self).__name__} does not support kv_cache_dtype={ctx.kv_cache.kv_cache_dtype!r} "
                 f"(it supports: {', '.join(self.kv_cache_dtypes)}); the torch backend reads every format"
+            )
+        missing = [f for f in model_config.attention_features() if f not in self.attention_features]
+        if missing:
+            raise ValueError(
+                f"attention backend {type(self).__name__} does not implement {', '.join(missing)} "
+                f"({model_config.architecture}); the torch, cpu, triton and deterministic backends do"
             )
         self.model_config = model_config
         self.kv_cache = ctx.kv_cache

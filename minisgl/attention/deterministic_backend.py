@@ -12,6 +12,11 @@ online softmax in float32. Every sum and max is a fixed pairwise tree of element
 (on CUDA a reduction's block layout depends on how many outputs it has). One code path serves prefill, chunked prefill and decode, so a
 token computed in a decode step equals the same token recomputed in a prefill.
 
+Gemma's options (a per-layer sliding window, soft-capped scores, another scale) change only
+which positions of a block are valid and each score, never the walk: blocks wholly before a
+query's window are exact no-ops as well (hence a finite running max: a query may see no key of its
+first blocks).
+
 On CUDA the same walk runs as one Triton program per (query, head)
 (`kernel/triton_deterministic.py`); the torch version here serves the CPU. It is slow (no key
 reuse across queries) and meant for reproducibility, not speed.
@@ -41,6 +46,8 @@ class DeterministicAttnMetadata(BaseAttnMetadata):
 
 
 class DeterministicAttnBackend(BaseAttnBackend):
+    attention_features = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
+
     def prepare_metadata(self, batch: Batch) -> None:
         rows: List[int] = []
         positions: List[int] = []
@@ -60,14 +67,18 @@ class DeterministicAttnBackend(BaseAttnBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         meta: DeterministicAttnMetadata = batch.attn_metadata
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        window = self.model_config.window_of(layer_id)
         if q.is_cuda:
             from minisgl.kernel.triton_deterministic import deterministic_attention
 
-            return deterministic_attention(q, k_cache, v_cache, self.page_table, meta.rows, meta.positions, max(meta.chunk_blocks))
+            return deterministic_attention(
+                q, k_cache, v_cache, self.page_table, meta.rows, meta.positions, max(meta.chunk_blocks),
+                sm_scale=self.model_config.softmax_scale, window=window, softcap=self.model_config.attn_logit_softcapping,
+            )  # fmt: skip
         out = torch.empty_like(q)
         for c, num_blocks in enumerate(meta.chunk_blocks):
             lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])
-            out[lo:hi] = self._attend_chunk(q[lo:hi], meta.rows[lo:hi], meta.positions[lo:hi], num_blocks, k_cache, v_cache)
+            out[lo:hi] = self._attend_chunk(q[lo:hi], meta.rows[lo:hi], meta.positions[lo:hi], num_blocks, k_cache, v_cache, window)
         return out
 
     def _attend_chunk(
@@ -78,22 +89,32 @@ class DeterministicAttnBackend(BaseAttnBackend):
         num_blocks: int,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         n, hq, d = q.shape
         hk = k_cache.shape[1]
+        cfg = self.model_config
+        sm_scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(d)
+        cap = cfg.attn_logit_softcapping
         # [n, 1, Hk, G, D]: one key block broadcasts over the G query heads of its KV head
-        qf = (q.float() * (1.0 / math.sqrt(d))).view(n, 1, hk, hq // hk, d)
+        qf = (q.float() * sm_scale).view(n, 1, hk, hq // hk, d)
         width = self.page_table.shape[1]
         offsets = torch.arange(BLOCK, device=q.device)
-        m = torch.full((n, hk, hq // hk), float("-inf"), device=q.device)
+        # finite: a block wholly outside a query's window leaves it unchanged (exp(-inf) = 0,
+        # rescale exp(0) = 1); without a window key 0 is always visible and no bit changes
+        m = torch.full((n, hk, hq // hk), -1.0e30, device=q.device)
         denom = torch.zeros_like(m)
         acc = torch.zeros((n, hk, hq // hk, d), device=q.device)
         for j in range(num_blocks):
             cols = j * BLOCK + offsets
             valid = cols[None, :] <= positions[:, None]  # [n, BLOCK]
+            if window is not None:
+                valid &= cols[None, :] > positions[:, None] - window
             slots = self.page_table[rows[:, None], cols.clamp(max=width - 1)[None, :]].long()
             keys = k_cache[slots].float()  # [n, BLOCK, Hk, D]
             scores = _tree(qf * keys[:, :, :, None, :], -1, torch.add)  # [n, BLOCK, Hk, G]
+            if cap is not None:
+                scores = torch.tanh(scores / cap) * cap
             scores = torch.where(valid[:, :, None, None], scores, float("-inf"))
             m_new = torch.maximum(m, _tree(scores, 1, torch.maximum))
             probs = torch.exp(scores - m_new[:, None])

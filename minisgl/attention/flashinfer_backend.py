@@ -33,7 +33,6 @@ tests/test_flashinfer_cuda.py's first version). An fp8_e4m3 pool is passed as Fl
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
@@ -61,6 +60,9 @@ class FlashInferAttnMetadata(BaseAttnMetadata):
 class FlashInferAttnBackend(BaseAttnBackend):
     caps = AttnCap.DECODE_GRAPH
     kv_cache_dtypes = ("auto", "fp8_e4m3")
+    # Not sliding windows: a step would need one plan per window (window_left), each on its own
+    # workspace, and soft-capping serves only models that also have windows (Gemma 2).
+    attention_features = ("query_pre_attn_scalar",)
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -74,7 +76,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
         self.head_dim = model_config.head_dim
         self.dtype = self.kv_cache.model_dtype  # q and the output
         self.kv_dtype = self.kv_cache.dtype  # the pool's: the model dtype or float8_e4m3fn
-        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+        self.sm_scale = model_config.softmax_scale
         self.use_tensor_cores = True  # for every GQA group (see the module docstring)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")

@@ -7,7 +7,7 @@ module imports each backend only when it is created.
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -54,9 +54,10 @@ def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
     return DeterministicAttnBackend(cfg)
 
 
-def resolve_attention_backend(name: str, device: torch.device) -> str:
-    """'auto' -> triton on CUDA if importable, else flashinfer, else torch; cpu on a CPU (the
-    paged C kernels, itself the torch backend where they do not apply).
+def resolve_attention_backend(name: str, device: torch.device, features: Sequence[str] = ()) -> str:
+    """'auto' -> triton on CUDA if importable, else flashinfer (unless the model needs attention
+    `features` it lacks: sliding windows, soft-capping), else torch; cpu on a CPU (the paged C
+    kernels, itself the torch backend where they do not apply).
 
     Triton first: it was the faster of the two on the H200's offline recipe, with bf16 and even
     more with fp8 K/V (the figures are in docs/PERFORMANCE.md), and it captures prefill and mixed
@@ -67,6 +68,8 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
     for candidate in ("triton", "flashinfer"):
+        if candidate == "flashinfer" and any(f != "query_pre_attn_scalar" for f in features):
+            continue  # (FlashInferAttnBackend.attention_features)
         try:
             importlib.import_module(candidate)
             return candidate
@@ -77,4 +80,4 @@ def resolve_attention_backend(name: str, device: torch.device) -> str:
 
 def create_attention_backend(name: str, model_config: ModelConfig) -> BaseAttnBackend:
     device = get_global_ctx().page_table.device  # type: ignore[union-attr]
-    return ATTN_BACKENDS.get(resolve_attention_backend(name, device))(model_config)
+    return ATTN_BACKENDS.get(resolve_attention_backend(name, device, model_config.attention_features()))(model_config)

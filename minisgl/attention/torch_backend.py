@@ -3,12 +3,17 @@
 Prefill runs one SDPA per request (queries [cached_len, device_len) against keys
 [0, device_len), causal with the cached-prefix offset). Decode gathers every request's keys into a
 padded [B, max_len] block and runs one masked SDPA for the whole batch.
+
+It is the reference for the per-layer options of ModelConfig (Gemma): a sliding window (a query
+at position p sees keys at positions > p - window, transformers' `sliding_window_overlay`), the
+score scale, and tanh soft-capping of the scores (then attention is spelled out: SDPA has no
+soft-cap), softmax in float32 as transformers' eager attention.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +29,18 @@ class TorchPrefillSeq:
     q_len: int
     slots: torch.Tensor  # [seq_len] pool slots of this request's keys
     mask: torch.Tensor | None  # [q_len, seq_len] bool, None when plainly causal (no cached prefix)
+    # the masks of windowed layers, by window, made on first use
+    window_masks: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
+    """[len(q_pos), k_len] bool: key j is visible to the query at position p when j <= p and,
+    with a window, j > p - window (so each query sees at most `window` keys, itself included)."""
+    k_pos = torch.arange(k_len, device=q_pos.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
+    return mask
 
 
 @dataclass
@@ -35,11 +52,14 @@ class TorchAttnMetadata(BaseAttnMetadata):
     prefill: List[TorchPrefillSeq] | None = None
     decode_slots: torch.Tensor | None = None  # [B, max_len]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len]
+    decode_lens: torch.Tensor | None = None  # [B]
+    decode_window_masks: Dict[int, torch.Tensor] = field(default_factory=dict)
     built: bool = False
 
 
 class TorchAttnBackend(BaseAttnBackend):
     kv_cache_dtypes: Tuple[str, ...] = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
+    attention_features: Tuple[str, ...] = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -63,6 +83,7 @@ class TorchAttnBackend(BaseAttnBackend):
             meta.decode_slots = self.page_table[rows, :max_len].long()
             valid = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
             meta.decode_mask = valid[:, None, None, :]
+            meta.decode_lens = seq_lens
         else:
             seqs: List[TorchPrefillSeq] = []
             start = 0
@@ -78,22 +99,61 @@ class TorchAttnBackend(BaseAttnBackend):
         meta.built = True
         return meta
 
+    def _decode_mask(self, meta: TorchAttnMetadata, window: int | None) -> torch.Tensor:
+        assert meta.decode_mask is not None and meta.decode_lens is not None
+        if window is None:
+            return meta.decode_mask
+        if window not in meta.decode_window_masks:  # the query is at position len - 1
+            k_pos = torch.arange(meta.decode_mask.shape[-1], device=self.device)[None, :]
+            recent = k_pos >= meta.decode_lens[:, None] - window
+            meta.decode_window_masks[window] = meta.decode_mask & recent[:, None, None, :]
+        return meta.decode_window_masks[window]
+
+    @staticmethod
+    def _prefill_mask(s: TorchPrefillSeq, window: int | None) -> torch.Tensor | None:
+        if window is None:
+            return s.mask
+        if window not in s.window_masks:
+            k_len = s.slots.shape[0]
+            s.window_masks[window] = window_mask(torch.arange(k_len - s.q_len, k_len, device=s.slots.device), k_len, window)
+        return s.window_masks[window]
+
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         meta = self._views(batch.attn_metadata)
         cast = self._compute_dtype
+        cfg = self.model_config
+        # (scale None: SDPA's own default, the bits every other model had before)
+        window, scale, cap = cfg.window_of(layer_id), cfg.attn_scale, cfg.attn_logit_softcapping
         if meta.decode_slots is not None:
             keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
-            o = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
+            o = _attention(q.unsqueeze(2).to(keys.dtype), keys, values, self._decode_mask(meta, window), scale, cap)
             return o.squeeze(2).to(q.dtype)
         out = torch.empty_like(q)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
             ki, vi = self.kv_cache.gather(layer_id, s.slots, cast)
             ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hk, S, D]
-            oi = F.scaled_dot_product_attention(qi.to(ki.dtype), ki, vi, attn_mask=s.mask, is_causal=s.mask is None, enable_gqa=True)
+            oi = _attention(qi.to(ki.dtype), ki, vi, self._prefill_mask(s, window), scale, cap)
             out[s.q_start : s.q_start + s.q_len] = oi.transpose(0, 1).to(q.dtype)
         return out
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None, softcap: float | None
+) -> torch.Tensor:
+    """q [..., Hq, L, D] over k, v [..., Hk, S, D]; mask [..., L, S] bool (True: attend) or None
+    for plain causal; scale None: D^-0.5."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
 
 
 def _cumsum(xs: List[int]) -> Tuple[int, ...]:

@@ -21,7 +21,6 @@ at most 2 runs a CUDA-core kernel over the pool's int32 words instead (`use_cc_d
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
@@ -77,6 +76,7 @@ class TritonAttnBackend(BaseAttnBackend):
     # fp8_e4m3: the kernels store as the pool's reference store does and widen exactly as they
     # load, so decode reads half the bytes
     kv_cache_dtypes = ("auto", "fp8_e4m3")
+    attention_features = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -84,7 +84,9 @@ class TritonAttnBackend(BaseAttnBackend):
         self.num_qo_heads = div_even(model_config.num_qo_heads, tp)
         self.num_kv_heads = self.kv_cache.num_kv_heads
         self.head_dim = model_config.head_dim
-        self.sm_scale = 1.0 / math.sqrt(self.head_dim)
+        # the kernels take each layer's window and the score soft-cap (Gemma) as arguments
+        self.sm_scale = model_config.softmax_scale
+        self.softcap = model_config.attn_logit_softcapping
         # (the CPU branch only serves Triton's interpreter, TRITON_INTERPRET=1, in kernel tests)
         cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 8
@@ -166,6 +168,7 @@ class TritonAttnBackend(BaseAttnBackend):
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         meta: TritonAttnMetadata = batch.attn_metadata
+        window, cap = self.model_config.window_of(layer_id), self.softcap
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_splits is not None:
@@ -176,7 +179,7 @@ class TritonAttnBackend(BaseAttnBackend):
             assert meta.mid_lse is not None
             decode_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits,
-                meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order,
+                meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order, window=window, softcap=cap,
             )  # fmt: skip
             return out
         if meta.num_decode > 0:
@@ -188,13 +191,13 @@ class TritonAttnBackend(BaseAttnBackend):
             decode_attention(
                 q[:nd], k_cache, v_cache, self.page_table, meta.dec_rows, meta.dec_seq_lens, meta.dec_num_splits,
                 mid_o, mid_lse, out[:nd], self.sm_scale,
-                block_n=decode_tile(MIXED_DECODE_TILE_BS, q.dtype), order=meta.dec_order,
+                block_n=decode_tile(MIXED_DECODE_TILE_BS, q.dtype), order=meta.dec_order, window=window, softcap=cap,
             )  # fmt: skip
         if meta.max_extend_len > 0:
             assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
             extend_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.q_start, meta.cached_lens,
-                meta.extend_lens, meta.max_extend_len, out, self.sm_scale,
+                meta.extend_lens, meta.max_extend_len, out, self.sm_scale, window=window, softcap=cap,
             )  # fmt: skip
         return out
 

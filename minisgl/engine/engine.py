@@ -124,7 +124,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
         if config.tp_info.size > 1:
             raise ValueError("deterministic mode needs tp=1 (all-reduce order is not batch-invariant here)")
         config = dataclasses.replace(config, attention_backend="deterministic", cpu_fast_decode=False)
-    backend = resolve_attention_backend(config.attention_backend, device)
+    backend = resolve_attention_backend(config.attention_backend, device, config.model_config.attention_features())
     if backend == "cpu" and config.attention_backend == "auto" and not config.cpu_fast_decode:
         backend = "torch"  # the module path on torch ops alone, as without the C kernels
     max_bs = config.cuda_graph_max_bs

@@ -26,6 +26,12 @@ costs per-byte shared-memory loads on an 8-bit tile.
 All softmax arithmetic is float32 in base 2 (the scale is pre-multiplied by log2(e)). Float32
 inputs use IEEE dots (not TF32) so float32 models match the reference exactly enough for greedy
 comparisons.
+
+Per-layer options (Gemma; ModelConfig.window_of, attn_logit_softcapping): a sliding window
+`window` (NO_WINDOW: none) is a lower bound on the key range, position > q_pos - window (decode
+splits [seq_len - window, seq_len) instead of [0, seq_len); an extend block starts at its first
+query's bound and masks per row); SOFTCAP > 0 applies cap * tanh(s / cap) to each score s before
+the softmax (a compile-time constant: a model without it runs the kernels it ran before).
 """
 
 from __future__ import annotations
@@ -62,6 +68,14 @@ CC_TILE = (64, 4)
 CC_PREFETCH = 2
 # Triton's interpreter runs no inline PTX: the CUDA-core kernel widens fp8 from the bits there
 _INTERPRET = read_env().triton_interpret
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # (what the kernels may read of it)
+# the `window` of a layer without one: every position is > q_pos - NO_WINDOW (int32-safe)
+NO_WINDOW = 1 << 30
+
+
+# (SOFTCAP > 0: each kernel applies cap * tanh(s / cap) to its scores, which it holds as
+# s * log2(e), the base-2 softmax's: cap2 * tanh(x / cap2) with cap2 = cap * log2(e); tanh as
+# 2 sigmoid(2y) - 1, which the interpreter runs too (it has no libdevice): ~1e-7 absolute)
 
 
 @triton.jit
@@ -77,6 +91,7 @@ def _decode_partial_kernel(
     MidO,
     MidLse,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -99,6 +114,7 @@ def _decode_partial_kernel(
     HAS_ORDER: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -117,8 +133,9 @@ def _decode_partial_kernel(
     if split < n_split:
         seq_len = tl.load(SeqLens + b).to(tl.int32)
         row = tl.load(Rows + b).to(tl.int64)
-        split_len = tl.cdiv(seq_len, n_split)
-        start = split * split_len
+        lo = tl.maximum(seq_len - window, 0)  # the query (position seq_len - 1) sees keys >= lo
+        split_len = tl.cdiv(seq_len - lo, n_split)
+        start = lo + split * split_len
         end = tl.minimum(start + split_len, seq_len)
 
         offs_h = tl.arange(0, BLOCK_H)
@@ -150,6 +167,8 @@ def _decode_partial_kernel(
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            if SOFTCAP > 0:
+                qk = (SOFTCAP * LOG2E_C) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E_C))) - 1.0)
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
@@ -228,6 +247,7 @@ def _decode_cc_kernel(
     MidO,
     MidLse,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ks,
@@ -251,6 +271,7 @@ def _decode_cc_kernel(
     USE_PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 2,
     ASM: tl.constexpr = True,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Decode over an fp8 pool on CUDA cores, for small GQA groups (no tl.dot: a group of 2 would
     pad to 16 rows, and the dot operands' layout change costs per-byte shared-memory loads).
@@ -276,8 +297,9 @@ def _decode_cc_kernel(
     if split < n_split:
         seq_len = tl.load(SeqLens + b).to(tl.int32)
         row = tl.load(Rows + b).to(tl.int64)
-        split_len = tl.cdiv(seq_len, n_split)
-        start = split * split_len
+        lo = tl.maximum(seq_len - window, 0)  # the query (position seq_len - 1) sees keys >= lo
+        split_len = tl.cdiv(seq_len - lo, n_split)
+        start = lo + split * split_len
         end = tl.minimum(start + split_len, seq_len)
         BLOCK_N: tl.constexpr = KEYS * STREAMS
 
@@ -335,6 +357,8 @@ def _decode_cc_kernel(
                 vw = tl.load(v_base + slots * stride_vs, mask=(cur < end) & mask_w, other=0)
             k0, k1, k2, k3 = _e4m3x4_to_f32(kw, ASM)
             qk = tl.sum(q0 * k0 + q1 * k1 + q2 * k2 + q3 * k3, axis=3)  # [H, STREAMS, KEYS]
+            if SOFTCAP > 0:
+                qk = (SOFTCAP * LOG2E_C) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E_C))) - 1.0)
             qk = tl.where(n0 + offs_t3 < end, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=2))
             p3 = tl.exp2(qk - m_new[:, :, None])
@@ -422,6 +446,7 @@ def _extend_kernel(
     CachedLens,
     ExtendLens,
     qk_scale,
+    window,
     stride_qt,
     stride_qh,
     stride_outt,
@@ -438,6 +463,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -467,11 +493,15 @@ def _extend_kernel(
         q_pos = cached + offs_m
         kv_end = cached + tl.minimum((mb + 1) * BLOCK_M, ext)  # keys past the block's last query are masked anyway
 
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        # the block's first query sees keys > its position - window: no earlier key block is read
+        kv_start = tl.maximum(cached + mb * BLOCK_M - window + 1, 0)
+        # finite: with a window a row may see no key of the first block read (-inf - -inf is NaN);
+        # without one key 0 is visible to every row and this changes no bit
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         pt_row = PageTable + row * stride_pt
-        for n0 in range(0, kv_end, BLOCK_N):
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_end
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -479,9 +509,10 @@ def _extend_kernel(
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+            if SOFTCAP > 0:
+                qk = (SOFTCAP * LOG2E_C) * (2.0 * tl.sigmoid(qk * (2.0 / (SOFTCAP * LOG2E_C))) - 1.0)
+            visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window) & mask_n[None, :]
             qk = tl.where(visible, qk, float("-inf"))
-            # key 0 is visible to every row, so after the first block m_i is finite
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             p = tl.exp2(qk - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
@@ -532,6 +563,8 @@ def _decode_cc(
     mid_lse: torch.Tensor,
     sm_scale: float,
     pdl: bool,
+    window: int,
+    softcap: float,
 ) -> None:
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
@@ -546,7 +579,7 @@ def _decode_cc(
     kw, vw = k_cache.view(torch.int32), v_cache.view(torch.int32)
     _decode_cc_kernel[(Hk, B, S)](
         q, kw, vw, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, window,
         q.stride(0), q.stride(1),
         kw.stride(0), kw.stride(1), vw.stride(0), vw.stride(1),
         page_table.stride(0),
@@ -554,7 +587,8 @@ def _decode_cc(
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(group), KEYS=keys, STREAMS=streams,
         BLOCK_W=triton.next_power_of_2(D) // 4, DIRECT=S == 1, HAS_ORDER=order is not None, USE_PDL=pdl,
-        PREFETCH=CC_PREFETCH, ASM=not _INTERPRET, num_warps=num_warps, num_stages=1, **launch_kwargs(pdl),
+        PREFETCH=CC_PREFETCH, ASM=not _INTERPRET, SOFTCAP=softcap, num_warps=num_warps, num_stages=1,
+        **launch_kwargs(pdl),
     )  # fmt: skip
 
 
@@ -574,13 +608,16 @@ def decode_attention(
     num_warps: int = 4,
     num_stages: int | None = None,
     order: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
     order: [B] the batch rows in the order their programs should start (longest first), or None;
     mid_o: [B, Hq, S, D] float32, mid_lse: [B, Hq, S] float32 (S = the grid's split bound).
     With S == 1 the first stage writes `out` directly and the scratch is not touched.
     block_n / num_warps / num_stages are the tensor-core kernel's; the CUDA-core one (an fp8 pool,
-    `use_cc_decode`) takes CC_TILE."""
+    `use_cc_decode`) takes CC_TILE. window: the layer's sliding window (None: none); softcap: the
+    score soft-cap (None: none)."""
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     group = Hq // Hk
@@ -596,13 +633,14 @@ def decode_attention(
     f16_dot = k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
+    win, cap = window if window is not None else NO_WINDOW, float(softcap or 0.0)
     if use_cc_decode(q.dtype, k_cache.dtype, group, D):
         _decode_cc(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, order, dst, dst_strides, mid_lse,
-                   sm_scale, pdl)  # fmt: skip
+                   sm_scale, pdl, win, cap)  # fmt: skip
     else:
         _decode_partial_kernel[(Hk, B, S)](
             q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, rows if order is None else order, dst, mid_lse,
-            sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0),
+            sm_scale * LOG2E / (F16_Q_SCALE.value if f16_dot else 1.0), win,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             page_table.stride(0),
@@ -610,7 +648,8 @@ def decode_attention(
             mid_lse.stride(0), mid_lse.stride(1),
             GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-            USE_PDL=pdl, F16_DOT=f16_dot, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
+            USE_PDL=pdl, F16_DOT=f16_dot, SOFTCAP=cap, num_warps=num_warps, num_stages=num_stages,
+            **launch_kwargs(pdl),
         )  # fmt: skip
     if direct:
         return
@@ -638,10 +677,13 @@ def extend_attention(
     sm_scale: float,
     config: tuple[int, int, int, int] | None = None,
     heavy_first: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata.
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles;
-    heavy_first: start the query blocks nearest the end of each chunk first (see the kernel)."""
+    heavy_first: start the query blocks nearest the end of each chunk first (see the kernel);
+    window / softcap: as decode_attention's."""
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
@@ -658,12 +700,12 @@ def extend_attention(
     grid = (B, Hq, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, q_start, cached_lens, extend_lens,
-        sm_scale * LOG2E,
+        sm_scale * LOG2E, window if window is not None else NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first,
+        PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first, SOFTCAP=float(softcap or 0.0),
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

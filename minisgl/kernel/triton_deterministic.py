@@ -6,6 +6,8 @@ compile-time constants, so a query gets the same bits in a decode step and in a 
 program walks as many blocks as the launch's longest query: a block wholly past a query's
 position is an exact no-op (its scores are -inf: it adds 0 and rescales by exp(0) = 1). Slower
 than the split-K kernels (no key reuse across queries), which is the price of the mode.
+A sliding window (`window`) and soft-capping (SOFTCAP) only mask positions and bend scores, as in
+the torch version (attention/deterministic_backend.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 64
+NO_WINDOW = 1 << 30  # the `window` of a layer without one
 
 
 @triton.jit
@@ -27,6 +30,7 @@ def _deterministic_attention_kernel(
     rows_ptr,  # [T] int64
     positions_ptr,  # [T] int64
     sm_scale,
+    window,
     num_blocks,  # key blocks of the longest query (a shorter one's extra blocks are exact no-ops)
     stride_qt,
     stride_qh,
@@ -41,6 +45,7 @@ def _deterministic_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -50,16 +55,18 @@ def _deterministic_attention_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32) * sm_scale
-    m = tl.full((), float("-inf"), tl.float32)
+    m = tl.full((), -1.0e30, tl.float32)  # finite: blocks before the window are no-ops
     denom = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     offs = tl.arange(0, BLOCK_N)
     for j in range(0, num_blocks):
         cols = j * BLOCK_N + offs
-        valid = cols <= pos
+        valid = (cols <= pos) & (cols > pos - window)
         slots = tl.load(page_table_ptr + row * stride_pt + cols, mask=valid, other=0).to(tl.int64)
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_h * stride_kh + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        if SOFTCAP > 0:
+            scores = SOFTCAP * (2.0 * tl.sigmoid(scores * (2.0 / SOFTCAP)) - 1.0)  # tanh (the interpreter has no libdevice)
         scores = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
@@ -80,10 +87,14 @@ def deterministic_attention(
     rows: torch.Tensor,
     positions: torch.Tensor,
     num_blocks: int | None = None,
+    sm_scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k/v_cache: [slots, Hk, D]; rows/positions: [T]. Returns [T, Hq, D].
     `num_blocks`: BLOCK-key blocks of the longest query, known on the host (None: read from
-    `positions`, a device sync)."""
+    `positions`, a device sync). sm_scale: None = head_dim^-0.5; window: the layer's sliding
+    window (None: none); softcap: the score soft-cap (None: none)."""
     num_tokens, hq, head_dim = q.shape
     hk = k_cache.shape[1]
     out = torch.empty_like(q)
@@ -91,9 +102,11 @@ def deterministic_attention(
         return out
     _deterministic_attention_kernel[(num_tokens, hq)](
         q, k_cache, v_cache, out, page_table, rows, positions,
-        head_dim**-0.5, num_blocks if num_blocks is not None else int(positions.max().item()) // BLOCK + 1,
+        sm_scale if sm_scale is not None else head_dim**-0.5, window if window is not None else NO_WINDOW,
+        num_blocks if num_blocks is not None else int(positions.max().item()) // BLOCK + 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=hq // hk, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK,
+        SOFTCAP=float(softcap or 0.0),
     )  # fmt: skip
     return out

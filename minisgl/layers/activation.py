@@ -22,3 +22,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] -> gelu(gate, tanh approximation) * up (Gemma's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -55,7 +55,8 @@ class AttentionLayer(nn.Module):
         # the kernel stores the model dtype or fp8 (bitwise the pool's reference fp8 store)
         if cache_dtype not in (qkv.dtype, torch.float8_e4m3fn):
             return False
-        return self._qk_norm is None or all(n.weight.dtype == qkv.dtype for n in self._qk_norm)
+        # (the kernel computes plain RMSNorm, not Gemma's unit-offset kind)
+        return self._qk_norm is None or all(n.weight.dtype == qkv.dtype and not n.unit_offset for n in self._qk_norm)
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()

@@ -52,10 +52,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     # Granite's logits_scaling: logits are divided by it. Here, inside the head, so every step
     # runner (the module path, graphs, the CPU loop, prompt logprobs) sees the same logits.
     logits_scaling: float = 1.0
+    # Gemma 2's final_logit_softcapping: logits = tanh(logits / c) * c, here for the same reason
+    softcap: float | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         logits = self._project(hidden)
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        logits = logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
     def _project(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.cpu_gemm is not None:

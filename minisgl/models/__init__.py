@@ -96,6 +96,20 @@ def _glm4() -> Type[nn.Module]:
     return Glm4ForCausalLM
 
 
+@MODELS.register("Gemma2ForCausalLM")
+def _gemma2() -> Type[nn.Module]:
+    from minisgl.models.gemma import Gemma2ForCausalLM
+
+    return Gemma2ForCausalLM
+
+
+@MODELS.register("Gemma3ForCausalLM")
+def _gemma3() -> Type[nn.Module]:
+    from minisgl.models.gemma import Gemma3ForCausalLM
+
+    return Gemma3ForCausalLM
+
+
 def create_model(config: ModelConfig) -> nn.Module:
     # a bare decoder (an embedding model) is built as its causal LM, the LM head tied to the embedding
     arch = BARE_DECODERS.get(config.architecture, config.architecture)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from minisgl.layers.rotary import RotaryConfig
 
@@ -12,6 +13,8 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
     """(theta, scaling) from either `rope_parameters` (transformers 5) or
     `rope_theta` + `rope_scaling` (checkpoints written by transformers 4)."""
     params = getattr(hf, "rope_parameters", None) or {}
+    if isinstance(params.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers'
+        params = params["full_attention"]
     theta = params.get("rope_theta", getattr(hf, "rope_theta", None))
     scaling: Dict[str, Any] | None = None
     if params.get("rope_type", "default") not in ("default", None):
@@ -29,6 +32,43 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
+# Architectures whose sliding windows the attention backends mask, layer by layer
+# (`ModelConfig.layer_windows`), so their context is never cut to the window.
+WINDOW_MASKED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+
+def _layer_windows(hf: Any, arch: str) -> Tuple[int | None, ...]:
+    """Each layer's sliding window (None: global) for the architectures that mask it: from
+    `layer_types` when the config has them, else Gemma 2's alternation (even layers slide) or
+    Gemma 3's `sliding_window_pattern` (every pattern-th layer is global)."""
+    window = getattr(hf, "sliding_window", None)
+    if arch not in WINDOW_MASKED_ARCHITECTURES or window is None:
+        return ()
+    n = hf.num_hidden_layers
+    types = getattr(hf, "layer_types", None)
+    if not types:
+        pattern = 2 if arch == "Gemma2ForCausalLM" else int(getattr(hf, "sliding_window_pattern", None) or 6)
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"layer_types must name full_attention or sliding_attention for each of {n} layers (got {unknown or len(types)})")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def _local_rope(hf: Any, global_rotary: RotaryConfig) -> RotaryConfig | None:
+    """Gemma 3's rotary for sliding layers: `rope_local_base_freq` (transformers 4) or
+    rope_parameters["sliding_attention"] (transformers 5), never scaled; None where the config
+    has one rotary for every layer."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    local = params.get("sliding_attention") if isinstance(params.get("sliding_attention"), dict) else None
+    base = (local or {}).get("rope_theta", getattr(hf, "rope_local_base_freq", None))
+    if base is None:
+        return None
+    if local is not None and local.get("rope_type", "default") not in ("default", None):
+        raise ValueError(f"rope scaling of sliding layers ({local.get('rope_type')!r}) is not implemented")
+    return RotaryConfig(global_rotary.head_dim, global_rotary.rotary_dim, global_rotary.max_position, float(base))
+
+
 def _window_cut(hf: Any) -> int | None:
     """The sliding window where a config attends through one shorter than max_position_embeddings:
     the context is cut to it (RotaryConfig.max_position, and so the engine's max_seq_len).
@@ -37,9 +77,10 @@ def _window_cut(hf: Any) -> int | None:
     attends to the keys less than `sliding_window` positions back, transformers'
     `sliding_window_overlay`), so a context of at most `sliding_window` tokens is exact. Phi-3-mini-4k
     sets 2047 of 4096, Mistral-7B-v0.1 4096 of 32768; Qwen2/3 configs with use_sliding_window
-    false come from transformers with no window."""
+    false come from transformers with no window. The architectures whose windows the backends
+    mask (WINDOW_MASKED_ARCHITECTURES) are never cut."""
     window = getattr(hf, "sliding_window", None)
-    if getattr(hf, "use_sliding_window", True) is False:
+    if getattr(hf, "use_sliding_window", True) is False or (getattr(hf, "architectures", None) or [""])[0] in WINDOW_MASKED_ARCHITECTURES:
         window = None
     if window is not None and int(window) < hf.max_position_embeddings:
         return int(window)
@@ -105,8 +146,48 @@ class ModelConfig:
     # SmolLM3: the layers that apply no rotary (NoPE)
     no_rope_layers: List[int] = field(default_factory=list)
 
+    # Attention beyond softmax(q k^T / sqrt(head_dim)) over every earlier key (Gemma 2 and 3):
+    # each layer's sliding window (empty: every layer global; None: that layer global), the
+    # rotary of the windowed layers where it differs (Gemma 3), the score scale (None:
+    # head_dim^-0.5) and tanh soft-capping of the scores and of the final logits.
+    layer_windows: Tuple[int | None, ...] = ()
+    local_rotary_config: RotaryConfig | None = None
+    attn_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+
     def layer_has_rope(self, layer_id: int) -> bool:
         return layer_id not in self.no_rope_layers
+
+    def window_of(self, layer_id: int) -> int | None:
+        """Layer `layer_id`'s sliding window: its queries see the keys less than this many
+        positions back (transformers' `sliding_window`), or None (every earlier key)."""
+        return self.layer_windows[layer_id] if self.layer_windows else None
+
+    def rotary_of(self, layer_id: int) -> RotaryConfig:
+        if self.local_rotary_config is not None and self.window_of(layer_id) is not None:
+            return self.local_rotary_config
+        return self.rotary_config
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def plain_attention(self, layer_id: int) -> bool:
+        """Whether layer `layer_id` is plain causal attention at the default scale (what a
+        backend without window, soft-capping or scale support computes exactly)."""
+        return self.window_of(layer_id) is None and self.attn_logit_softcapping is None and self.attn_scale is None
+
+    def attention_features(self) -> List[str]:
+        """The config fields whose attention a plain backend does not compute (empty if none)."""
+        out = []
+        if any(w is not None for w in self.layer_windows):
+            out.append("sliding_window")
+        if self.attn_logit_softcapping is not None:
+            out.append("attn_logit_softcapping")
+        if self.attn_scale is not None:
+            out.append("query_pre_attn_scalar")
+        return out
 
     @property
     def is_moe(self) -> bool:
@@ -123,18 +204,29 @@ class ModelConfig:
         num_heads = hf.num_attention_heads
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope_params(hf)
+        arch = archs[0]
+        scalar = getattr(hf, "query_pre_attn_scalar", None)
+        if getattr(hf, "use_bidirectional_attention", None):
+            raise ValueError("use_bidirectional_attention is not implemented (causal decoders only)")
         # transformers 5 keeps it in rope_parameters (and on the config), 4 on the config
         rope_params = getattr(hf, "rope_parameters", None) or {}
         partial = float(rope_params.get("partial_rotary_factor") or getattr(hf, "partial_rotary_factor", None) or 1.0)
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+        rotary = RotaryConfig(
+            head_dim=head_dim,
+            rotary_dim=int(head_dim * partial),
+            max_position=_window_cut(hf) or hf.max_position_embeddings,
+            base=theta,
+            scaling=scaling,
+        )
         bare = archs[0] in BARE_DECODERS
         # only MoE configs (Qwen*-MoE, Mixtral) count as MoE: a dense config may carry an unused field
         is_moe = "moe" in getattr(hf, "model_type", "") or getattr(hf, "num_local_experts", None) is not None
         attention_multiplier = getattr(hf, "attention_multiplier", None)
         return cls(
-            architecture=archs[0],
+            architecture=arch,
             model_type=getattr(hf, "model_type", ""),
             num_layers=hf.num_hidden_layers,
             num_qo_heads=num_heads,
@@ -144,18 +236,13 @@ class ModelConfig:
             intermediate_size=hf.intermediate_size,
             vocab_size=hf.vocab_size,
             rms_norm_eps=hf.rms_norm_eps,
-            hidden_act=getattr(hf, "hidden_act", "silu"),
+            # (Gemma names it hidden_activation)
+            hidden_act=str(getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")),
             # a bare decoder has no LM head: it shares the embedding's (never used: it embeds only)
             tie_word_embeddings=bare or bool(getattr(hf, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(hf, "attention_bias", False)),
             mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-            rotary_config=RotaryConfig(
-                head_dim=head_dim,
-                rotary_dim=int(head_dim * partial),
-                max_position=_window_cut(hf) or hf.max_position_embeddings,
-                base=theta,
-                scaling=scaling,
-            ),
+            rotary_config=rotary,
             eos_token_ids=eos_ids,
             context_cut_by_window=_window_cut(hf),
             num_experts=int(num_experts) if is_moe else 0,
@@ -172,4 +259,14 @@ class ModelConfig:
             attention_multiplier=float(attention_multiplier) if attention_multiplier is not None else None,
             logits_scaling=float(getattr(hf, "logits_scaling", 1.0)),
             no_rope_layers=_no_rope_layers(hf),
+            layer_windows=_layer_windows(hf, arch),
+            local_rotary_config=_local_rope(hf, rotary),
+            # Gemma scales the scores by query_pre_attn_scalar^-0.5, not head_dim^-0.5
+            attn_scale=float(scalar) ** -0.5 if scalar not in (None, head_dim) and arch in WINDOW_MASKED_ARCHITECTURES else None,
+            attn_logit_softcapping=_float_or_none(getattr(hf, "attn_logit_softcapping", None)),
+            final_logit_softcapping=_float_or_none(getattr(hf, "final_logit_softcapping", None)),
         )
+
+
+def _float_or_none(x: Any) -> float | None:
+    return float(x) if x is not None else None

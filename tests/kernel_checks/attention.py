@@ -21,7 +21,6 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -29,6 +28,8 @@ import torch
 from minisgl.attention import ATTN_BACKENDS
 from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
 from minisgl.kvcache.pool import KVCachePool
+from minisgl.layers.rotary import RotaryConfig
+from minisgl.models.config import ModelConfig
 
 
 def gpu_backends(device: torch.device) -> List[str]:
@@ -55,11 +56,21 @@ def _alloc_rows(lens: List[int], page_size: int, gen: torch.Generator) -> Tuple[
     return out, num_pages * page_size
 
 
+def attention_config(Hq: int, Hk: int, D: int) -> ModelConfig:
+    """The ModelConfig a backend reads: heads and head size (plain causal attention), the rest
+    placeholders."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM", model_type="llama", num_layers=1, num_qo_heads=Hq, num_kv_heads=Hk,
+        head_dim=D, hidden_size=Hq * D, intermediate_size=1, vocab_size=1, rms_norm_eps=1e-6, hidden_act="silu",
+        tie_word_embeddings=False, attention_bias=False, rotary_config=RotaryConfig(D, D, 1, 10000.0),
+    )  # fmt: skip
+
+
 def _make_backends(
     names: List[str], slots_total: int, Hq: int, Hk: int, D: int, page_size: int, dtype: torch.dtype,
     device: torch.device, table: torch.Tensor, kv_values: Tuple[torch.Tensor, torch.Tensor],
 ) -> Dict[str, Any]:  # fmt: skip
-    cfg = SimpleNamespace(num_qo_heads=Hq, num_kv_heads=Hk, head_dim=D)
+    cfg = attention_config(Hq, Hk, D)
     out = {}
     for name, dt in [(n, dtype) for n in names] + [("ref", torch.float32)]:
         ctx = Context(page_size)
@@ -69,7 +80,7 @@ def _make_backends(
         ctx.page_table = table
         set_global_ctx(ctx)
         try:
-            out[name] = ATTN_BACKENDS.get("torch" if name == "ref" else name)(cfg)  # type: ignore[arg-type]
+            out[name] = ATTN_BACKENDS.get("torch" if name == "ref" else name)(cfg)
         finally:
             clear_global_ctx()
     return out

@@ -123,6 +123,7 @@ def ops() -> int:
             "MidO": "*fp32",
             "MidLse": "*fp32",
             "qk_scale": "fp32",
+            "window": "i32",
         }
     )
     for bn, direct in ((128, False), (64, True)):
@@ -140,6 +141,7 @@ def ops() -> int:
                 HAS_ORDER=True,
                 USE_PDL=False,
                 F16_DOT=True,
+                SOFTCAP=0.0,
             ),
             4,
             3,
@@ -147,6 +149,34 @@ def ops() -> int:
         if kern is not None and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" not in kern.asm["ptx"]:
             print("FAIL fp8 decode does not run fp16 tensor-core dots")
             failures.append("fp8 decode mma")
+    # Gemma's soft-capped scores (a sliding window is the runtime `window`): bf16 pool, and the
+    # extend kernel with and without the cap
+    build(
+        A._decode_partial_kernel,
+        {**dec, "K": "*bf16", "V": "*bf16"},
+        dict(GROUP=2, HEAD_DIM=256, BLOCK_H=16, BLOCK_N=64, BLOCK_D=256, PRECISION="tf32", DIRECT=True,
+             HAS_ORDER=True, USE_PDL=False, F16_DOT=False, SOFTCAP=50.0),
+        4,
+        3,
+    )  # fmt: skip
+    ext = {n: "i32" for n in A._extend_kernel.arg_names if n.startswith("stride")}
+    ext.update({"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "PageTable": "*i32", "Rows": "*i64",
+                "QStart": "*i64", "CachedLens": "*i64", "ExtendLens": "*i64", "qk_scale": "fp32", "window": "i32"})  # fmt: skip
+    for cap in (0.0, 50.0):
+        build(
+            A._extend_kernel,
+            ext,
+            dict(GROUP=2, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION="tf32", HEAVY_FIRST=True, SOFTCAP=cap),
+            4,
+            3,
+        )
+    from minisgl.kernel import triton_deterministic as TD
+
+    det = {n: "i32" for n in TD._deterministic_attention_kernel.arg_names if n.startswith("stride")}
+    det.update({"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "page_table_ptr": "*i32",
+                "rows_ptr": "*i64", "positions_ptr": "*i64", "sm_scale": "fp32", "window": "i32", "num_blocks": "i32"})  # fmt: skip
+    for cap in (0.0, 50.0):
+        build(TD._deterministic_attention_kernel, det, dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_N=64, SOFTCAP=cap))
     # the CUDA-core fp8 decode (int32 words of the pool, inline-PTX widening): the loop must keep
     # the load layout (no layout conversion, no shared memory) and widen with the packed cvt
     cc = {n: "i32" for n in A._decode_cc_kernel.arg_names if n.startswith("stride")}
@@ -167,6 +197,7 @@ def ops() -> int:
                 USE_PDL=False,
                 PREFETCH=2,
                 ASM=True,
+                SOFTCAP=0.0,
             ),
             warps,
             1,

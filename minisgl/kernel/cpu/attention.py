@@ -12,7 +12,8 @@ applies the optional q/k RMSNorm and the rotary in place and stores K/V into the
   flash kernel; 3-D inputs or repeated KV heads take the much slower math path).
 
 Where the kernels do not apply (no C compiler, an fp16 model, partial rotary, a head size or
-GQA group the kernels were not built for) it is the torch backend it derives from.
+GQA group the kernels were not built for, a sliding window, soft-capping or another score scale
+or Gemma's (1 + w) q/k norms) it is the torch backend it derives from.
 """
 
 from __future__ import annotations
@@ -89,12 +90,17 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def takes(self, layer: Any) -> bool:
         """Whether the kernels run this attention layer (full rotate-half rotary, the default
-        scale: `AttentionLayer.plain`; a head size and GQA group they were built for)."""
+        scale: `AttentionLayer.plain`; a head size and GQA group they were built for; plain causal
+        attention at the default scale in the config, plain q/k RMSNorm). They mask no sliding
+        window and soft-cap nothing: such layers (Gemma) attend through the torch backend this
+        one derives from."""
         k = self.kernels
         d, hq, hk = layer.head_dim, layer.num_q_heads, layer.num_kv_heads
+        norms = layer._qk_norm or ()
         return (
             k is not None and layer.plain and d % 2 == 0 and d <= k.max_head_dim
             and hq % hk == 0 and hq // hk <= k.max_group and hk == self.kv_cache.num_kv_heads
+            and self.model_config.plain_attention(layer.layer_id) and not any(n.unit_offset for n in norms)
         )  # fmt: skip
 
     def rope_tables(self, rotary: Any) -> Tuple[torch.Tensor, torch.Tensor]:
