@@ -336,7 +336,7 @@ def test_torch_backend_window_mask_equals_dense_reference(cap, gemma_dir):
                     r.cached_len = r.device_len - 1
             batch = prepare_batch(engine, reqs, "prefill" if phase == "prefill" else "decode")
             t = batch.input_ids.shape[0]
-            q = torch.randn(t, hq, d, generator=gen)
+            q = torch.randn(t, hq, d, generator=gen).to(engine.device)
             for layer_id, window in ((0, WINDOW), (1, None)):
                 assert backend.model_config.window_of(layer_id) == window
                 out = backend.attend(q, layer_id, batch)
