@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -18,27 +19,12 @@ import minisgl.core  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """tiny_model_dir(name) -> folder of the tiny random checkpoint `name` (built on first use)."""
-    cache: Dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            seed = sorted(TINY_ARCHS).index(name)
-            cache[name] = build_tiny_model(name, tmp_path_factory.mktemp(name), seed=seed)
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: build_tiny_model(name, tmp_path_factory.mktemp(name), seed=sorted(TINY_ARCHS).index(name)))
 
 
 @pytest.fixture(scope="session")
 def hf_oracle(tiny_model_dir: Callable[[str], Path]) -> Callable[[str], HFOracle]:
-    cache: Dict[str, HFOracle] = {}
-
-    def get(name: str) -> HFOracle:
-        if name not in cache:
-            cache[name] = HFOracle(tiny_model_dir(name))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: HFOracle(tiny_model_dir(name)))
 
 
 @pytest.fixture(scope="session")

@@ -129,6 +129,7 @@ class HFOracle:
 
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE).to(self.device).eval()
+        self._greedy: Dict[Tuple[Tuple[int, ...], int], Tuple[List[int], List[torch.Tensor]]] = {}
 
     @torch.inference_mode()
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
@@ -140,7 +141,14 @@ class HFOracle:
     def greedy(self, ids: Sequence[int], max_new_tokens: int) -> Tuple[List[int], List[torch.Tensor]]:
         """HF generate(do_sample=False) on one unpadded prompt: (tokens, the logits behind each).
 
-        HF stops at the model's EOS (if it has one), so fewer tokens may come back."""
+        HF stops at the model's EOS (if it has one), so fewer tokens may come back. Memoized per
+        prompt and length: every path a test runs compares with the same HF output, computed once."""
+        key = (tuple(ids), max_new_tokens)
+        if key not in self._greedy:
+            self._greedy[key] = self._generate(ids, max_new_tokens)
+        return self._greedy[key]
+
+    def _generate(self, ids: Sequence[int], max_new_tokens: int) -> Tuple[List[int], List[torch.Tensor]]:
         x = torch.tensor([list(ids)], device=self.device)
         out = self.model.generate(
             input_ids=x,
@@ -339,3 +347,30 @@ def teacher_forced_logits(engine: Engine, reqs: List[Req], continuations: List[L
             r.append_host(torch.tensor([cont[j]]))
         out.append(model_logits(engine, prepare_batch(engine, reqs, "decode")))
     return out
+
+
+def record_runners(engine: Any) -> List[tuple]:
+    """Wrap each step runner's `run` to log (runner class, batch phase)."""
+    log: List[tuple] = []
+    for runner in engine.runners:
+        run = runner.run
+
+        def logged(batch: Any, run: Any = run, cls: str = type(runner).__name__) -> torch.Tensor:
+            log.append((cls, "prefill" if batch.is_prefill else "decode"))
+            return run(batch)
+
+        runner.run = logged
+    return log
+
+
+def assert_prefill_logits_match_hf(model_dir: str | Path, hf: "HFOracle", prompts: Sequence[Sequence[int]], label: str) -> None:
+    """One prefill of `prompts` (a row each) on the module path: each last-position logit row
+    within LOGIT_ATOL of HF's forward, and HF's rows informative (not ~constant)."""
+    with running_engine(model_dir) as engine:
+        ours = prefill_logits(engine, allocated_reqs(engine, prompts, 1))
+    assert ours.shape[0] == len(prompts)
+    for i, ids in enumerate(prompts):
+        ref = hf.logits(ids)[-1]
+        diff = (ours[i] - ref).abs().max().item()
+        assert diff < LOGIT_ATOL, f"{label} prompt {i} (len {len(ids)}): max |logit diff| {diff:.3g}"
+        assert ref.std() > 0.1

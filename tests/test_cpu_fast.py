@@ -13,6 +13,7 @@ kernel/cpu) and weight-only quantization.
 
 from __future__ import annotations
 
+import functools
 from typing import List
 
 import pytest
@@ -484,6 +485,7 @@ def test_module_path_reads_vnni_weights(tiny_model_dir, monkeypatch, request):
 
 
 # ---- the embedded model ------------------------------------------------------------------------
+@functools.cache  # four tests read the same bf16 oracle: load it once
 def _hf(model_dir: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 

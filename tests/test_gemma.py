@@ -13,6 +13,7 @@ linear scaling and a local one, and `layer_types` with two sliding layers per gl
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from pathlib import Path
 from typing import Any, Callable, Dict, List
@@ -24,10 +25,12 @@ from helpers import (
     TEST_DEVICE,
     HFOracle,
     PageAllocator,
+    allocated_reqs,
     assert_greedy_match,
+    assert_prefill_logits_match_hf,
     make_req,
-    prefill_logits,
     random_prompts,
+    record_runners,
     running_engine,
     teacher_forced_logits,
 )
@@ -85,38 +88,18 @@ def build_gemma(name: str, out_dir: Path, seed: int, **extra: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    cache: Dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = build_gemma(name, tmp_path_factory.mktemp(name), seed=70 + NAMES.index(name))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: build_gemma(name, tmp_path_factory.mktemp(name), seed=70 + NAMES.index(name)))
 
 
 @pytest.fixture(scope="module")
 def gemma_hf(gemma_dir: Callable[[str], Path]) -> Callable[[str], HFOracle]:
-    cache: Dict[str, HFOracle] = {}
-
+    @functools.cache
     def get(name: str) -> HFOracle:
-        if name not in cache:
-            hf = HFOracle(gemma_dir(name))
-            hf.model.config._attn_implementation = "eager"  # soft-capping: HF's eager attention only
-            cache[name] = hf
-        return cache[name]
+        hf = HFOracle(gemma_dir(name))
+        hf.model.config._attn_implementation = "eager"  # soft-capping: HF's eager attention only
+        return hf
 
     return get
-
-
-_GREEDY: Dict[tuple, Any] = {}
-
-
-def hf_greedy(name: str, hf: HFOracle, ids: List[int], n: int) -> Any:
-    key = (name, tuple(ids), n)
-    if key not in _GREEDY:
-        _GREEDY[key] = hf.greedy(ids, n)
-    return _GREEDY[key]
 
 
 def _prompts(name: str) -> List[List[int]]:
@@ -161,18 +144,7 @@ def test_config_in_the_transformers4_layout(tmp_path):
 def test_prefill_logits_match_hf(name, gemma_dir, gemma_hf):
     hf = gemma_hf(name)
     prompts = _prompts(name)
-    with running_engine(gemma_dir(name)) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + 1)
-            reqs.append(make_req(ids, row, output_len=1))
-        ours = prefill_logits(engine, reqs)
-    for i, ids in enumerate(prompts):
-        ref = hf.logits(ids)[-1]
-        diff = (ours[i] - ref).abs().max().item()
-        assert diff < LOGIT_ATOL, f"{name} prompt {i} (len {len(ids)}): max |logit diff| {diff:.3g}"
-        assert ref.std() > 0.1
+    assert_prefill_logits_match_hf(gemma_dir(name), hf, prompts, name)
 
 
 @pytest.mark.parametrize("backend", ["auto", "deterministic"])
@@ -184,13 +156,9 @@ def test_decode_logits_match_hf(name, backend, gemma_dir, gemma_hf):
     hf = gemma_hf(name)
     prompts = _prompts(name)
     steps = 10
-    refs = [hf_greedy(name, hf, ids, steps) for ids in prompts]
+    refs = [hf.greedy(ids, steps) for ids in prompts]
     with running_engine(gemma_dir(name), page_size=4, attention_backend=backend) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + steps)
-            reqs.append(make_req(ids, row, output_len=steps))
+        reqs = allocated_reqs(engine, prompts, steps)
         ours = teacher_forced_logits(engine, reqs, [tokens for tokens, _ in refs])
     for i, (_, ref_logits) in enumerate(refs):
         diff = (torch.stack([s[i] for s in ours]) - torch.stack(ref_logits)).abs().max().item()
@@ -198,20 +166,6 @@ def test_decode_logits_match_hf(name, backend, gemma_dir, gemma_hf):
 
 
 # ---- through LLM --------------------------------------------------------------------------------
-def _record_runners(engine: Any) -> List[tuple]:
-    """Wrap each step runner's `run` to log (runner class, batch phase)."""
-    log: List[tuple] = []
-    for runner in engine.runners:
-        run = runner.run
-
-        def logged(batch: Any, run: Any = run, cls: str = type(runner).__name__) -> torch.Tensor:
-            log.append((cls, "prefill" if batch.is_prefill else "decode"))
-            return run(batch)
-
-        runner.run = logged
-    return log
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
     """Greedy tokens through the offline API (16-token chunks of prefill, 16-token pages, the
@@ -222,7 +176,7 @@ def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
     max_tokens = 12
     kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
     with running_llm(gemma_dir(name), **kw) as llm:
-        log = _record_runners(llm.scheduler.engine)
+        log = record_runners(llm.scheduler.engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         results = llm.generate(prompts, params) + llm.generate(prompts, params)
     if TEST_DEVICE == "cpu":
@@ -231,7 +185,7 @@ def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
     compared = 0
     for i, res in enumerate(results):
         ids = prompts[i % len(prompts)]
-        ref, ref_logits = hf_greedy(name, hf, ids, max_tokens)
+        ref, ref_logits = hf.greedy(ids, max_tokens)
         compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"{name} prompt {i}")
     assert compared >= 0.8 * max_tokens * len(results)
 
@@ -287,7 +241,7 @@ def test_cpu_decode_step_runs_the_module_path_in_bf16(tmp_path):
         assert why == "Gemma2ForCausalLM is not a DecoderModel + LM head", why  # (GemmaModel overrides forward)
         if getattr(backend, "kernels", None) is not None:
             assert not backend.takes(engine.model.model.layers[1].self_attn.attn)  # global, but soft-capped
-        log = _record_runners(engine)
+        log = record_runners(engine)
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4))
     assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
 

@@ -15,7 +15,9 @@ from helpers import (
     TINY_ARCHS,
     HFOracle,
     PageAllocator,
+    allocated_reqs,
     assert_greedy_match,
+    assert_prefill_logits_match_hf,
     make_req,
     prefill_logits,
     random_prompts,
@@ -41,19 +43,7 @@ def _prompts(arch: str):
 def test_prefill_logits_match_hf(arch, tiny_model_dir, hf_oracle):
     hf = hf_oracle(arch)
     prompts = _prompts(arch)
-    with running_engine(tiny_model_dir(arch)) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + 1)
-            reqs.append(make_req(ids, row, output_len=1))
-        ours = prefill_logits(engine, reqs)
-    assert ours.shape == (len(prompts), 256)
-    for i, ids in enumerate(prompts):
-        ref = hf.logits(ids)[-1]
-        diff = (ours[i] - ref).abs().max().item()
-        assert diff < LOGIT_ATOL, f"{arch} prompt {i} (len {len(ids)}): max |logit diff| {diff:.3g}"
-        assert ref.std() > 0.1  # the logits are informative, not ~constant
+    assert_prefill_logits_match_hf(tiny_model_dir(arch), hf, prompts, arch)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -64,11 +54,7 @@ def test_decode_logits_match_hf(arch, tiny_model_dir, hf_oracle):
     prompts = _prompts(arch)
     conts = [hf.greedy(ids, 8)[0] for ids in prompts]
     with running_engine(tiny_model_dir(arch), page_size=4) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + 8)
-            reqs.append(make_req(ids, row, output_len=8))
+        reqs = allocated_reqs(engine, prompts, 8)
         steps = teacher_forced_logits(engine, reqs, conts)
     for i, (ids, cont) in enumerate(zip(prompts, conts)):
         ref = hf.logits(ids + cont)[len(ids) - 1 : len(ids) - 1 + len(cont)]

@@ -10,9 +10,10 @@ config scalars (Granite's multipliers) are set away from 1; SmolLM3 has a NoPE l
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import pytest
 import torch
@@ -21,10 +22,12 @@ from helpers import (
     TEST_DEVICE,
     HFOracle,
     PageAllocator,
+    allocated_reqs,
     assert_greedy_match,
     make_req,
     prefill_logits,
     random_prompts,
+    record_runners,
     run_generation,
     running_engine,
     teacher_forced_logits,
@@ -102,36 +105,12 @@ def build(name: str, out_dir: Path, seed: int, dtype: torch.dtype = torch.float3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    cache: Dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in cache:
-            cache[name] = build(name, tmp_path_factory.mktemp(name), seed=70 + NAMES.index(name))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: build(name, tmp_path_factory.mktemp(name), seed=70 + NAMES.index(name)))
 
 
 @pytest.fixture(scope="module")
 def hf(model_dir: Callable[[str], Path]) -> Callable[[str], HFOracle]:
-    cache: Dict[str, HFOracle] = {}
-
-    def get(name: str) -> HFOracle:
-        if name not in cache:
-            cache[name] = HFOracle(model_dir(name))
-        return cache[name]
-
-    return get
-
-
-_GREEDY: Dict[Tuple[str, Tuple[int, ...], int], Tuple[List[int], List[torch.Tensor]]] = {}
-
-
-def greedy(name: str, oracle: HFOracle, ids: List[int], n: int) -> Tuple[List[int], List[torch.Tensor]]:
-    key = (name, tuple(ids), n)
-    if key not in _GREEDY:
-        _GREEDY[key] = oracle.greedy(ids, n)
-    return _GREEDY[key]
+    return functools.cache(lambda name: HFOracle(model_dir(name)))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -141,13 +120,9 @@ def test_prefill_and_decode_logits_match_hf(name, model_dir, hf):
     oracle = hf(name)
     prompts = random_prompts([5, 12, 27], seed=400 + NAMES.index(name))
     steps = 10
-    refs = [greedy(name, oracle, ids, steps) for ids in prompts]
+    refs = [oracle.greedy(ids, steps) for ids in prompts]
     with running_engine(model_dir(name), page_size=4) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + steps)
-            reqs.append(make_req(ids, row, output_len=steps))
+        reqs = allocated_reqs(engine, prompts, steps)
         ours = teacher_forced_logits(engine, reqs, [tokens for tokens, _ in refs])
     for i, ids in enumerate(prompts):
         ref_prefill = oracle.logits(ids)[-1]
@@ -156,20 +131,6 @@ def test_prefill_and_decode_logits_match_hf(name, model_dir, hf):
         assert diff < LOGIT_ATOL, f"{name} prompt {i}: max |prefill logit diff| {diff:.3g}"
         diff = (torch.stack([s[i] for s in ours]) - torch.stack(refs[i][1])).abs().max().item()
         assert diff < LOGIT_ATOL, f"{name} prompt {i}: max |decode logit diff| {diff:.3g}"
-
-
-def _record_runners(engine: Any) -> List[tuple]:
-    """Wrap each step runner's `run` to log (runner class, batch phase)."""
-    log: List[tuple] = []
-    for runner in engine.runners:
-        run = runner.run
-
-        def logged(batch: Any, run: Any = run, cls: str = type(runner).__name__) -> torch.Tensor:
-            log.append((cls, "prefill" if batch.is_prefill else "decode"))
-            return run(batch)
-
-        runner.run = logged
-    return log
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -183,14 +144,14 @@ def test_llm_greedy_matches_hf(name, model_dir, hf):
     max_tokens = 12
     kw = dict(page_size=4, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
     with running_llm(model_dir(name), **kw) as llm:
-        log = _record_runners(llm.scheduler.engine)
+        log = record_runners(llm.scheduler.engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         results = llm.generate(prompts, params) + llm.generate(prompts + [shares_prefix], params)
     assert results[-1].cached_tokens >= 20, "the prompt sharing a prefix reused none of its pages"
     assert sum(1 for _, phase in log if phase == "prefill") > len(prompts), "no prompt was chunked"
     compared = 0
     for i, (res, ids) in enumerate(zip(results, prompts + prompts + [shares_prefix])):
-        ref, ref_logits = greedy(name, oracle, ids, max_tokens)
+        ref, ref_logits = oracle.greedy(ids, max_tokens)
         compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"{name} prompt {i}")
     assert compared >= 0.8 * max_tokens * len(results)
 
@@ -234,7 +195,7 @@ def test_cpu_decode_runner_in_bf16(name, tmp_path):
     path = build(name, tmp_path / name, seed=90 + NAMES.index(name), dtype=torch.bfloat16)
     prompts = random_prompts([9, 21], seed=420)
     with running_engine(path, dtype=torch.bfloat16, page_size=4, max_seq_len=64) as engine:
-        log = _record_runners(engine)
+        log = record_runners(engine)
         alloc = PageAllocator(engine)
         for row, ids in enumerate(prompts):
             alloc.allocate(row, len(ids) + 4)

@@ -11,6 +11,7 @@ the prompts and their decodes cross from the short factors to the long ones.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from pathlib import Path
@@ -23,11 +24,14 @@ from helpers import (
     TEST_DEVICE,
     HFOracle,
     PageAllocator,
+    allocated_reqs,
     assert_greedy_match,
+    assert_prefill_logits_match_hf,
     make_req,
     prefill_logits,
     prepare_batch,
     random_prompts,
+    record_runners,
     run_generation,
     running_engine,
     teacher_forced_logits,
@@ -110,29 +114,19 @@ def _v4_layout(model_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def phi3_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    cache: Dict[str, Path] = {}
-
+    @functools.cache
     def get(name: str) -> Path:
-        if name not in cache:
-            path = build_phi3(tmp_path_factory.mktemp(name), seed=30 + sorted(VARIANTS).index(name), **VARIANTS[name])
-            if name == "phi35":
-                _v4_layout(path)
-            cache[name] = path
-        return cache[name]
+        path = build_phi3(tmp_path_factory.mktemp(name), seed=30 + sorted(VARIANTS).index(name), **VARIANTS[name])
+        if name == "phi35":
+            _v4_layout(path)
+        return path
 
     return get
 
 
 @pytest.fixture(scope="module")
 def phi3_hf(phi3_dir: Callable[[str], Path]) -> Callable[[str], HFOracle]:
-    cache: Dict[str, HFOracle] = {}
-
-    def get(name: str) -> HFOracle:
-        if name not in cache:
-            cache[name] = HFOracle(phi3_dir(name))
-        return cache[name]
-
-    return get
+    return functools.cache(lambda name: HFOracle(phi3_dir(name)))
 
 
 @torch.inference_mode()
@@ -189,18 +183,7 @@ def _prompts(name: str) -> List[List[int]]:
 def test_prefill_logits_match_hf(name, phi3_dir, phi3_hf):
     hf = phi3_hf(name)
     prompts = _prompts(name)
-    with running_engine(phi3_dir(name)) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + 1)
-            reqs.append(make_req(ids, row, output_len=1))
-        ours = prefill_logits(engine, reqs)
-    for i, ids in enumerate(prompts):
-        ref = hf.logits(ids)[-1]
-        diff = (ours[i] - ref).abs().max().item()
-        assert diff < LOGIT_ATOL, f"{name} prompt {i} (len {len(ids)}): max |logit diff| {diff:.3g}"
-        assert ref.std() > 0.1
+    assert_prefill_logits_match_hf(phi3_dir(name), hf, prompts, name)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -213,11 +196,7 @@ def test_decode_logits_match_hf(name, phi3_dir, phi3_hf):
     steps = 10
     refs = [reference(name, hf, ids, steps) for ids in prompts]
     with running_engine(phi3_dir(name), page_size=4) as engine:
-        alloc = PageAllocator(engine)
-        reqs = []
-        for row, ids in enumerate(prompts):
-            alloc.allocate(row, len(ids) + steps)
-            reqs.append(make_req(ids, row, output_len=steps))
+        reqs = allocated_reqs(engine, prompts, steps)
         ours = teacher_forced_logits(engine, reqs, [tokens for tokens, _ in refs])
     assert len(prompts[-1]) + steps > ORIGINAL
     for i, (_, ref_logits) in enumerate(refs):
@@ -244,20 +223,6 @@ def _path_kwargs(path: str) -> Dict[str, Any]:
     }[path]
 
 
-def _record_runners(engine: Any) -> List[tuple]:
-    """Wrap each step runner's `run` to log (runner class, batch phase)."""
-    log: List[tuple] = []
-    for runner in engine.runners:
-        run = runner.run
-
-        def logged(batch: Any, run: Any = run, cls: str = type(runner).__name__) -> torch.Tensor:
-            log.append((cls, "prefill" if batch.is_prefill else "decode"))
-            return run(batch)
-
-        runner.run = logged
-    return log
-
-
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("name", NAMES)
 def test_llm_greedy_matches_hf(name, path, phi3_dir, phi3_hf):
@@ -270,7 +235,7 @@ def test_llm_greedy_matches_hf(name, path, phi3_dir, phi3_hf):
     kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128, **_path_kwargs(path))
     with running_llm(phi3_dir(name), **kw) as llm:
         engine = llm.scheduler.engine
-        log = _record_runners(engine)
+        log = record_runners(engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         results = llm.generate(prompts, params) + llm.generate(prompts, params)
     decode_runners = {cls for cls, phase in log if phase == "decode"}
@@ -338,7 +303,7 @@ def test_bf16_cpu_fast_path_agrees_with_hf_bf16(tmp_path):
     prompts = random_prompts([7, 25], seed=330)
     with running_llm(path, dtype="bfloat16", max_running_req=1, max_seq_len_override=128) as llm:
         engine = llm.scheduler.engine
-        log = _record_runners(engine)
+        log = record_runners(engine)
         results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     # one row at a time: the loop takes batches of its row count (1 on a CPU without AMX)
     assert {cls for cls, phase in log if phase == "decode"} == {"CpuDecodeLoop"}
