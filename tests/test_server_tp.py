@@ -34,20 +34,20 @@ MODEL = "tiny_chat_llama"  # the folder name the tiny model is served under
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_chat_model: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """tp1, tp2 (compared, then SIGTERMed) and tp2 (a rank SIGKILLed), started together."""
+def servers(tiny_chat_model: str, chat_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """tp1 (the session's chat server, conftest: float32 like these), tp2 (compared, then
+    SIGTERMed) and tp2 (a rank SIGKILLed), the last two started together."""
     logs = tmp_path_factory.mktemp("server_tp")
-    out = {
-        "tp1": ServerProcess(tiny_chat_model, *EXTRA, log_path=logs / "tp1.log"),
+    own = {
         "tp2": ServerProcess(tiny_chat_model, *EXTRA, "--tp", "2", log_path=logs / "tp2.log"),
         "tp2_kill": ServerProcess(tiny_chat_model, *EXTRA, "--tp", "2", log_path=logs / "tp2_kill.log"),
     }
     try:
-        for s in out.values():
+        for s in own.values():
             s.wait_ready()
-        yield out
+        yield {"tp1": chat_server, **own}
     finally:
-        for s in out.values():
+        for s in own.values():
             s.stop()
 
 
