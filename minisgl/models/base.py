@@ -15,7 +15,7 @@ CPU runner). A block (attention, MLP, MoE) takes the residual stream and its pre
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, Mapping, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -118,7 +118,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm blocks, each output added to the residual stream. Options: `pre_norms` False
     (OLMo 2: no norm before attention or MLP), `post_norms` (OLMo 2, GLM-4: a norm on each block's
     output before its residual add: `attn_out_norm`, `mlp_out_norm`), `residual_multiplier`
-    (Granite: each block's output times it before the add)."""
+    (Granite: each block's output times it before the add), `norm` (the RMSNorm of every norm
+    here: Gemma's (1 + w) kind)."""
 
     def __init__(
         self,
@@ -128,15 +129,16 @@ class DecoderLayer(nn.Module):
         pre_norms: bool = True,
         post_norms: bool = False,
         residual_multiplier: float = 1.0,
+        norm: Callable[[int, float], RMSNorm] = RMSNorm,
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm: PreNorm = RMSNorm(hidden, eps) if pre_norms else ResidualAdd()
-        self.post_attention_layernorm: PreNorm = RMSNorm(hidden, eps) if pre_norms else ResidualAdd()
-        self.attn_out_norm = RMSNorm(hidden, eps) if post_norms else None
-        self.mlp_out_norm = RMSNorm(hidden, eps) if post_norms else None
+        self.input_layernorm: PreNorm = norm(hidden, eps) if pre_norms else ResidualAdd()
+        self.post_attention_layernorm: PreNorm = norm(hidden, eps) if pre_norms else ResidualAdd()
+        self.attn_out_norm = norm(hidden, eps) if post_norms else None
+        self.mlp_out_norm = norm(hidden, eps) if post_norms else None
         self.residual_multiplier = residual_multiplier
         if not pre_norms:  # no norm to fuse into the projections: they run as plain GEMMs
             for block in (self_attn, mlp):

@@ -14,7 +14,7 @@ the fused norm + GEMV kernels compute plain RMSNorm, not the unit-offset kind.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from minisgl.layers import (
     get_rope,
 )
 from minisgl.layers.activation import gelu_tanh_and_mul
-from minisgl.models.base import CausalLM, DecoderModel
+from minisgl.models.base import CausalLM, DecoderLayer, DecoderModel
 from minisgl.models.config import ModelConfig
 from minisgl.utils.misc import div_even
 
@@ -75,28 +75,25 @@ class GemmaMLP(nn.Module):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(h))), residual
 
 
-class GemmaDecoderLayer(nn.Module):
-    """x -> x + post_attn(attn(input_norm(x))) -> that + post_ff(mlp(pre_ff(that))); the residual
-    add happens inside the next norm (`forward_with_residual`), as in every layer here."""
+def _layer(cfg: ModelConfig, layer_id: int, qk_norm: bool) -> DecoderLayer:
+    """x -> x + post_attn(attn(input_norm(x))) -> that + post_ff(mlp(pre_ff(that))): the shared
+    layer with post-norms, every norm of the (1 + w) kind (Gemma's names: `map_weight_name`)."""
+    unit = lambda size, eps: RMSNorm(size, eps, unit_offset=True)  # noqa: E731
+    return DecoderLayer(cfg, GemmaAttention(cfg, layer_id, qk_norm), GemmaMLP(cfg), post_norms=True, norm=unit)
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, qk_norm: bool) -> None:
-        super().__init__()
-        self.self_attn = GemmaAttention(cfg, layer_id, qk_norm)
-        self.mlp = GemmaMLP(cfg)
-        self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
-        self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
-        self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> Tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.self_attn(x, residual, self.input_layernorm)
-        h, residual = self.mlp(self.post_attention_layernorm(h), residual, self.pre_feedforward_layernorm)
-        return self.post_feedforward_layernorm(h), residual
+# Gemma's per-layer norm names -> the shared layer's (the post-attention norm is the attention
+# block's output norm there; the MLP's pre-norm is the shared layer's post_attention_layernorm)
+_NORM_NAMES = {
+    ".post_attention_layernorm.": ".attn_out_norm.",
+    ".pre_feedforward_layernorm.": ".post_attention_layernorm.",
+    ".post_feedforward_layernorm.": ".mlp_out_norm.",
+}
 
 
 class GemmaModel(DecoderModel):
     def __init__(self, cfg: ModelConfig, qk_norm: bool) -> None:
-        super().__init__(cfg, [GemmaDecoderLayer(cfg, i, qk_norm) for i in range(cfg.num_layers)])
+        super().__init__(cfg, [_layer(cfg, i, qk_norm) for i in range(cfg.num_layers)])
         self.norm = _norm(cfg, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size**0.5
         self._scales: Dict[torch.dtype, float] = {}
@@ -131,6 +128,13 @@ class Gemma2ForCausalLM(CausalLM):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         # inside the head, so every runner and the prompt logprobs see the capped logits
         self.lm_head.softcap = cfg.final_logit_softcapping
+
+    def map_weight_name(self, name: str) -> Tuple[str, Any] | None:
+        for gemma, ours in _NORM_NAMES.items():
+            if gemma in name:
+                name = name.replace(gemma, ours)
+                break
+        return super().map_weight_name(name)
 
 
 class Gemma3ForCausalLM(Gemma2ForCausalLM):
