@@ -396,7 +396,7 @@ def _wait_draining(srv: ServerProcess) -> httpx.Response:
 def test_sigterm_drains_open_streams_and_refuses_new_requests(servers: Dict[str, Any]) -> None:
     srv: ServerProcess = servers["drain"]
     pids = srv.tree_pids()
-    stream = Stream(srv, {"prompt": "Keep going", "max_tokens": 500, "ignore_eos": True, "temperature": 0})
+    stream = Stream(srv, {"prompt": "Keep going", "max_tokens": 1000, "ignore_eos": True, "temperature": 0})
     srv.proc.send_signal(signal.SIGTERM)
     health = _wait_draining(srv)
     assert health.status_code == 503 and health.json()["status"] == "draining"

@@ -135,7 +135,7 @@ class Scheduler(Policy):
             launched = _InFlight(plan, self.runner.launch(plan))
             self.launched(plan)
         self._host_s += time.perf_counter() - start
-        if plan is None and self._in_flight is None and self.compiling:
+        if plan is None and self._in_flight is None and self._compiling:
             # only grammars compiling: wait for one (bounded, so new messages are still read)
             self.wait_for_compiles(COMPILE_WAIT_S)
         must_sync = launched is not None and self.must_sync
