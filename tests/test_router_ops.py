@@ -4,7 +4,9 @@ together, so their start-ups overlap)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import signal
 import subprocess
 import threading
@@ -385,6 +387,20 @@ def _clean_exit_log(srv: ServerProcess, pids: List[int]) -> str:
     return log
 
 
+@contextlib.contextmanager
+def _frozen_scheduler(srv: ServerProcess) -> Iterator[None]:
+    """SIGSTOP the scheduler process for the block: what it runs cannot progress meanwhile."""
+    import psutil
+
+    sched = [c.pid for c in psutil.Process(srv.proc.pid).children(recursive=True) if c.name().startswith("minisgl-sched")]
+    assert len(sched) == 1, sched
+    os.kill(sched[0], signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(sched[0], signal.SIGCONT)
+
+
 def _wait_draining(srv: ServerProcess) -> httpx.Response:
     deadline = time.monotonic() + 30
     while True:
@@ -396,15 +412,18 @@ def _wait_draining(srv: ServerProcess) -> httpx.Response:
 def test_sigterm_drains_open_streams_and_refuses_new_requests(servers: Dict[str, Any]) -> None:
     srv: ServerProcess = servers["drain"]
     pids = srv.tree_pids()
-    stream = Stream(srv, {"prompt": "Keep going", "max_tokens": 1000, "ignore_eos": True, "temperature": 0})
-    srv.proc.send_signal(signal.SIGTERM)
-    health = _wait_draining(srv)
-    assert health.status_code == 503 and health.json()["status"] == "draining"
-    refused = httpx.post(
-        srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "late-1"}, timeout=10
-    )
-    err = assert_error_body(refused, 503, code="server_unavailable")
-    assert "shutting down" in err["message"] and refused.headers["x-request-id"] == "late-1"
+    stream = Stream(srv, {"prompt": "Keep going", "max_tokens": 200, "ignore_eos": True, "temperature": 0})
+    # The scheduler is frozen while the drain is probed, so the stream is still open however fast
+    # the machine is (a fast one once finished all its tokens before the late request was sent).
+    with _frozen_scheduler(srv):
+        srv.proc.send_signal(signal.SIGTERM)
+        health = _wait_draining(srv)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = httpx.post(
+            srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers={"X-Request-Id": "late-1"}, timeout=10
+        )
+        err = assert_error_body(refused, 503, code="server_unavailable")
+        assert "shutting down" in err["message"] and refused.headers["x-request-id"] == "late-1"
     assert _wait_exit(srv, 90) == 0
     lines = stream.join()
     assert lines[-1] == "data: [DONE]", lines[-3:]
@@ -415,13 +434,15 @@ def test_sigterm_drains_open_streams_and_refuses_new_requests(servers: Dict[str,
 
 def test_sigterm_past_the_timeout_ends_streams_with_an_error_chunk(servers: Dict[str, Any]) -> None:
     srv: ServerProcess = servers["cut"]
-    # far longer than the 1 s --shutdown-timeout: 1000 tokens under an n=4 request
     body = {"prompt": "Keep going", "max_tokens": 1000, "ignore_eos": True, "temperature": 0.7, "n": 4}
     pids = srv.tree_pids()
     stream = Stream(srv, body)
-    srv.proc.send_signal(signal.SIGTERM)
+    # Frozen, the scheduler cannot finish the request within the 1 s --shutdown-timeout on any
+    # machine; it runs again once the API server has ended the stream (it is then told to stop).
+    with _frozen_scheduler(srv):
+        srv.proc.send_signal(signal.SIGTERM)
+        lines = stream.join()
     assert _wait_exit(srv, 60) == 0
-    lines = stream.join()
     errors = [line for line in lines if line.startswith('data: {"error"')]
     assert errors, lines[-3:]
     assert "server_shutting_down" in errors[-1] and "--shutdown-timeout" in errors[-1]
