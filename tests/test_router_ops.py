@@ -126,10 +126,11 @@ def test_router_metrics_move_while_a_request_runs(servers: Dict[str, Any]) -> No
     stream = Stream(srv, {"prompt": "Count on and on", "max_tokens": 900, "ignore_eos": True, "temperature": 0})
     # the first chunk is out: the request holds KV pages until it ends (400 tokens)
     busy = srv.wait_metric(f'vllm:num_requests_running{{model_name="{model}"}}', 1)
-    assert _labelled(busy, "vllm:kv_cache_usage_perc", model) > 0
-    assert _labelled(busy, "sglang:token_usage", model) == _labelled(busy, "vllm:kv_cache_usage_perc", model)
-    assert _labelled(busy, "vllm:kv_cache_usage_perc", model) == busy["minisgl_kv_cache_usage"]
-    loads = httpx.get(srv.base_url + "/v1/loads", timeout=10).json()
+    with _frozen_scheduler(srv):  # /v1/loads then reads the same scheduler numbers as /metrics did
+        assert _labelled(busy, "vllm:kv_cache_usage_perc", model) > 0
+        assert _labelled(busy, "sglang:token_usage", model) == _labelled(busy, "vllm:kv_cache_usage_perc", model)
+        assert _labelled(busy, "vllm:kv_cache_usage_perc", model) == busy["minisgl_kv_cache_usage"]
+        loads = httpx.get(srv.base_url + "/v1/loads", timeout=10).json()
     stream.close()
     assert loads["dp_rank_count"] == 1 and len(loads["loads"]) == 1
     load = loads["loads"][0]

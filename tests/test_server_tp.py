@@ -100,17 +100,21 @@ def test_sigkill_of_a_rank_stops_the_server(servers: Dict[str, ServerProcess]) -
     results: Dict[str, Any] = {}
 
     def request() -> None:
-        body = {"prompt": "Go on and on", "max_tokens": 200, "ignore_eos": True, "temperature": 0, "n": 32}
+        body = {"prompt": "Go on and on", "max_tokens": 20, "ignore_eos": True, "temperature": 0, "n": 4}
         try:
             results["resp"] = httpx.post(srv.base_url + "/v1/completions", json=body, timeout=60)
         except httpx.HTTPError as exc:
             results["error"] = exc
 
+    # Rank 1 is frozen (SIGSTOP) before the request is sent: rank 0 then waits on it in the first
+    # collective, so the request is still running when the SIGKILL lands on any machine.
+    os.kill(rank1, signal.SIGSTOP)
     t = threading.Thread(target=request)
     t.start()
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and srv.metrics().get("minisgl_num_running_requests", 0) == 0:
+    while time.monotonic() < deadline and srv.metrics().get("minisgl_http_requests_in_flight", 0) == 0:
         time.sleep(0.05)
+    assert "resp" not in results, results
     start = time.monotonic()
     os.kill(rank1, signal.SIGKILL)
     rc = srv.proc.wait(20)
