@@ -317,10 +317,13 @@ def test_long_tokenize_does_not_stall_streams(server: ServerProcess, client: htt
     assert arrivals and arrivals[-1] > t1, "no token after /tokenize returned: the stream cannot show the overlap"
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > t0 and a < t1]
-    bound = max(0.5, 20 * statistics.median(gaps))
-    seen = f"largest gap during /tokenize {max(during):.3f} s, bound {bound:.3f} s, /tokenize {t1 - t0:.3f} s, {len(gaps)} gaps"
+    # Encoded on the streaming loop, the stream would stop for (nearly) the whole call; a bound
+    # relative to the call's own length holds on a loaded machine, where every gap stretches.
+    bound = 0.5 * (t1 - t0)
+    seen = (
+        f"largest gap during /tokenize {max(during):.3f} s, bound {bound:.3f} s, median {statistics.median(gaps):.4f} s, {len(gaps)} gaps"
+    )
     assert max(during) < bound, seen
-    assert t1 - t0 > max(during), "the /tokenize call must outlast the largest gap, or the test shows nothing: " + seen
     assert_clean(server)
 
 

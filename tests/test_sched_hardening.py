@@ -1,14 +1,14 @@
 """Scheduler-loop hardening: grammars compile off the loop, and fair admission.
 
-The grammar tests run a real Scheduler over the tiny chat model (its 49,152-token vocabulary is
-what makes a deep JSON schema slow to compile); the fairness tests drive the host-only policy
+The grammar tests run a real Scheduler over the tiny chat model, with the compiles a test must see
+running held behind a gate (no clock); the fairness tests drive the host-only policy
 with the fake runner of tests/test_policy.py (steps, no clock).
 """
 
 from __future__ import annotations
 
 import json
-import time
+import threading
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -19,8 +19,6 @@ from sched_helpers import assert_idle_and_clean
 from minisgl.distributed import DistributedInfo
 from minisgl.sampling_params import GrammarSpec, InvalidRequest, SamplingParams
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest, grammar_compile
-
-GAP_BAR_S = 0.5  # the issue's bar: a stream's longest pause while another request's grammar compiles
 
 
 def nested_schema(depth: int) -> str:
@@ -96,45 +94,55 @@ def _run(sched: Scheduler, uid: int, params: SamplingParams, prompt: List[int]) 
     return tokens
 
 
-def _stream_while_compiling(sched: Scheduler, constrained: SamplingParams, uid: int) -> tuple[List[float], Any, List[int], str]:
-    """A stream runs; after its third token a request with `constrained`'s grammar arrives. Returns
-    the stream's gaps from then until that request ended, its compile job, its tokens and finish."""
-    stream_uid = uid + 1
+class GatedCompiles:
+    """Holds the scheduler's grammar compiles of one schema until the test opens the gate: a compile
+    then lasts exactly as long as the test wants, on any machine, with no clock."""
+
+    def __init__(self, sched: Scheduler, held: str) -> None:
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        pool = sched.compile_pool()
+        real = pool._compile
+
+        def compile(spec: GrammarSpec) -> Any:
+            if spec.value == held:
+                self.entered.set()
+                assert self.gate.wait(120), "the gate was never opened"
+            return real(spec)
+
+        pool._compile = compile
+
+
+def test_grammar_compiles_off_the_loop(sched: Scheduler) -> None:
+    """A stream keeps getting tokens while another request's grammar compiles: the compile is held
+    (gated) until the stream has made 20 more tokens, which a loop blocked on it never would."""
+    schema = nested_schema(3)
+    gated = GatedCompiles(sched, schema)
+    constrained = SamplingParams(max_tokens=24, grammar=GrammarSpec("json_schema", schema))
+    stream_uid, uid = 401, 400
     sched.add_request(UserRequest(stream_uid, [5, 6, 7], SamplingParams(max_tokens=900, ignore_eos=True)))
-    stamps: List[float] = []  # when the stream got each token
+    streamed = 0
     tokens: List[int] = []
     finish: str | None = None
-    job: Any = None
-    start = 0
     while finish is None:
         for out in sched.step():
             if out.uid == stream_uid and out.token_id is not None:
-                stamps.append(time.perf_counter())
+                streamed += 1
             elif out.uid == uid:
                 if out.token_id is not None:
                     tokens.append(out.token_id)
                 finish = out.finish_reason if out.finished else None
-        if job is None and len(stamps) >= 3:
+        if streamed == 3:
             sched.add_request(UserRequest(uid, [9, 10, 11], constrained))
-            job, start = sched.compiling[uid], len(stamps)
-        assert len(stamps) < 900, "the stream ended before the grammar request did"
+            assert uid in sched.compiling
+        if streamed == 23:
+            assert gated.entered.is_set() and uid in sched.compiling, "the compile was not held while the stream ran"
+            gated.gate.set()
+        assert streamed < 900, "the stream ended before the grammar request did"
+    assert streamed > 23
     assert sched.abort(stream_uid)
     sched.run_until_idle()
     assert_idle_and_clean(sched)
-    return [b - a for a, b in zip(stamps[start - 1 :], stamps[start:])], job, tokens, finish
-
-
-def test_slow_grammar_compiles_off_the_loop(sched: Scheduler) -> None:
-    # The GrammarBackend (tokenizer, vocabulary tables) is built once per scheduler, by the first
-    # grammar: build it now, so what is measured is the compile of the slow grammar.
-    _run(sched, 0, SamplingParams(max_tokens=2, grammar=GrammarSpec("json_object")), [5])
-    for depth in (200, 300, 420):  # deeper until the compile outlasts the bar (a faster machine)
-        constrained = SamplingParams(max_tokens=24, grammar=GrammarSpec("json_schema", nested_schema(depth)))
-        gaps, job, tokens, finish = _stream_while_compiling(sched, constrained, 2 * depth)
-        if job.seconds > GAP_BAR_S:
-            break
-    assert job.seconds > GAP_BAR_S, f"the grammar compiled in {job.seconds:.2f} s: too fast to prove anything"
-    assert len(gaps) > 5 and max(gaps) < GAP_BAR_S, f"longest stream gap {max(gaps):.3f} s while a grammar compiled {job.seconds:.2f} s"
     # Correct output: what the same request produces alone (its grammar now cached: admitted at once).
     assert finish in ("stop", "length")
     assert _run(sched, 3, constrained, [9, 10, 11]) == tokens
@@ -168,14 +176,17 @@ def test_abort_while_compiling(sched: Scheduler) -> None:
 
 
 def test_compile_timeout_is_a_400(sched: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = nested_schema(121)
+    gated = GatedCompiles(sched, schema)  # held past the timeout on any machine
     monkeypatch.setattr(grammar_compile, "COMPILE_TIMEOUT_S", 0.05)
-    sched.add_request(UserRequest(30, [5], SamplingParams(max_tokens=4, grammar=GrammarSpec("json_schema", nested_schema(121)))))
+    sched.add_request(UserRequest(30, [5], SamplingParams(max_tokens=4, grammar=GrammarSpec("json_schema", schema))))
     rejected: List[tuple[int, InvalidRequest]] = []
     while sched.has_work():
         sched.step()
         rejected += sched.take_rejected()
     assert [(uid, e.status, e.param) for uid, e in rejected] == [(30, 400, "response_format")]
     assert rejected[0][1].message.startswith("grammar too complex")
+    gated.gate.set()  # (the held compile finishes in the background)
     assert_idle_and_clean(sched)
 
 
