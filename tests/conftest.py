@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import pytest
+# OpenMP threads that have finished their work sleep at once instead of spinning for the next
+# parallel region. The suite runs servers and ranks beside the test process on 2 cores: spinning
+# threads there took the cores from the process that had work (HF generate ran 2-8x slower after
+# a server or an engine had run). Set before torch loads libgomp; the servers inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "torch" in sys.modules:  # (a plugin imported it first: the policy would not apply)
+    raise RuntimeError("torch was imported before tests/conftest.py could set OMP_WAIT_POLICY")
+
+import pytest  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
