@@ -165,7 +165,9 @@ def ct_pack(w: torch.Tensor, group: int, sym: bool) -> Quantized:
     return _int_layer(codes, scale, zero, group, tensors)
 
 
-def fp8_blocks(w: torch.Tensor, bo: int, bi: int, scale_dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_blocks(
+    w: torch.Tensor, bo: int, bi: int, scale_dtype: torch.dtype = torch.float32
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, scale [ceil(out/bo), ceil(in/bi)], dense) with amax / 448 per block."""
     n, k = w.shape
     scale = torch.zeros(-(-n // bo), -(-k // bi))

@@ -80,7 +80,9 @@ def checkpoint_int4(model: Any, model_path: str | None) -> Dict[str, QuantWeight
             w = model.get_submodule(name).weight
             w.copy_(q.dequantize().to(w.dtype))
     if codes:
-        logger.info_rank0(f"CPU decode: {len(codes)} {label} int4 weight matrices (the checkpoint's codes) for batches <= {DEFAULT_DENSE_ABOVE}")
+        logger.info_rank0(
+            f"CPU decode: {len(codes)} {label} int4 weight matrices (the checkpoint's codes) for batches <= {DEFAULT_DENSE_ABOVE}"
+        )
     return dict(codes)
 
 

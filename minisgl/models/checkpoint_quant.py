@@ -403,7 +403,9 @@ class CompressedTensorsFormat(QuantFormat):
                     raise ValueError(f"{where}: strategy 'block' needs block_structure [rows, columns], got {bs!r}")
                 block = (int(bs[0]), int(bs[1]))
             elif strategy not in ("tensor", "channel", "group"):
-                raise ValueError(f"{where}: strategy={strategy!r} is not supported for FP8 weights (supported: tensor, channel, group, block)")
+                raise ValueError(
+                    f"{where}: strategy={strategy!r} is not supported for FP8 weights (supported: tensor, channel, group, block)"
+                )
             gs = w.get("group_size") if strategy == "group" else None
             return _CtScheme("fp8", 8, True, strategy, int(gs) if gs else None, block, targets)
         raise ValueError(f"{where}: weights type={typ!r} is not supported (supported: int, float)")
