@@ -2,7 +2,7 @@
 
 Each format's checkpoint is written here from a tiny random HF model (Llama with q/k/v/o
 biases, Qwen3 with q/k norms and a tied head, float32): its projections are quantized with the
-format's own math and stored in the format's own layout (AWQ's nibble order, GPTQ's input-major
+format's own math and stored in the format's own layout (Qwen3-MoE: each expert's too) (AWQ's nibble order, GPTQ's input-major
 packing and v1 zero offset, compressed-tensors' packed codes and zero points, FP8 blocks). The
 oracle is HF transformers in float32 on dense weights that this file dequantizes from its own
 integer codes and scales (before packing), so a packing or scale-layout mistake in the loader
@@ -32,6 +32,7 @@ import pytest
 import torch
 from helpers import (
     LOGIT_ATOL,
+    TEST_DEVICE,
     HFOracle,
     allocated_reqs,
     assert_greedy_match,
@@ -233,6 +234,8 @@ FORMATS: Dict[str, Format] = {
                                                   "dynamic": True}), ct_fp8_channel_layer),
     "fp8_block": Format("qwen3", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                   "weight_block_size": [128, 128]}, lambda w: fp8_block_layer(w, (128, 128))),
+    "fp8_block_moe": Format("qwen3_moe", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}, lambda w: fp8_block_layer(w, (128, 128))),
     "fp8_block_ragged": Format("llama", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [48, 80]}, lambda w: fp8_block_layer(w, (48, 80))),
     "fp8_tensor_static": Format("llama", {"quant_method": "fp8", "activation_scheme": "static"}, fp8_tensor_layer),
@@ -330,6 +333,7 @@ def _gemms(engine: Any) -> List[QuantLinear | None]:
 
 
 # ---- (c) the 4-bit formats' own codes on the CPU int4 decode GEMM -----------------------------
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the int4 decode GEMM is the CPU's")
 @pytest.mark.parametrize("name", sorted(n for n, f in FORMATS.items() if f.int4))
 def test_int4_codes_run_the_cpu_int4_gemm(name, checkpoint, oracle, monkeypatch):
     ck = checkpoint(name)
@@ -452,3 +456,21 @@ def test_broken_checkpoints_are_refused(checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"\.qweight \(torch.int32\) is quantized but config.json has no quantization_config"):
         with running_engine(unannounced):
             pass
+
+
+def test_dummy_weights_need_no_quantized_tensors(checkpoint, tmp_path):
+    """--load-format dummy on a quantized checkpoint's config alone: random dense weights, no
+    codes to read (the CPU int4 path is skipped)."""
+    shutil.copy(checkpoint("awq").quantized / "config.json", tmp_path / "config.json")
+    with running_engine(tmp_path, use_dummy_weight=True) as engine:
+        assert all(g is None or g.quant is None for g in _gemms(engine))
+        assert len(run_generation(engine, allocated_reqs(engine, PROMPTS[:1], 2), 2)[0]) == 2
+
+
+def test_only_whole_32_column_blocks_of_4_bit_codes_map_onto_q4_1():
+    from minisgl.models.checkpoint_quant import IntGroups
+
+    codes, ones = torch.randint(0, 16, (8, 96), dtype=torch.int32), torch.ones(8, 3)
+    assert IntGroups(codes, ones, ones, 32, 4).q4_1() is not None
+    assert IntGroups(codes, ones[:, :2], ones[:, :2], 48, 4).q4_1() is None  # a block would straddle two groups
+    assert IntGroups(codes, ones, ones, 32, 8).q4_1() is None  # 8-bit codes

@@ -263,8 +263,8 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
         return None
     hugepage_pool(kv_cache)
     quant = None
-    if method == "auto":
-        quant = checkpoint_int4(model, config.model_path) or None
+    if method == "auto":  # (dummy weights: no checkpoint to read codes from)
+        quant = None if config.use_dummy_weight else checkpoint_int4(model, config.model_path) or None
     elif method != "none":  # (from the plain weights, before they move)
         quant = load_quant_weights(model, method, config.model_path)
         logger.info_rank0(f"CPU decode: {len(quant)} {method} weight matrices for batches <= {DEFAULT_DENSE_ABOVE}")
