@@ -39,6 +39,7 @@ from helpers import (
     build_tiny_model,
     prefill_logits,
     random_prompts,
+    record_runners,
     run_generation,
     running_engine,
 )
@@ -355,6 +356,34 @@ def test_int4_codes_run_the_cpu_int4_gemm(name, checkpoint, oracle, monkeypatch)
             assert isinstance(layer.mlp.down_proj.cpu_gemm.quant, Int4Weight)
         _check_against(engine, oracle(ck.q4_1 or ck.dense), f"{name} (int4 GEMM)")
     assert calls and max(calls) <= len(PROMPTS), "the decode steps did not run the int4 GEMM"
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the int4 decode GEMM is the CPU's")
+def test_bf16_awq_decodes_on_the_c_int4_kernel(checkpoint, oracle):
+    """bf16 on a CPU with the C kernels: the AWQ codes' records are what the C decode loop
+    streams (qgemv.c), and every token it picks is in the top 5 of HF float32 on the Q4_1 values
+    (fed our tokens) until a first divergence from HF's own argmax."""
+    from minisgl.engine.cpu_decode import CpuDecodeLoop
+    from minisgl.kernel.cpu import cpu_kernels
+
+    kern = cpu_kernels()
+    if kern is None or not kern.has_qgemv:
+        pytest.skip("no C compiler or no AVX512-BF16 here")
+    ck = checkpoint("awq")
+    with running_engine(ck.quantized, dtype=torch.bfloat16) as engine:
+        assert isinstance(engine.cpu_runner, CpuDecodeLoop), "the C decode loop was not built"
+        gemm = engine.model.model.layers[0].mlp.down_proj.cpu_gemm
+        assert isinstance(gemm.quant, Int4Weight) and gemm.qgemv is not None
+        log = record_runners(engine)
+        outs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
+    assert ("CpuDecodeLoop", "decode") in log
+    hf = oracle(ck.q4_1)
+    for ids, out in zip(PROMPTS, outs):
+        logits = hf.logits(list(ids) + out[:-1])[len(ids) - 1 :]
+        for j, tok in enumerate(out):
+            assert tok in logits[j].topk(5).indices.tolist(), f"token {j} ({tok}) not in HF's top 5"
+            if tok != int(logits[j].argmax()):
+                break
 
 
 # ---- tensor parallelism: dequantize, then shard -----------------------------------------------
