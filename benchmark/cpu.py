@@ -295,7 +295,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="latency,offline")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default=None, help="none | gguf | int4 | int8")
+    p.add_argument("--quantization", default=None, help="auto (default) | none | gguf | int4 | int8")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (per-head scales)")
     p.add_argument("--prompt-len", type=int, default=500)
     p.add_argument("--gen-len", type=int, default=128)

@@ -94,15 +94,17 @@ class EngineConfig:
     # (distributed.host_rendezvous: LLM(tp=N), the server on one machine), not by rank 0
     dist_store_hosted: bool = False
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
-    # GEMMs (None, "gguf": the GGUF's own Q4_1/Q8_0 codes, "int4", "int8"), and the C GEMMs,
-    # attention and decode loop (False: the module path on torch ops and the torch attention
-    # backend; deterministic mode sets it).
+    # GEMMs ("auto" (None too): a 4-bit AWQ/GPTQ/compressed-tensors checkpoint's own codes, else
+    # none; "none"; "gguf": the GGUF's own Q4_1/Q8_0 codes; "int4", "int8": rounded), and the C
+    # GEMMs, attention and decode loop (False: the module path on torch ops and the torch
+    # attention backend; deterministic mode sets it). A quantized checkpoint loads (dequantized)
+    # whatever this says: models/checkpoint_quant.py.
     quantization: str | None = knob(
-        None,
-        "CPU only: weight-only quantized decode GEMMs (gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
+        "auto",
+        "CPU only: weight-only quantized decode GEMMs (auto: a 4-bit AWQ/GPTQ/compressed-tensors checkpoint's own codes, "
+        "else none; gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
         group=MODEL,
-        choices=("gguf", "int4", "int8"),
-        default_text="none",
+        choices=("auto", "none", "gguf", "int4", "int8"),
     )
     cpu_fast_decode: bool = True
     # What the server does with the model (engine/pooling.py): "generate" (the LM head samples

@@ -37,7 +37,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-QUANTIZATIONS = ("none", "gguf", "int4", "int8")
+QUANTIZATIONS = ("auto", "none", "gguf", "int4", "int8")
 
 
 def load_quant_weights(model: Any, method: str, model_path: str | None) -> Dict[str, QuantWeight]:
@@ -64,6 +64,26 @@ def load_quant_weights(model: Any, method: str, model_path: str | None) -> Dict[
             out[name] = quantize_weight(mod.weight, method)  # type: ignore[arg-type]
     out["lm_head"] = Int8Weight.quantize(model.lm_head.weight)  # type: ignore[attr-defined]
     return out
+
+
+def checkpoint_int4(model: Any, model_path: str | None) -> Dict[str, QuantWeight]:
+    """A 4-bit checkpoint's own codes (AWQ, GPTQ, compressed-tensors; models/weight.py
+    load_int4_codes) for the decode GEMMs. Each such layer's dense weight (prefill, larger
+    batches) becomes the same Q4_1 values, so every path computes one function: the checkpoint's
+    dequantization up to the fp16 rounding of m = -scale * zero (docs/MODELS.md)."""
+    from minisgl.models.weight import load_int4_codes
+    from minisgl.utils.hf import resolve_model_path
+
+    label, codes = load_int4_codes(model, resolve_model_path(model_path))
+    with torch.no_grad():
+        for name, q in codes.items():
+            w = model.get_submodule(name).weight
+            w.copy_(q.dequantize().to(w.dtype))
+    if codes:
+        logger.info_rank0(
+            f"CPU decode: {len(codes)} {label} int4 weight matrices (the checkpoint's codes) for batches <= {DEFAULT_DENSE_ABOVE}"
+        )
+    return dict(codes)
 
 
 def _gemm_modules(model: nn.Module) -> List[Tuple[str, Any]]:
@@ -227,7 +247,7 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
     cannot run: then the module path takes every step). Nothing on CUDA, at tp > 1 or with
     `cpu_fast_decode=False`; quantization there is an error, not a silent no-op. The page table
     and attention backend are the engine's, from the global context."""
-    method = (config.quantization or "none").lower()
+    method = (config.quantization or "auto").lower()
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {config.quantization!r}; supported: {', '.join(QUANTIZATIONS)}")
     why_not = None
@@ -238,15 +258,18 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
     elif not config.cpu_fast_decode:
         why_not = "cpu_fast_decode=False"
     if why_not is not None:
-        if method != "none":
+        if method not in ("auto", "none"):
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
         return None
     hugepage_pool(kv_cache)
     quant = None
-    if method != "none":  # (from the plain weights, before they move)
+    if method == "auto":  # (dummy weights: no checkpoint to read codes from)
+        quant = None if config.use_dummy_weight else checkpoint_int4(model, config.model_path) or None
+    elif method != "none":  # (from the plain weights, before they move)
         quant = load_quant_weights(model, method, config.model_path)
-        hugepage_records(quant)
         logger.info_rank0(f"CPU decode: {len(quant)} {method} weight matrices for batches <= {DEFAULT_DENSE_ABOVE}")
+    if quant:
+        hugepage_records(quant)
     bind_cpu_gemms(model, quant)
     ctx = get_global_ctx()
     assert ctx.page_table is not None

@@ -115,7 +115,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
                 f"deterministic mode runs its own batch-invariant attention; attention_backend={config.attention_backend!r} "
                 "cannot be combined with it (leave it 'auto')"
             )
-        if config.quantization is not None:
+        if config.quantization not in (None, "auto", "none"):
             raise ValueError(
                 f"deterministic mode does not support quantization={config.quantization!r} (its GEMMs are not batch-invariant)"
             )

@@ -7,6 +7,13 @@ reads and holds about 1/N of the checkpoint; each piece is cast and moved to the
 parameters (q/k/v, gate/up, experts) wait only until their last part arrives. A checkpoint tensor
 that already holds several parts (Phi-3's qkv_proj and gate_up_proj: `Fused`) is split into its
 parts first, each then sharded like a separate tensor (rank r takes its heads of q, of k and of v).
+
+A quantized checkpoint (config.json's `quantization_config`: models/checkpoint_quant.py) streams
+the same way, each quantized layer's tensors (packed codes, scales, zero points) gathered until its
+last one arrives, dequantized to float32 on the load device and then treated as that layer's
+dense `weight`: cast, sharded (at tp=N each rank reads the whole quantized matrix, dequantizes it
+and keeps its slice) and merged like any other. `load_int4_codes` reads a 4-bit checkpoint's
+codes a second time for the CPU's int4 decode GEMM (tp == 1).
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ import torch
 from torch import nn
 
 from minisgl.layers.base import ShardedModule
+from minisgl.layers.linear import _Linear
+from minisgl.layers.quant import Int4Weight
+from minisgl.models.checkpoint_quant import Fp8Blocks, IntGroups, quant_format, refuse_unannounced, unused_tensors
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
 
 _ST_DTYPES = {
     "F64": torch.float64,
@@ -33,6 +46,8 @@ _ST_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -140,20 +155,42 @@ class Fused:
         return out
 
 
+def _read_header(f: BinaryIO, path: Path) -> Tuple[int, List[Tuple[str, torch.dtype, Dict[str, Any]]]]:
+    """(offset of the data, [(name, dtype, header entry)] in file order) of an open .safetensors file."""
+    (header_len,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    out = []
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        out.append((name, dtype, info))
+    return 8 + header_len, out
+
+
 def iter_checkpoint(path: Path) -> Iterator[Tuple[str, CheckpointTensor]]:
     """Yield (name, CheckpointTensor) of one .safetensors file in file order; nothing is read
     until a tensor is narrowed or read (the file stays open meanwhile)."""
     with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        base = 8 + header_len
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        base, entries = _read_header(f, path)
+        for name, dtype, info in entries:
             start, end = info["data_offsets"]
-            dtype = _ST_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
             yield name, CheckpointTensor(f, path, name, base + start, end - start, info["shape"], dtype)
+
+
+def checkpoint_index(files: Sequence[Path]) -> Dict[str, torch.dtype]:
+    """name -> dtype of every tensor of the checkpoint (headers only)."""
+    out: Dict[str, torch.dtype] = {}
+    for path in files:
+        with open(path, "rb") as f:
+            out.update((name, dtype) for name, dtype, _ in _read_header(f, path)[1])
+    return out
+
+
+def _iter_files(files: Sequence[Path]) -> Iterator[Tuple[str, CheckpointTensor]]:
+    for file in files:
+        yield from iter_checkpoint(file)
 
 
 def iter_safetensors(path: Path) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -172,22 +209,54 @@ def checkpoint_files(model_dir: str) -> list[Path]:
     return files
 
 
+def _pieces(model: nn.Module, ckpt_name: str, full: Any) -> Tuple[str, Any, str, List[Tuple[Any, Any]]] | None:
+    """(our parameter name, its module, the parameter's name in it, [(part, tensor)]) of a
+    checkpoint tensor (a fused one split into its parts), or None where the model skips it."""
+    mapped = model.map_weight_name(ckpt_name)  # type: ignore[operator]
+    if mapped is None:
+        return None
+    name, fused_or_part = mapped
+    module_path, _, param_name = name.rpartition(".")
+    try:
+        module: Any = model.get_submodule(module_path)  # a ShardedModule (parts/shard/merge)
+    except AttributeError:
+        raise ValueError(f"checkpoint weight {ckpt_name!r} does not belong to {type(model).__name__}") from None
+    pieces = fused_or_part.split(full) if isinstance(fused_or_part, Fused) else [(fused_or_part, full)]
+    return name, module, param_name, pieces
+
+
+def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype) -> Iterator[Tuple[str, Any]]:
+    """(name, CheckpointTensor or dense tensor) of the checkpoint in file order: a quantized
+    layer's tensors become one dequantized `<layer>.weight` (float32, on `device`)."""
+    files = checkpoint_files(model_dir)
+    index = checkpoint_index(files)
+    fmt = quant_format(model_dir)
+    if fmt is None:
+        refuse_unannounced(index)
+        yield from _iter_files(files)
+        return
+    unused = unused_tensors(index)
+    if unused:
+        logger.info_rank0(f"{fmt.label}: the checkpoint's {', '.join(unused)} tensors are not used (activations run in "
+                          f"{str(dtype).removeprefix('torch.')}, the KV cache is --kv-cache-dtype's)")  # fmt: skip
+    said = False
+    for name, tensor in fmt.stream(_iter_files(files), index, device):
+        if isinstance(tensor, (IntGroups, Fp8Blocks)):
+            if not said:
+                logger.info_rank0(f"{fmt.label} weights dequantized to {str(dtype).removeprefix('torch.')} at load")
+                said = True
+            yield f"{name}.weight", tensor.dense()
+        else:
+            yield name, tensor
+
+
 def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
     """The state dict of `model` (built on meta) for this rank, read from `model_dir`."""
     out: Dict[str, torch.Tensor] = {}
     pending: Dict[str, Dict[Any, torch.Tensor]] = {}
-    for file in checkpoint_files(model_dir):
-        for ckpt_name, full in iter_checkpoint(file):
-            mapped = model.map_weight_name(ckpt_name)  # type: ignore[operator]
-            if mapped is None:
-                continue
-            name, fused_or_part = mapped
-            module_path, _, param_name = name.rpartition(".")
-            try:
-                module: Any = model.get_submodule(module_path)  # a ShardedModule (parts/shard/merge)
-            except AttributeError:
-                raise ValueError(f"checkpoint weight {ckpt_name!r} does not belong to {type(model).__name__}") from None
-            pieces = fused_or_part.split(full) if isinstance(fused_or_part, Fused) else [(fused_or_part, full)]
+    for ckpt_name, full in _checkpoint_tensors(model_dir, device, dtype):
+        if (found := _pieces(model, ckpt_name, full)) is not None:
+            name, module, param_name, pieces = found
             for part, tensor in pieces:
                 # A sharded layer narrows `tensor`, which reads only this rank's slice from the file.
                 piece: Any = module.shard(param_name, cast(Any, tensor), part) if isinstance(module, ShardedModule) else tensor
@@ -211,6 +280,41 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             f"need {len(cast(Any, model.get_submodule(name.rpartition('.')[0])).parts(name.rpartition('.')[2]))} parts"
         )
     return out
+
+
+def load_int4_codes(model: nn.Module, model_dir: str) -> Tuple[str, Dict[str, Int4Weight]]:
+    """(the format's label, {module path: its int4 decode weight}) for the linear layers of a
+    4-bit checkpoint whose codes map onto the int4 GEMM's Q4_1 blocks (`IntGroups.q4_1`: the
+    same codes, d = scale, m = -scale * zero), merged like the dense weights (q/k/v, gate/up);
+    empty for any other checkpoint. tp == 1: whole matrices, read on the CPU. A merged
+    projection missing any part (a part left dense, a group size that does not map) stays dense."""
+    fmt = quant_format(model_dir)
+    if fmt is None or not fmt.int4:
+        return "", {}
+    files = checkpoint_files(model_dir)
+    pending: Dict[str, Dict[Any, torch.Tensor]] = {}
+    out: Dict[str, Int4Weight] = {}
+    cpu = torch.device("cpu")
+    for prefix, groups in fmt.stream(_iter_files(files), checkpoint_index(files), cpu, only_quantized=True):
+        blocks = groups.q4_1() if isinstance(groups, IntGroups) else None
+        found = _pieces(model, f"{prefix}.weight", None if blocks is None else torch.cat([b.float() for b in blocks], dim=1))
+        if blocks is None or found is None or not isinstance(found[1], _Linear) or found[2] != "weight":
+            continue
+        name, module, _, pieces = found
+        k = blocks[0].shape[1]
+        for part, rows in pieces:  # rows: [codes | d | m] of this part's output rows
+            parts = module.parts("weight")
+            if part is None or parts is None:
+                merged = rows
+            else:
+                bucket = pending.setdefault(name, {})
+                bucket[part] = rows
+                if len(bucket) < len(parts):
+                    continue
+                merged = module.merge("weight", pending.pop(name))
+            codes, d, m = merged[:, :k], merged[:, k : k + k // 32], merged[:, k + k // 32 :]
+            out[name.rpartition(".")[0]] = Int4Weight.from_q4_1(codes.to(torch.uint8), d, m)
+    return fmt.label, out
 
 
 def dummy_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Dict[str, torch.Tensor]:
