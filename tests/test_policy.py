@@ -52,8 +52,9 @@ def reference(prompt: Sequence[int], n: int) -> List[int]:
 class FakeRunner:
     """The device, as dictionaries."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, max_seq_len: int = MAX_SEQ_LEN) -> None:
         self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
         self.page_table: Dict[Tuple[int, int], int] = {}
         self.token_pool: Dict[Tuple[int, int], int] = {}
         self.kv: Dict[int, int] = {}  # slot -> hash of the prefix whose last token's KV it holds
@@ -74,7 +75,7 @@ class FakeRunner:
         tokens: List[int] = []
         for req, row, start, end, emit in zip(plan.reqs, plan.rows, plan.starts, plan.ends, plan.emits):
             assert (req.uid, req.table_idx, req.cached_len, req.device_len) == (req.uid, row, start, end)
-            assert 0 <= start < end <= MAX_SEQ_LEN
+            assert 0 <= start < end <= self.max_seq_len
             ids = req.token_ids
             h = 0
             for p in range(end):
@@ -116,12 +117,15 @@ class FakeRunner:
         pass
 
 
-def make_policy(num_pages: int = 512, page_size: int = 1, overlap: bool = False, share_rows: bool = False, **kw: Any) -> Scheduler:
+def make_policy(
+    num_pages: int = 512, page_size: int = 1, overlap: bool = False, share_rows: bool = False, max_seq_len: int = MAX_SEQ_LEN, **kw: Any
+) -> Scheduler:
     """The scheduler's policy and loop over a fake runner (share_rows: plan for TP followers)."""
     kw.setdefault("max_running_req", 8)
     tp = DistributedInfo(0, 2 if share_rows else 1)
     config = SchedulerConfig(model_path="unused", tp_info=tp, dtype=torch.float32, page_size=page_size, enable_overlap=overlap, **kw)
-    return Scheduler(config, FakeRunner(num_pages * page_size), Limits(num_pages, MAX_SEQ_LEN, 256, frozenset({EOS})))
+    limits = Limits(num_pages, max_seq_len, 256, frozenset({EOS}))
+    return Scheduler(config, FakeRunner(num_pages * page_size, max_seq_len), limits)
 
 
 def runner_of(policy: Scheduler) -> FakeRunner:
@@ -297,6 +301,76 @@ def test_retraction_under_priority_takes_the_least_urgent() -> None:
         victims += [r.uid for r in policy.retracted if r.uid not in before]
     assert victims and victims[0] == 2  # priority 9
     check_outputs(tokens, [([uid + 1] * 8, 20) for uid in range(4)])
+    assert_clean(policy)
+
+
+def _first_wave(policy: Scheduler, n: int) -> Tuple[int, float]:
+    """n chats without max_tokens (prompts of 40-80 tokens) arrive at once: how many run after
+    the first step, and the share of the pool still free."""
+    import random
+
+    rng = random.Random(3)
+    for uid in range(n):
+        prompt = [rng.randrange(1, 256) for _ in range(rng.randint(40, 80))]
+        policy.add_request(UserRequest(uid, prompt, SamplingParams(temperature=0.0, max_tokens=None)))
+    policy.step()
+    stats = policy.stats()
+    assert stats.num_running + stats.num_waiting == n
+    return stats.num_running, stats.free_pages / stats.total_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_first_wave_is_admitted_while_the_pool_is_mostly_free(page_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 chats without max_tokens on a 6,144-page pool (a 2,048-token context): each is
+    estimated at half its remaining context (~1,000 tokens), which alone would admit a handful;
+    with the pool almost empty every one runs, up to the running limit (16 here)."""
+    pages = 6144 // page_size
+    running, free = _first_wave(make_policy(num_pages=pages, page_size=page_size, max_seq_len=2048, max_running_req=16), 24)
+    assert running == 16 and free > 0.8
+    running, free = _first_wave(make_policy(num_pages=pages, page_size=page_size, max_seq_len=2048, max_running_req=32), 24)
+    assert running == 24 and free > 0.7
+    # the control: the estimate alone (no free-pool rule) keeps most of them waiting
+    monkeypatch.setattr("minisgl.scheduler.policy.FREE_POOL_SHARE", 1.0)
+    running, free = _first_wave(make_policy(num_pages=pages, page_size=page_size, max_seq_len=2048, max_running_req=32), 24)
+    assert running < 12 and free > 0.8
+
+
+def test_estimate_decides_once_the_pool_fills() -> None:
+    """With most of the pool held by running requests, admission is the estimate's again."""
+    policy = make_policy(num_pages=420, max_running_req=16, init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    submit(policy, [([i + 1] * 100, 28) for i in range(3)])  # 300 pages of prompts, 84 expected
+    policy.step()
+    assert policy.stats().num_running == 3
+    # ~117 pages available: 10 + 5 + 84 fits the estimate (though less than half the pool is free)
+    policy.add_request(UserRequest(7, [7] * 10, greedy(5)))
+    policy.step()
+    assert not policy.waiting
+    # 20 + 100 + 84 (+ 5) does not: it waits for pages to come back
+    policy.add_request(UserRequest(9, [9] * 20, greedy(100)))
+    policy.step()
+    assert [r.uid for r in policy.waiting] == [9]
+    tokens, reasons = drive(policy)
+    assert set(reasons.values()) == {"length"} and len(tokens[9]) == 100
+    assert_clean(policy)
+
+
+def test_free_pool_admission_overcommits_and_retraction_catches_it() -> None:
+    """12 chats without max_tokens (each runs to the 128-token context) on 200 pages: all are
+    admitted at once, their decoding outgrows the pool, retractions free it and every request
+    still gives the reference tokens."""
+    policy = make_policy(num_pages=200, max_running_req=12)
+    reqs = [([i + 1] * 8, MAX_SEQ_LEN - 8) for i in range(12)]
+    for uid, (prompt, _) in enumerate(reqs):
+        policy.add_request(UserRequest(uid, prompt, SamplingParams(temperature=0.0, max_tokens=None)))
+    tokens: Dict[int, List[int]] = {}
+    reasons: Dict[int, str] = {}
+    collect(policy.step(), tokens, reasons)
+    assert policy.stats().num_running == 12
+    while policy.has_work():
+        collect(policy.step(), tokens, reasons)
+    assert policy.stats().retractions > 0
+    check_outputs(tokens, reqs)
+    assert set(reasons.values()) == {"length"}
     assert_clean(policy)
 
 

@@ -32,6 +32,11 @@ from minisgl.utils.misc import div_ceil
 logger = init_logger(__name__)
 _FINISHED = Status.FINISHED  # (read per row per step)
 PROMPT_LOGPROB_CHUNK = 512  # prompt tokens per step of a request that wants prompt logprobs
+# Optimistic admission ignores the estimate while this share of the pool stays free after the
+# admission (and the planned decode step's pages): an estimate that is still far from what
+# requests use (0.5 of a whole context for a chat without max_tokens) must not keep requests
+# waiting beside an empty pool. A wrong guess costs a retraction once the pool is full.
+FREE_POOL_SHARE = 0.5
 
 
 class NewTokenEstimate:
@@ -377,9 +382,14 @@ class Policy:
         logger.debug("retracted request %d at %d tokens", req.uid, len(req.token_ids))
 
     def _fits(self, need_now: int, future: int, expected: int) -> bool:
-        if self.config.admission == "optimistic":
-            return need_now + future + expected <= self.available_pages()
-        return need_now <= self.available_pages()
+        available = self.available_pages()
+        if self.config.admission != "optimistic":
+            return need_now <= available
+        if need_now + future + expected <= available:
+            return True
+        # the pool is mostly free: what the step really takes must leave the headroom
+        headroom = math.ceil(FREE_POOL_SHARE * self.allocator.num_pages)
+        return need_now + self._decode_need + headroom <= available
 
     def _schedule_prefill(self, decoding: List[SchedReq], in_flight: StepPlan | None) -> _Pick | None:
         """A prefill step: chunks of admitted prompts, then resumed and new requests, within
