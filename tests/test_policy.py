@@ -527,3 +527,71 @@ def test_plans_carry_what_a_follower_needs() -> None:
     check_outputs(tokens, reqs)
     assert sorted(released) == [0, 1, 2, 3]
     assert_clean(policy)
+
+
+def _prompt_tokens(plan: StepPlan) -> int:
+    return 0 if plan.is_decode else sum(plan.ends) - sum(plan.starts) - plan.num_decode_rows
+
+
+@pytest.mark.parametrize("max_step_ms", [40.0, 0.0])
+def test_step_budget_caps_prompt_chunks_beside_streams(max_step_ms: float) -> None:
+    """A fake clock: a step takes 10 ms + 0.1 ms per prompt token. A stream decodes while a
+    1,500-token prompt arrives; with --max-step-ms 40 every step beside it carries at most
+    (40 - 10) / 0.1 = 300 prompt tokens (as estimated from the steps so far), so the
+    stream's steps stay near 40 ms; with 0 (off) the prompt goes in at once."""
+    from minisgl.scheduler.step_budget import FLOOR
+
+    policy = make_policy(num_pages=4096, max_seq_len=2048, max_step_ms=max_step_ms)
+    runner = runner_of(policy)
+    now = [0.0]
+    step_ms: List[float] = []
+    launch = runner.launch
+
+    def timed_launch(plan: StepPlan) -> Any:
+        step_ms.append(10.0 + 0.1 * _prompt_tokens(plan))
+        now[0] += step_ms[-1] / 1e3
+        return launch(plan)
+
+    runner.launch = timed_launch  # type: ignore[method-assign]
+    policy.clock = lambda: now[0]
+    stream, late = [3] * 1000, [1 + i % 250 for i in range(1500)]
+    policy.add_request(UserRequest(0, stream, greedy(300)))
+    tokens: Dict[int, List[int]] = {}
+    reasons: Dict[int, str] = {}
+    for _ in range(5):
+        collect(policy.step(), tokens, reasons)
+    plans = runner.plans
+    assert _prompt_tokens(plans[0]) == 1000, "nobody decodes yet: the prompt is not capped"
+    policy.add_request(UserRequest(1, late, greedy(3)))
+    while policy.has_work():
+        collect(policy.step(), tokens, reasons)
+    beside = [(_prompt_tokens(p), ms) for p, ms in zip(plans, step_ms) if p.is_prefill and p.num_decode_rows > 0]
+    chunks = [n for n, _ in beside]
+    assert sum(chunks) == 1500
+    if max_step_ms == 0.0:
+        assert policy.step_budget is None and chunks == [1500]
+    else:
+        # the estimate starts from the 1,000-token prefill counted whole (0.11 ms a token: 272
+        # tokens) and moves toward the clock's 0.1 ms a token (300 tokens), never above it
+        assert all(FLOOR <= n <= 301 for n in chunks[:-1]), chunks
+        assert chunks[0] == int(30 / 0.11) and chunks[:-1] == sorted(chunks[:-1]), chunks
+        assert max(ms for _, ms in beside) <= 40.1  # the stream's steps stay within the target
+        assert policy.step_budget is not None and 0.1 < policy.step_budget.token_ms < 0.11
+    check_outputs(tokens, [(stream, 300), (late, 3)])
+    assert_clean(policy)
+
+
+def test_step_budget_defaults() -> None:
+    """--max-step-ms unset: on a CPU engine 3x the decode step, off on CUDA and over a given
+    runner; 0: off everywhere; the offline LLM turns it off (throughput, nobody streams)."""
+    from minisgl.scheduler.policy import Policy
+
+    def budget(on_cpu: bool, **kw: Any) -> Any:
+        config = SchedulerConfig(model_path="unused", tp_info=DistributedInfo(0, 1), dtype=torch.float32, **kw)
+        return Policy(config, Limits(64, MAX_SEQ_LEN, 256, frozenset({EOS})), on_cpu=on_cpu).step_budget
+
+    assert budget(True) is not None and budget(True).target_ms is None
+    assert budget(False) is None and budget(True, max_step_ms=0.0) is None
+    assert budget(False, max_step_ms=25.0).target_ms == 25.0
+    with pytest.raises(ValueError, match="max_step_ms"):
+        budget(True, max_step_ms=-1.0)

@@ -26,6 +26,7 @@ from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
 from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
+from minisgl.scheduler.step_budget import StepBudget
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
 
@@ -92,9 +93,18 @@ class Limits:
 
 class Policy:
     def __init__(
-        self, config: SchedulerConfig, limits: Limits, *, share_rows: bool = False, on_grammar: Callable[[Any], None] | None = None
+        self,
+        config: SchedulerConfig,
+        limits: Limits,
+        *,
+        share_rows: bool = False,
+        on_grammar: Callable[[Any], None] | None = None,
+        on_cpu: bool = False,
     ) -> None:
         self.config = config
+        # the prompt-token cap of steps beside decoding streams: max_step_ms, by default on a CPU only
+        target = config.max_step_ms
+        self.step_budget = StepBudget(target or None) if (target or (target is None and on_cpu)) else None
         self._on_grammar = on_grammar  # told the GrammarBackend when the first grammar arrives
         self.page_size = config.page_size
         self.alloc_ahead = max(0, 16 - self.page_size)  # decode tokens of pages allocated ahead
@@ -395,6 +405,8 @@ class Policy:
         """A prefill step: chunks of admitted prompts, then resumed and new requests, within
         the token budget; `decoding` rows (one token each) go first when mixing."""
         budget = self.config.max_extend_tokens - len(decoding)
+        if self.step_budget is not None and self._running:  # streams wait on this step
+            budget = min(budget, self.step_budget.prompt_tokens())
         if budget <= 0:
             return None
         ps = self.page_size
@@ -574,6 +586,16 @@ class Policy:
                     del self._prefilling[req.uid]
                     self._running[req.uid] = req
                     req.status = Status.RUNNING
+
+    def step_timed(self, plan: StepPlan, ms: float) -> None:
+        """A launched step's measured time, launch to results (the step budget's input)."""
+        if self.step_budget is None:
+            return
+        if plan.is_decode:
+            self.step_budget.observe(len(plan.uids), 0, ms)
+            return
+        prompt_tokens = sum(plan.ends) - sum(plan.starts) - plan.num_decode_rows
+        self.step_budget.observe(plan.num_decode_rows, prompt_tokens, ms)
 
     @property
     def must_sync(self) -> bool:
