@@ -25,12 +25,11 @@ from minisgl.engine.sample import Sampler
 from minisgl.llm import LLM
 
 VOCAB = 256
-N_NEW = 8
+N_NEW = 6
 TIE = (37, 90)  # the crafted head gives these two tokens identical logits
 SAMPLED = [
     SamplingParams(temperature=0.7, max_tokens=N_NEW, ignore_eos=True),
-    SamplingParams(temperature=1.3, top_k=20, max_tokens=N_NEW, ignore_eos=True),
-    SamplingParams(temperature=0.9, top_p=0.8, seed=11, max_tokens=N_NEW, ignore_eos=True),
+    SamplingParams(temperature=1.3, top_k=20, top_p=0.8, seed=11, max_tokens=N_NEW, ignore_eos=True),
     SamplingParams(temperature=1.0, min_p=0.05, seed=5, max_tokens=N_NEW, ignore_eos=True),
 ]
 # greedy requests in different dresses (top_k = 1 is greedy too); the last one is a tie
@@ -58,7 +57,10 @@ def test_sampler_greedy_rows_take_the_lowest_argmax(company: str) -> None:
         "min_p": dict(temperature=1.0, min_p=0.1),
         "seeded": dict(temperature=0.7, seed=3),
     }[company]
-    params = [SamplingParams(**other) if i % 3 else SamplingParams(temperature=0.0) for i in range(9)]
+    # greedy rows in their dresses too: a greedy row's own top-k = 1 or top-p must not drop the
+    # lowest of its tied maxima (a sort puts ties in any order)
+    dresses = [dict(temperature=0.0), dict(temperature=0.0, top_p=0.5), dict(temperature=0.9, top_k=1)]
+    params = [SamplingParams(**other) if i % 3 else SamplingParams(**dresses[i // 3]) for i in range(9)]
     greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
     sampler = Sampler(dev, vocab_size=VOCAB)
     args = sampler.prepare(_fake_batch(params))  # type: ignore[arg-type]
@@ -110,11 +112,14 @@ def test_greedy_requests_beside_sampled_ones_give_their_greedy_tokens(tie_model:
         assert [o.token_ids for o in mixed[: len(GREEDY)]] == ref
         torch.manual_seed(1)  # the unseeded rows draw otherwise; the company in another order
         company = SAMPLED[1:] + SAMPLED[:1]
-        interleaved = _run(llm, [p for pair in zip(g_prompts, s_prompts) for p in pair], [p for pair in zip(GREEDY, company) for p in pair])
-        assert [o.token_ids for o in interleaved[::2]] == ref, "interleaved"
-        if deterministic:  # batch-invariant: alone gives the same tokens too
-            alone = [_run(llm, [p], [sp])[0].token_ids for p, sp in zip(g_prompts, GREEDY)]
-            assert alone == ref
+        # greedy rows at the even rows, the sampled ones between them (the last greedy row last)
+        order = [k // 2 + (0 if k % 2 == 0 else len(GREEDY)) for k in range(2 * len(SAMPLED))] + [len(GREEDY) - 1]
+        sps = GREEDY + company
+        interleaved = _run(llm, [prompts[i] for i in order], [sps[i] for i in order])
+        assert [o.token_ids for o, i in zip(interleaved, order) if i < len(GREEDY)] == ref, "interleaved"
+        if deterministic:  # batch-invariant: alone gives the same tokens too (a plain and the tied request)
+            for i in (0, len(GREEDY) - 1):
+                assert _run(llm, [g_prompts[i]], [GREEDY[i]])[0].token_ids == ref[i], f"greedy request {i} alone"
     finally:
         llm.shutdown()
     # the tied pair outweighs every other token and the lower id wins every step (beside sampled

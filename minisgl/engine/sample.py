@@ -240,9 +240,11 @@ class Sampler:
         probs = filtered_probs(logits.float(), args.temperatures, args.top_k, args.top_p, args.min_p)
         if gumbel:
             # Same noise and scores as the unfiltered path, the filtered-out tokens at -inf: a seeded
-            # row without filters draws exactly what it would in a batch that nobody filters. A
-            # greedy row keeps its maximum (and near-ties of it) and takes the kernel's argmax.
-            return _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
+            # row without filters draws exactly what it would in a batch that nobody filters. (A
+            # greedy row's own top-k/top-p may drop one of tied maxima, in sort order: its argmax
+            # is taken over the unfiltered logits.)
+            tokens = _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
+            return _with_greedy_rows(tokens, logits, args.greedy_rows)
         return _with_greedy_rows(_draw(probs, args.seeded_rows), logits, args.greedy_rows)
 
 
