@@ -52,8 +52,9 @@ def reference(prompt: Sequence[int], n: int) -> List[int]:
 class FakeRunner:
     """The device, as dictionaries."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, max_seq_len: int = MAX_SEQ_LEN) -> None:
         self.num_slots = num_slots
+        self.max_seq_len = max_seq_len
         self.page_table: Dict[Tuple[int, int], int] = {}
         self.token_pool: Dict[Tuple[int, int], int] = {}
         self.kv: Dict[int, int] = {}  # slot -> hash of the prefix whose last token's KV it holds
@@ -74,7 +75,7 @@ class FakeRunner:
         tokens: List[int] = []
         for req, row, start, end, emit in zip(plan.reqs, plan.rows, plan.starts, plan.ends, plan.emits):
             assert (req.uid, req.table_idx, req.cached_len, req.device_len) == (req.uid, row, start, end)
-            assert 0 <= start < end <= MAX_SEQ_LEN
+            assert 0 <= start < end <= self.max_seq_len
             ids = req.token_ids
             h = 0
             for p in range(end):
@@ -116,12 +117,15 @@ class FakeRunner:
         pass
 
 
-def make_policy(num_pages: int = 512, page_size: int = 1, overlap: bool = False, share_rows: bool = False, **kw: Any) -> Scheduler:
+def make_policy(
+    num_pages: int = 512, page_size: int = 1, overlap: bool = False, share_rows: bool = False, max_seq_len: int = MAX_SEQ_LEN, **kw: Any
+) -> Scheduler:
     """The scheduler's policy and loop over a fake runner (share_rows: plan for TP followers)."""
     kw.setdefault("max_running_req", 8)
     tp = DistributedInfo(0, 2 if share_rows else 1)
     config = SchedulerConfig(model_path="unused", tp_info=tp, dtype=torch.float32, page_size=page_size, enable_overlap=overlap, **kw)
-    return Scheduler(config, FakeRunner(num_pages * page_size), Limits(num_pages, MAX_SEQ_LEN, 256, frozenset({EOS})))
+    limits = Limits(num_pages, max_seq_len, 256, frozenset({EOS}))
+    return Scheduler(config, FakeRunner(num_pages * page_size, max_seq_len), limits)
 
 
 def runner_of(policy: Scheduler) -> FakeRunner:
@@ -300,6 +304,76 @@ def test_retraction_under_priority_takes_the_least_urgent() -> None:
     assert_clean(policy)
 
 
+def _first_wave(policy: Scheduler, n: int) -> Tuple[int, float]:
+    """n chats without max_tokens (prompts of 40-80 tokens) arrive at once: how many run after
+    the first step, and the share of the pool still free."""
+    import random
+
+    rng = random.Random(3)
+    for uid in range(n):
+        prompt = [rng.randrange(1, 256) for _ in range(rng.randint(40, 80))]
+        policy.add_request(UserRequest(uid, prompt, SamplingParams(temperature=0.0, max_tokens=None)))
+    policy.step()
+    stats = policy.stats()
+    assert stats.num_running + stats.num_waiting == n
+    return stats.num_running, stats.free_pages / stats.total_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_first_wave_is_admitted_while_the_pool_is_mostly_free(page_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """24 chats without max_tokens on a 6,144-page pool (a 2,048-token context): each is
+    estimated at half its remaining context (~1,000 tokens), which alone would admit a handful;
+    with the pool almost empty every one runs, up to the running limit (16 here)."""
+    pages = 6144 // page_size
+    running, free = _first_wave(make_policy(num_pages=pages, page_size=page_size, max_seq_len=2048, max_running_req=16), 24)
+    assert running == 16 and free > 0.8
+    running, free = _first_wave(make_policy(num_pages=pages, page_size=page_size, max_seq_len=2048, max_running_req=32), 24)
+    assert running == 24 and free > 0.7
+    # the control: the estimate alone (no free-pool rule) keeps most of them waiting
+    monkeypatch.setattr("minisgl.scheduler.policy.FREE_POOL_SHARE", 1.0)
+    running, free = _first_wave(make_policy(num_pages=pages, page_size=page_size, max_seq_len=2048, max_running_req=32), 24)
+    assert running < 12 and free > 0.8
+
+
+def test_estimate_decides_once_the_pool_fills() -> None:
+    """With most of the pool held by running requests, admission is the estimate's again."""
+    policy = make_policy(num_pages=420, max_running_req=16, init_new_token_ratio=1.0, min_new_token_ratio=1.0)
+    submit(policy, [([i + 1] * 100, 28) for i in range(3)])  # 300 pages of prompts, 84 expected
+    policy.step()
+    assert policy.stats().num_running == 3
+    # ~117 pages available: 10 + 5 + 84 fits the estimate (though less than half the pool is free)
+    policy.add_request(UserRequest(7, [7] * 10, greedy(5)))
+    policy.step()
+    assert not policy.waiting
+    # 20 + 100 + 84 (+ 5) does not: it waits for pages to come back
+    policy.add_request(UserRequest(9, [9] * 20, greedy(100)))
+    policy.step()
+    assert [r.uid for r in policy.waiting] == [9]
+    tokens, reasons = drive(policy)
+    assert set(reasons.values()) == {"length"} and len(tokens[9]) == 100
+    assert_clean(policy)
+
+
+def test_free_pool_admission_overcommits_and_retraction_catches_it() -> None:
+    """12 chats without max_tokens (each runs to the 128-token context) on 200 pages: all are
+    admitted at once, their decoding outgrows the pool, retractions free it and every request
+    still gives the reference tokens."""
+    policy = make_policy(num_pages=200, max_running_req=12)
+    reqs = [([i + 1] * 8, MAX_SEQ_LEN - 8) for i in range(12)]
+    for uid, (prompt, _) in enumerate(reqs):
+        policy.add_request(UserRequest(uid, prompt, SamplingParams(temperature=0.0, max_tokens=None)))
+    tokens: Dict[int, List[int]] = {}
+    reasons: Dict[int, str] = {}
+    collect(policy.step(), tokens, reasons)
+    assert policy.stats().num_running == 12
+    while policy.has_work():
+        collect(policy.step(), tokens, reasons)
+    assert policy.stats().retractions > 0
+    check_outputs(tokens, reqs)
+    assert set(reasons.values()) == {"length"}
+    assert_clean(policy)
+
+
 def test_priority_admits_the_most_urgent_first_fifo_among_equals() -> None:
     policy = make_policy(max_running_req=1, schedule_policy="priority")
     for uid, prio in enumerate([3, 1, 3, 0, 1]):
@@ -453,3 +527,71 @@ def test_plans_carry_what_a_follower_needs() -> None:
     check_outputs(tokens, reqs)
     assert sorted(released) == [0, 1, 2, 3]
     assert_clean(policy)
+
+
+def _prompt_tokens(plan: StepPlan) -> int:
+    return 0 if plan.is_decode else sum(plan.ends) - sum(plan.starts) - plan.num_decode_rows
+
+
+@pytest.mark.parametrize("max_step_ms", [40.0, 0.0])
+def test_step_budget_caps_prompt_chunks_beside_streams(max_step_ms: float) -> None:
+    """A fake clock: a step takes 10 ms + 0.1 ms per prompt token. A stream decodes while a
+    1,500-token prompt arrives; with --max-step-ms 40 every step beside it carries at most
+    (40 - 10) / 0.1 = 300 prompt tokens (as estimated from the steps so far), so the
+    stream's steps stay near 40 ms; with 0 (off) the prompt goes in at once."""
+    from minisgl.scheduler.step_budget import FLOOR
+
+    policy = make_policy(num_pages=4096, max_seq_len=2048, max_step_ms=max_step_ms)
+    runner = runner_of(policy)
+    now = [0.0]
+    step_ms: List[float] = []
+    launch = runner.launch
+
+    def timed_launch(plan: StepPlan) -> Any:
+        step_ms.append(10.0 + 0.1 * _prompt_tokens(plan))
+        now[0] += step_ms[-1] / 1e3
+        return launch(plan)
+
+    runner.launch = timed_launch  # type: ignore[method-assign]
+    policy.clock = lambda: now[0]
+    stream, late = [3] * 1000, [1 + i % 250 for i in range(1500)]
+    policy.add_request(UserRequest(0, stream, greedy(300)))
+    tokens: Dict[int, List[int]] = {}
+    reasons: Dict[int, str] = {}
+    for _ in range(5):
+        collect(policy.step(), tokens, reasons)
+    plans = runner.plans
+    assert _prompt_tokens(plans[0]) == 1000, "nobody decodes yet: the prompt is not capped"
+    policy.add_request(UserRequest(1, late, greedy(3)))
+    while policy.has_work():
+        collect(policy.step(), tokens, reasons)
+    beside = [(_prompt_tokens(p), ms) for p, ms in zip(plans, step_ms) if p.is_prefill and p.num_decode_rows > 0]
+    chunks = [n for n, _ in beside]
+    assert sum(chunks) == 1500
+    if max_step_ms == 0.0:
+        assert policy.step_budget is None and chunks == [1500]
+    else:
+        # the estimate starts from the 1,000-token prefill counted whole (0.11 ms a token: 272
+        # tokens) and moves toward the clock's 0.1 ms a token (300 tokens), never above it
+        assert all(FLOOR <= n <= 301 for n in chunks[:-1]), chunks
+        assert chunks[0] == int(30 / 0.11) and chunks[:-1] == sorted(chunks[:-1]), chunks
+        assert max(ms for _, ms in beside) <= 40.1  # the stream's steps stay within the target
+        assert policy.step_budget is not None and 0.1 < policy.step_budget.token_ms < 0.11
+    check_outputs(tokens, [(stream, 300), (late, 3)])
+    assert_clean(policy)
+
+
+def test_step_budget_defaults() -> None:
+    """--max-step-ms unset: on a CPU engine 3x the decode step, off on CUDA and over a given
+    runner; 0: off everywhere; the offline LLM turns it off (throughput, nobody streams)."""
+    from minisgl.scheduler.policy import Policy
+
+    def budget(on_cpu: bool, **kw: Any) -> Any:
+        config = SchedulerConfig(model_path="unused", tp_info=DistributedInfo(0, 1), dtype=torch.float32, **kw)
+        return Policy(config, Limits(64, MAX_SEQ_LEN, 256, frozenset({EOS})), on_cpu=on_cpu).step_budget
+
+    assert budget(True) is not None and budget(True).target_ms is None
+    assert budget(False) is None and budget(True, max_step_ms=0.0) is None
+    assert budget(False, max_step_ms=25.0).target_ms == 25.0
+    with pytest.raises(ValueError, match="max_step_ms"):
+        budget(True, max_step_ms=-1.0)

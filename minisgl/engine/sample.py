@@ -1,7 +1,9 @@
 """Batched sampling where every request has its own temperature, top-k, top-p, min-p and seed.
 
-All-greedy batches take an argmax. Mixed batches give greedy requests a tiny temperature
-(softmax becomes one-hot), so one code path serves the whole batch. Order of filters: min-p on
+All-greedy batches take an argmax. In mixed batches the greedy rows ride along the draw at a tiny
+temperature and then take the exact argmax (lowest token id on ties, like torch.argmax), so a
+greedy request gives its solo tokens beside any sampled company: at T = 1e-6 two tied (or nearly
+tied) logits still split the mass and the draw would pick between them. Order of filters: min-p on
 the full tempered distribution, then top-k, then top-p over the renormalised remainder (keep a
 token while the mass before it is < p, so the best token always survives).
 
@@ -41,6 +43,8 @@ class BatchSamplingArgs:
     bias: "LogitBias | None" = None  # logit_bias, and stop tokens banned before min_tokens
     # structured output: the token bitmask of the batch (host) and the rows it constrains
     grammar_mask: Tuple[torch.Tensor, List[int]] | None = None
+    # rows of greedy requests in a mixed batch: their token is the exact argmax, not the draw's
+    greedy_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -150,7 +154,9 @@ class Sampler:
             if r.sampling_params.seed is not None and not r.sampling_params.is_greedy
         ]
         temps = make_device_tensor(ts, torch.float32, self.device)
-        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k, bias, grammar_mask)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        greedy_rows = make_device_tensor(greedy, torch.int64, self.device) if greedy else None
+        return BatchSamplingArgs(temps, top_k, top_p, min_p, seeded or None, penalties, logprobs_k, bias, grammar_mask, greedy_rows)
 
     def _prepare_bias(self, batch: Batch, grammar_mask: Tuple[torch.Tensor, List[int]] | None = None) -> LogitBias | None:
         """logit_bias, and the min_tokens ban on stop tokens. The grammar wins over min_tokens: a
@@ -222,28 +228,47 @@ class Sampler:
             logits = logits.to(torch.float32, copy=True)  # never mask the model's own buffer
             self.grammar.apply(logits, *args.grammar_mask)
         if args.temperatures is None:
-            if logits.device.type == "cpu":
-                from minisgl.kernel.cpu import argmax_rows
-
-                # the C row argmax: torch's CPU argmax (and its bf16 cast) is a visible share of a decode step
-                fast = argmax_rows(logits)
-                if fast is not None:
-                    return fast
-                if logits.dtype != torch.float32:
-                    logits = logits.float()  # CPU argmax over bf16 is slower than cast + argmax
-            return torch.argmax(logits, dim=-1)
+            return greedy_tokens(logits)
         filters = args.top_k is not None or args.top_p is not None or args.min_p is not None
         gumbel = use_fused(logits)
         if gumbel and not filters:
+            # the kernel's rows at T <= its GREEDY_T take the plain argmax already (no noise)
             return _gumbel_draw(logits, args.temperatures, args.seeded_rows)
         if self._flashinfer is not None and args.min_p is None and args.seeded_rows is None:
-            return self._flashinfer(logits.float(), args.temperatures, args.top_k, args.top_p)
+            tokens = self._flashinfer(logits.float(), args.temperatures, args.top_k, args.top_p)
+            return _with_greedy_rows(tokens, logits, args.greedy_rows)
         probs = filtered_probs(logits.float(), args.temperatures, args.top_k, args.top_p, args.min_p)
         if gumbel:
             # Same noise and scores as the unfiltered path, the filtered-out tokens at -inf: a seeded
-            # row without filters draws exactly what it would in a batch that nobody filters.
-            return _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
-        return _draw(probs, args.seeded_rows)
+            # row without filters draws exactly what it would in a batch that nobody filters. (A
+            # greedy row's own top-k/top-p may drop one of tied maxima, in sort order: its argmax
+            # is taken over the unfiltered logits.)
+            tokens = _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
+            return _with_greedy_rows(tokens, logits, args.greedy_rows)
+        return _with_greedy_rows(_draw(probs, args.seeded_rows), logits, args.greedy_rows)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row, the lowest token id on ties (torch.argmax's rule, and the C one's)."""
+    if logits.device.type == "cpu":
+        from minisgl.kernel.cpu import argmax_rows
+
+        # the C row argmax: torch's CPU argmax (and its bf16 cast) is a visible share of a decode step
+        fast = argmax_rows(logits)
+        if fast is not None:
+            return fast
+        if logits.dtype != torch.float32:
+            logits = logits.float()  # CPU argmax over bf16 is slower than cast + argmax
+    return torch.argmax(logits, dim=-1)
+
+
+def _with_greedy_rows(tokens: torch.Tensor, logits: torch.Tensor, greedy_rows: torch.Tensor | None) -> torch.Tensor:
+    """The draw's tokens with the greedy rows' replaced by their exact argmax."""
+    if greedy_rows is None:
+        return tokens
+    tokens = tokens.to(torch.int64)
+    tokens[greedy_rows] = greedy_tokens(logits.index_select(0, greedy_rows)).to(torch.int64)
+    return tokens
 
 
 def _allows_other_than(mask_row: torch.Tensor, tokens: Any) -> bool:

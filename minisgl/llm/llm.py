@@ -77,6 +77,8 @@ class LLM:
         # server's 8192: each prefill step is an eager forward whose launch cost the GPU mostly
         # idles through, so fewer steps win throughput.
         config.setdefault("max_extend_tokens", OFFLINE_MAX_EXTEND_TOKENS if target.type == "cuda" else CPU_OFFLINE_MAX_EXTEND_TOKENS)
+        # nor on the length of a step: no prompt-token cap beside decoding rows (the server's CPU default)
+        config.setdefault("max_step_ms", 0.0)
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tp must be a positive integer, got {tp!r}")
         # Ranks on this machine meet at a store this process serves, on a port bound before they

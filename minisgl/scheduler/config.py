@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from minisgl.engine.config import EngineConfig
-from minisgl.utils.cli import SCHEDULING, knob, positive_float, positive_int
+from minisgl.utils.cli import SCHEDULING, knob, nonnegative_float, positive_float, positive_int
 from minisgl.utils.env import read_env
 
 
@@ -23,6 +23,18 @@ class SchedulerConfig(EngineConfig):
         group=SCHEDULING,
         flags=("--chunked-prefill-size", "--max-prefill-length"),
         type=positive_int,
+    )
+    # A step that prefills beside decoding streams delays each of their next tokens by its whole
+    # length: its prompt tokens are capped so that it takes about this long, estimated from the
+    # measured step times (scheduler/step_budget.py). None: 3x the measured decode step on a CPU,
+    # off on CUDA; 0: off (only max_extend_tokens bounds a step).
+    max_step_ms: float | None = knob(
+        None,
+        "target length (ms) of a step that prefills beside decoding streams: its prompt tokens are capped to fit, "
+        "from measured step times (at least 64 a step); 0: off",
+        group=SCHEDULING,
+        type=nonnegative_float,
+        default_text="3x a decode step on a CPU, off on CUDA",
     )
     cache_type: str = knob(
         "radix",
@@ -76,6 +88,8 @@ class SchedulerConfig(EngineConfig):
     def __post_init__(self) -> None:
         if self.max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {self.max_extend_tokens}")
+        if self.max_step_ms is not None and not 0.0 <= self.max_step_ms <= 1e6:
+            raise ValueError(f"max_step_ms must be in [0, 1e6] (0: off), got {self.max_step_ms}")
         if self.admission not in ("optimistic", "worst-case"):
             raise ValueError(f"admission must be 'optimistic' or 'worst-case', got {self.admission!r}")
         if self.schedule_policy not in ("fcfs", "priority"):

@@ -26,12 +26,18 @@ from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
 from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
+from minisgl.scheduler.step_budget import StepBudget
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
 
 logger = init_logger(__name__)
 _FINISHED = Status.FINISHED  # (read per row per step)
 PROMPT_LOGPROB_CHUNK = 512  # prompt tokens per step of a request that wants prompt logprobs
+# Optimistic admission ignores the estimate while this share of the pool stays free after the
+# admission (and the planned decode step's pages): an estimate that is still far from what
+# requests use (0.5 of a whole context for a chat without max_tokens) must not keep requests
+# waiting beside an empty pool. A wrong guess costs a retraction once the pool is full.
+FREE_POOL_SHARE = 0.5
 
 
 class NewTokenEstimate:
@@ -87,9 +93,18 @@ class Limits:
 
 class Policy:
     def __init__(
-        self, config: SchedulerConfig, limits: Limits, *, share_rows: bool = False, on_grammar: Callable[[Any], None] | None = None
+        self,
+        config: SchedulerConfig,
+        limits: Limits,
+        *,
+        share_rows: bool = False,
+        on_grammar: Callable[[Any], None] | None = None,
+        on_cpu: bool = False,
     ) -> None:
         self.config = config
+        # the prompt-token cap of steps beside decoding streams: max_step_ms, by default on a CPU only
+        target = config.max_step_ms
+        self.step_budget = StepBudget(target or None) if (target or (target is None and on_cpu)) else None
         self._on_grammar = on_grammar  # told the GrammarBackend when the first grammar arrives
         self.page_size = config.page_size
         self.alloc_ahead = max(0, 16 - self.page_size)  # decode tokens of pages allocated ahead
@@ -377,14 +392,21 @@ class Policy:
         logger.debug("retracted request %d at %d tokens", req.uid, len(req.token_ids))
 
     def _fits(self, need_now: int, future: int, expected: int) -> bool:
-        if self.config.admission == "optimistic":
-            return need_now + future + expected <= self.available_pages()
-        return need_now <= self.available_pages()
+        available = self.available_pages()
+        if self.config.admission != "optimistic":
+            return need_now <= available
+        if need_now + future + expected <= available:
+            return True
+        # the pool is mostly free: what the step really takes must leave the headroom
+        headroom = math.ceil(FREE_POOL_SHARE * self.allocator.num_pages)
+        return need_now + self._decode_need + headroom <= available
 
     def _schedule_prefill(self, decoding: List[SchedReq], in_flight: StepPlan | None) -> _Pick | None:
         """A prefill step: chunks of admitted prompts, then resumed and new requests, within
         the token budget; `decoding` rows (one token each) go first when mixing."""
         budget = self.config.max_extend_tokens - len(decoding)
+        if self.step_budget is not None and self._running:  # streams wait on this step
+            budget = min(budget, self.step_budget.prompt_tokens())
         if budget <= 0:
             return None
         ps = self.page_size
@@ -564,6 +586,16 @@ class Policy:
                     del self._prefilling[req.uid]
                     self._running[req.uid] = req
                     req.status = Status.RUNNING
+
+    def step_timed(self, plan: StepPlan, ms: float) -> None:
+        """A launched step's measured time, launch to results (the step budget's input)."""
+        if self.step_budget is None:
+            return
+        if plan.is_decode:
+            self.step_budget.observe(len(plan.uids), 0, ms)
+            return
+        prompt_tokens = sum(plan.ends) - sum(plan.starts) - plan.num_decode_rows
+        self.step_budget.observe(plan.num_decode_rows, prompt_tokens, ms)
 
     @property
     def must_sync(self) -> bool:

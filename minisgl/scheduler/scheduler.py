@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Protocol, Set
+from typing import Any, Callable, List, Protocol, Set
 
 import torch
 
@@ -58,10 +58,12 @@ class StepFailed(RuntimeError):
 class _InFlight:
     plan: StepPlan
     flight: Any  # the runner's handle
+    launched_at: float = 0.0  # Scheduler.clock() before the launch
 
 
 class Scheduler(Policy):
     def __init__(self, config: SchedulerConfig, runner: StepRunner | None = None, limits: Limits | None = None) -> None:
+        runner_is_engine = runner is None
         if runner is None:
             self.engine = Engine(config)
             self.device = self.engine.device
@@ -79,7 +81,9 @@ class Scheduler(Policy):
             assert limits is not None, "a scheduler over a given runner needs its limits"
             self.overlap = config.overlap
         self.runner = runner
-        super().__init__(config, limits, share_rows=config.tp_info.size > 1, on_grammar=runner.use_grammar)
+        on_cpu = runner_is_engine and self.device.type == "cpu"
+        super().__init__(config, limits, share_rows=config.tp_info.size > 1, on_grammar=runner.use_grammar, on_cpu=on_cpu)
+        self.clock: Callable[[], float] = time.perf_counter  # times steps for the step budget (tests inject one)
         self._in_flight: _InFlight | None = None
         self._processing: _InFlight | None = None  # the step whose results are being read
         self._step_plans: List[StepPlan] = []  # what the current step planned (for _recover)
@@ -132,7 +136,8 @@ class Scheduler(Policy):
         launched = None
         if plan is not None:
             self._step_plans.append(plan)
-            launched = _InFlight(plan, self.runner.launch(plan))
+            launched_at = self.clock()
+            launched = _InFlight(plan, self.runner.launch(plan), launched_at)
             self.launched(plan)
         self._host_s += time.perf_counter() - start
         if plan is None and self._in_flight is None and self._compiling:
@@ -163,6 +168,7 @@ class Scheduler(Policy):
         start = time.perf_counter()
         self.runner.wait(flight.flight)
         self._wait_s += time.perf_counter() - start
+        self.step_timed(flight.plan, (self.clock() - flight.launched_at) * 1e3)
         self.release_deferred()  # every step before this one has completed
         return self.consume(flight.plan, self.runner.results(flight.flight))
 

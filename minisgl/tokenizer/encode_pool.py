@@ -59,6 +59,7 @@ def prompt_chars(text: str | None, messages: List[Dict[str, Any]] | None) -> int
 class EncodePool:
     def __init__(self, model_path: str, num_workers: int, log_level: str = "warning", threshold_chars: int = 16_384) -> None:
         self.threshold_chars = threshold_chars
+        self._others = {p.pid for p in mp.active_children()}  # this process's children that are not the pool's
         self._executor = ProcessPoolExecutor(
             num_workers, mp_context=mp.get_context("spawn"), initializer=_init, initargs=(model_path, log_level)
         )
@@ -81,5 +82,17 @@ class EncodePool:
     ) -> "Future[List[int]]":
         return self._executor.submit(_tokenize_only, text, messages, add_special_tokens, add_generation_prompt)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """End the workers, then the executor. An encode already handed to a worker (the warm-up,
+        while a worker still loads its tokenizer at start-up) cannot be cancelled, and the
+        executor, then the interpreter's exit, waited for it until the parent's SIGKILL: the
+        tokenizer worker stopped 5 s late, its queues' 5 named semaphores left to the resource
+        tracker ("leaked semaphore objects"). Dead workers break the pool instead: its manager
+        thread fails what is pending, closes the queues and ends, and we wait for that (an exit
+        racing it would write to its closed wake-up pipe)."""
+        workers = [p for p in mp.active_children() if p.pid not in self._others]
+        for proc in workers:
+            proc.terminate()
+        for proc in workers:
+            proc.join(timeout_s)
+        self._executor.shutdown(wait=True, cancel_futures=True)

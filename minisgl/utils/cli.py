@@ -152,4 +152,5 @@ def _bounded(convert: Callable[[str], Any], ok: Callable[[Any], bool], expected:
 positive_int = _bounded(int, lambda v: v >= 1, "a positive integer")
 nonnegative_int = _bounded(int, lambda v: v >= 0, "a non-negative integer")
 positive_float = _bounded(float, lambda v: 0.0 < v <= 1e6, "a number in (0, 1e6]")  # also refuses nan and inf
+nonnegative_float = _bounded(float, lambda v: 0.0 <= v <= 1e6, "a number in [0, 1e6]")
 ratio = _bounded(float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]")

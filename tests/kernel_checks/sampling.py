@@ -144,6 +144,22 @@ def main() -> int:
     filt = sampler.sample(logits, S.BatchSamplingArgs(temperatures=t, top_k=top_k, top_p=top_p, seeded_rows=seeded))
     check("sampler: seeded unfiltered row, neighbour filters", filt[0].item() == plain[0].item())
     check("sampler: greedy row, filtered batch", filt[2].item() == plain[2].item())
+    # greedy rows with their own top-k = 1 / top-p and tied maxima: the filters sort the ties in
+    # any order, the greedy rows still take the lowest tied id (issue 31)
+    args = S.BatchSamplingArgs(
+        temperatures=torch.tensor([S.MIN_T, S.MIN_T, 1.0, 0.7]),
+        top_k=torch.tensor([1, V2, V2, 4], dtype=torch.int32),
+        top_p=torch.tensor([1.0, 0.5, 1.0, 1.0]),
+        greedy_rows=torch.tensor([0, 1]),
+    )
+    gen = torch.Generator().manual_seed(3)
+    wrong = 0
+    for trial in range(12):
+        tied = torch.randn(4, V2, generator=gen)
+        for row in range(4):
+            tied[row, torch.randperm(V2, generator=gen)[: 2 + trial % 3]] = tied.max() + 1.0
+        wrong += int((sampler.sample(tied, args)[:2] != tied[:2].argmax(dim=-1)).sum())
+    check("sampler: greedy rows with ties, own top-k/top-p: lowest id", wrong == 0, f"{wrong}/24 rows")
     alone = sampler.sample(logits[:1], S.BatchSamplingArgs(temperatures=t[:1], seeded_rows=[(0, 12345)]))
     check("sampler: seeded row alone", alone.item() == plain[0].item())
     # filtered draws stay inside the filter, with the renormalised probabilities
