@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.moe.base import BaseMoeBackend, MoeCap
+from minisgl.moe.base import BaseMoeBackend, ClampedSwiglu, MoeCap
 from minisgl.utils.env import read_env
 
 INTERPRET = read_env().triton_interpret
@@ -293,8 +293,17 @@ class TritonMoeBackend(BaseMoeBackend):
         self._fallback: Optional[BaseMoeBackend] = None
 
     def forward(
-        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        b13: torch.Tensor | None = None,
+        activation: ClampedSwiglu | None = None,
     ) -> torch.Tensor:
+        # (no expert_features: create_moe_backend never hands this backend a model with b13 or
+        # another activation)
         if not (x.is_cuda or INTERPRET) or w13.dtype != x.dtype or w2.dtype != x.dtype:
             if self._fallback is None:
                 from minisgl.moe.torch_moe import TorchMoeBackend
