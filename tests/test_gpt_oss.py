@@ -13,6 +13,7 @@ clamp bites on the tiny model's activations.
 from __future__ import annotations
 
 import functools
+import importlib.util
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -105,3 +106,190 @@ def test_config(oss_dir):
 
 def test_prefill_logits_match_hf(oss_dir, oss_hf):
     assert_prefill_logits_match_hf(oss_dir, oss_hf, _prompts(), "gpt_oss")
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_decode_logits_match_hf(backend, oss_dir, oss_hf):
+    """Decode steps fed HF's greedy tokens equal HF generate's step logits past the window (the
+    CPU backend hands these layers to the torch code: sinks)."""
+    prompts = _prompts()
+    steps = 8
+    refs = [oss_hf.greedy(ids, steps) for ids in prompts]
+    with running_engine(oss_dir, page_size=4, attention_backend=backend) as engine:
+        ours = teacher_forced_logits(engine, allocated_reqs(engine, prompts, steps), [t for t, _ in refs])
+    for i, (_, ref_logits) in enumerate(refs):
+        diff = (torch.stack([s[i] for s in ours]) - torch.stack(ref_logits)).abs().max().item()
+        assert diff < LOGIT_ATOL, f"prompt {i}: max |decode logit diff| {diff:.3g}"
+
+
+def test_every_parameter_matters(oss_dir, oss_hf):
+    """Zeroing the sinks, the router bias or the experts' biases, or lifting the SwiGLU clamp,
+    moves HF's logits well past the tolerance: the match above checks each of them."""
+    model = oss_hf.model
+    ids = _prompts()[2]
+    base = oss_hf.logits(ids)
+    layer = model.model.layers[1]
+    for name, param in (("sinks", layer.self_attn.sinks), ("router bias", layer.mlp.router.bias),
+                        ("gate_up bias", layer.mlp.experts.gate_up_proj_bias), ("down bias", layer.mlp.experts.down_proj_bias)):  # fmt: skip
+        saved = param.data.clone()
+        param.data.zero_()
+        moved = (oss_hf.logits(ids) - base).abs().max().item()
+        param.data.copy_(saved)
+        assert moved > 100 * LOGIT_ATOL, f"{name}: {moved:.3g}"
+    layer.mlp.experts.limit = 1e9
+    moved = (oss_hf.logits(ids) - base).abs().max().item()
+    layer.mlp.experts.limit = CONFIG["swiglu_limit"]
+    assert moved > 100 * LOGIT_ATOL, f"swiglu limit: {moved:.3g}"
+
+
+def test_llm_greedy_matches_hf(oss_dir, oss_hf):
+    """Greedy tokens through the offline API (16-token prefill chunks, 16-token pages, the radix
+    cache cold then warm) equal HF generate's, tie-aware; on a CPU every decode step ran on the
+    module path."""
+    prompts = random_prompts([3, 9, 20, 37], seed=910)
+    max_tokens = 10
+    kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
+    with running_llm(oss_dir, **kw) as llm:
+        log = record_runners(llm.scheduler.engine)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        results = llm.generate(prompts, params) + llm.generate(prompts, params)
+    if TEST_DEVICE == "cpu":
+        assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+    assert sum(r.cached_tokens for r in results[len(prompts) :]) >= 16, "the warm run hit no cache"
+    compared = 0
+    for i, res in enumerate(results):
+        ref, ref_logits = oss_hf.greedy(prompts[i % len(prompts)], max_tokens)
+        compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"prompt {i}")
+    assert compared >= 0.8 * max_tokens * len(results)
+
+
+@pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2, reason="tp=2 on CUDA needs two GPUs")
+def test_tp2_matches_hf(oss_dir, oss_hf):
+    """tp=2 (2 of 4 query heads and their sinks, one KV head, half of each expert's intermediate
+    dim per rank; the down bias added once after the all-reduce): HF's greedy tokens."""
+    prompts = random_prompts([4, 19, 30], seed=920)
+    max_tokens = 8
+    kw = dict(max_running_req=4, page_size=4, max_seq_len_override=96, num_page_override=4 * 96 // 4 + 8)
+    with running_llm(oss_dir, tp=2, **kw) as llm:
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        attn = llm.scheduler.engine.model.model.layers[0].self_attn
+        assert attn.sinks.shape == (2,) and attn.qkv_proj.weight.shape[0] == (2 + 2) * 16
+    for i, res in enumerate(out):
+        ref, ref_logits = oss_hf.greedy(prompts[i], max_tokens)
+        assert assert_greedy_match(res.token_ids, ref, ref_logits, label=f"tp2 prompt {i}") >= max_tokens // 2
+
+
+# ---- MXFP4 experts -----------------------------------------------------------------------------
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The OCP MX writer for [..., out, in] (in % 32 == 0): per 32 values an E8M0 exponent
+    (floor(log2 amax) - 2: E2M1's largest magnitude is 1.5 * 2^2) and each value's nearest E2M1
+    code, two per byte, the even column in the low nibble. Returns (blocks, scales, decoded)."""
+    g = w.reshape(*w.shape[:-1], w.shape[-1] // 32, 32).double()
+    amax = g.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)
+    exp = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)
+    x = g / torch.exp2(exp)
+    mags = torch.tensor(FP4, dtype=torch.float64)
+    idx = (x.abs()[..., None] - mags).abs().argmin(-1)  # nearest magnitude
+    codes = idx + 8 * (x < 0).long()
+    decoded = (mags[idx] * torch.where(x < 0, -1.0, 1.0) * torch.exp2(exp)).reshape(w.shape)
+    pairs = codes.reshape(*codes.shape[:-1], 16, 2)
+    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exp.squeeze(-1) + 127).to(torch.uint8), decoded.float()
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(an MXFP4 checkpoint of a tiny GPT-OSS with 64-wide experts, the same model in float32 with
+    the experts' dequantized values: HF's reference)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    dense = build_gpt_oss(tmp_path_factory.mktemp("oss_dense"), seed=93, intermediate_size=64)
+    quant = tmp_path_factory.mktemp("oss_mxfp4")
+    state = load_file(str(dense / "model.safetensors"))
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales, decoded = mxfp4_quantize(t.transpose(-1, -2).contiguous())  # stored [E, out, in]
+            out[name + "_blocks"], out[name + "_scales"] = blocks, scales
+            state[name] = decoded.transpose(-1, -2).contiguous()
+        else:
+            out[name] = t
+    save_file(state, str(dense / "model.safetensors"), metadata={"format": "pt"})
+    save_file(out, str(quant / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dense / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+    (quant / "config.json").write_text(json.dumps(cfg))
+    return quant, dense
+
+
+def test_mxfp4_dequant_equals_transformers(mxfp4_dirs):
+    """Our MXFP4 decode of the checkpoint's blocks equals transformers' own converter's."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from minisgl.models.checkpoint_quant import Mxfp4Blocks
+
+    quant, dense = mxfp4_dirs
+    q, d = load_file(str(quant / "model.safetensors")), load_file(str(dense / "model.safetensors"))
+    for stem in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.experts.down_proj"):
+        ours = Mxfp4Blocks(q[stem + "_blocks"], q[stem + "_scales"]).dense()
+        theirs = convert_moe_packed_tensors(q[stem + "_blocks"], q[stem + "_scales"], dtype=torch.float32)
+        assert torch.equal(ours, theirs.float()) and torch.equal(ours, d[stem])
+
+
+def test_mxfp4_checkpoint_matches_hf_on_dequantized_weights(mxfp4_dirs):
+    quant, dense = mxfp4_dirs
+    hf = HFOracle(dense)
+    hf.model.config._attn_implementation = "eager"
+    assert_prefill_logits_match_hf(quant, hf, _prompts(), "gpt_oss mxfp4")
+
+
+# ---- YaRN, refusals ----------------------------------------------------------------------------
+@pytest.mark.parametrize("truncate", [True, False])
+@pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.8}, {"mscale": 1.0, "mscale_all_dim": 0.5}])
+def test_yarn_table_equals_transformers(truncate, extra):
+    """cos/sin from layers/rotary.py equal transformers' yarn inv_freq and attention factor."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from minisgl.layers.rotary import RotaryConfig, RotaryEmbedding
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+              "truncate": truncate, "original_max_position_embeddings": 4096, **extra}  # fmt: skip
+    hf_cfg = GptOssConfig(head_dim=64, num_attention_heads=4, hidden_size=256, max_position_embeddings=131072, rope_parameters=params)
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    rope = RotaryEmbedding(RotaryConfig(64, 64, 4096, 150000.0, dict(params)))
+    pos = torch.arange(4096, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq.float())
+    assert torch.allclose(rope.cos[:, :32], freqs.cos() * factor, atol=1e-6)
+    assert torch.allclose(rope.sin[:, 32:], freqs.sin() * factor, atol=1e-6)
+
+
+def test_backends_without_sinks_refuse_by_name(oss_dir):
+    """The deterministic attention backend (no sinks) and the triton MoE backend (no expert bias,
+    no clamped SwiGLU) are refused naming what they lack; `auto` on CUDA passes over both."""
+    from minisgl.moe.registry import create_moe_backend
+
+    with pytest.raises(ValueError, match=r"does not implement attention_sinks \(GptOssForCausalLM\)"):
+        with running_engine(oss_dir, attention_backend="deterministic"):
+            pass
+    cfg = ModelConfig.from_hf(cached_load_hf_config(str(oss_dir)))
+    with pytest.raises(ValueError, match=r"MoE backend 'triton' does not implement expert_bias, clamped_swiglu"):
+        create_moe_backend("triton", torch.device("cpu"), cfg.moe_features())
+    assert type(create_moe_backend("auto", torch.device("cuda"), cfg.moe_features())).__name__ == "TorchMoeBackend"
+
+
+# ---- the Triton kernels, in Triton's interpreter -----------------------------------------------
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_sinks_in_interpreter() -> None:
+    """tests/kernel_checks/gpt_oss.py: decode (split and direct) and extend with sinks against a
+    dense float64 reference, and an Engine on the triton backend against HF."""
+    from kernel_checks import run_module
+
+    proc = run_module("gpt_oss")
+    assert proc.returncode == 0 and "gpt_oss kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
