@@ -12,7 +12,6 @@ clamp bites on the tiny model's activations.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from pathlib import Path
 from typing import Any, Dict, List
@@ -52,8 +51,15 @@ CONFIG: Dict[str, Any] = dict(
     max_position_embeddings=256,
     swiglu_limit=1.0,
     initializer_range=0.2,
-    rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "truncate": False, "original_max_position_embeddings": 64},  # fmt: skip
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 64,
+    },  # fmt: skip
     bos_token_id=None,
     eos_token_id=None,
     pad_token_id=None,
@@ -293,3 +299,15 @@ def test_triton_sinks_in_interpreter() -> None:
 
     proc = run_module("gpt_oss")
     assert proc.returncode == 0 and "gpt_oss kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_harmony_template_is_named_not_parsed():
+    """A harmony chat template (GPT-OSS's channels) is reported at start-up as not parsed: no
+    <think> split is guessed for it, and a template without channels says nothing."""
+    from minisgl.server.reasoning import harmony_unparsed, wants_reasoning
+
+    template = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}"
+    why = harmony_unparsed(template)
+    assert why is not None and "harmony" in why and "not parsed" in why
+    assert not wants_reasoning("auto", template)
+    assert harmony_unparsed("{{ messages[0].content }}</think>") is None

@@ -48,7 +48,11 @@ class AttentionLayer(nn.Module):
 
     @property
     def sinks(self) -> torch.Tensor | None:
-        return self._sinks_owner[0].sinks if self._sinks_owner is not None else None
+        if self._sinks_owner is None:
+            return None
+        sinks = self._sinks_owner[0].sinks
+        assert isinstance(sinks, torch.Tensor)
+        return sinks
 
     @property
     def plain(self) -> bool:

@@ -376,7 +376,9 @@ class Mxfp4Format(QuantFormat):
                 yield stem, Mxfp4Blocks(blocks, scales)
         if pending:
             stem, parts = next(iter(pending.items()))
-            raise ValueError(f"MXFP4 tensor {stem} has {stem}_{next(iter(parts))} but no {stem}_{'scales' if 'blocks' in parts else 'blocks'}")
+            raise ValueError(
+                f"MXFP4 tensor {stem} has {stem}_{next(iter(parts))} but no {stem}_{'scales' if 'blocks' in parts else 'blocks'}"
+            )
 
 
 @dataclass(frozen=True)
