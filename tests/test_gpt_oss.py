@@ -277,24 +277,39 @@ def test_yarn_table_equals_transformers(truncate, extra):
 
 
 def test_backends_without_sinks_refuse_by_name(oss_dir):
-    """The deterministic attention backend (no sinks) and the triton MoE backend (no expert bias,
-    no clamped SwiGLU) are refused naming what they lack; `auto` on CUDA passes over both."""
-    from minisgl.moe.registry import create_moe_backend
+    """The deterministic attention backend (no sinks) is refused at init naming what it lacks;
+    `auto` on CUDA never resolves to FlashInfer (no sinks) for this model."""
+    from minisgl.attention.registry import resolve_attention_backend
 
     with pytest.raises(ValueError, match=r"does not implement attention_sinks \(GptOssForCausalLM\)"):
         with running_engine(oss_dir, attention_backend="deterministic"):
             pass
     cfg = ModelConfig.from_hf(cached_load_hf_config(str(oss_dir)))
+    assert resolve_attention_backend("auto", torch.device("cuda"), cfg.attention_features()) in ("triton", "torch")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_moe_backend_choice_follows_the_expert_features(oss_dir, monkeypatch):
+    """`auto` on CUDA takes the triton MoE (it computes the bias and the clamped SwiGLU); a
+    backend without them is passed over by `auto` (for torch) and refused by name when asked for."""
+    from minisgl.moe import triton_moe
+    from minisgl.moe.registry import create_moe_backend
+
+    features = ModelConfig.from_hf(cached_load_hf_config(str(oss_dir))).moe_features()
+    cuda = torch.device("cuda")
+    assert type(create_moe_backend("auto", cuda, features)).__name__ == "TritonMoeBackend"
+    monkeypatch.setattr(triton_moe.TritonMoeBackend, "expert_features", ())
+    assert type(create_moe_backend("auto", cuda, features)).__name__ == "TorchMoeBackend"
     with pytest.raises(ValueError, match=r"MoE backend 'triton' does not implement expert_bias, clamped_swiglu"):
-        create_moe_backend("triton", torch.device("cpu"), cfg.moe_features())
-    assert type(create_moe_backend("auto", torch.device("cuda"), cfg.moe_features())).__name__ == "TorchMoeBackend"
+        create_moe_backend("triton", cuda, features)
 
 
 # ---- the Triton kernels, in Triton's interpreter -----------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_sinks_in_interpreter() -> None:
     """tests/kernel_checks/gpt_oss.py: decode (split and direct) and extend with sinks against a
-    dense float64 reference, and an Engine on the triton backend against HF."""
+    dense float64 reference, the triton MoE with bias + clamped SwiGLU against the torch MoE, and
+    an Engine on the triton attention and MoE backends against HF."""
     from kernel_checks import run_module
 
     proc = run_module("gpt_oss")
@@ -311,3 +326,42 @@ def test_harmony_template_is_named_not_parsed():
     assert why is not None and "harmony" in why and "not parsed" in why
     assert not wants_reasoning("auto", template)
     assert harmony_unparsed("{{ messages[0].content }}</think>") is None
+
+
+# ---- CUDA (MINISGL_TEST_DEVICE=cuda) -----------------------------------------------------------
+CUDA = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA paths (MINISGL_TEST_DEVICE=cuda)")
+
+
+@CUDA
+def test_cuda_kernels_with_sinks_and_expert_bias():
+    from kernel_checks import gpt_oss as G
+
+    dev = torch.device("cuda")
+    errors = G.check_kernels(dev) + G.check_moe(dev) + G.check_engine()
+    assert not errors, errors
+
+
+@CUDA
+def test_cuda_graph_replay_equals_eager(oss_dir, oss_hf):
+    """On CUDA (triton attention with sinks, triton MoE with the biases): decode steps replay CUDA
+    graphs (GraphRunner, no fall-off to the module path), and their greedy tokens and logprobs
+    equal the eager run's; both equal HF's tokens, tie-aware."""
+    prompts = random_prompts([3, 9, 20, 37], seed=930)
+    max_tokens = 10
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+    kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
+    runs: Dict[str, Any] = {}
+    for path, extra in (("graphs", {}), ("eager", dict(cuda_graph_bs=[], cuda_graph_max_tokens=0))):
+        with running_llm(oss_dir, **kw, **extra) as llm:
+            engine = llm.scheduler.engine
+            assert type(engine.moe_backend).__name__ == "TritonMoeBackend" and engine.config.attention_backend == "triton"
+            log = record_runners(engine)
+            runs[path] = llm.generate(prompts, params)
+        want = "GraphRunner" if path == "graphs" else "ModuleRunner"
+        assert {cls for cls, phase in log if phase == "decode"} == {want}, (path, log)
+    for a, b in zip(runs["graphs"], runs["eager"]):
+        assert a.token_ids == b.token_ids
+        assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item() < 1e-4
+    for i, res in enumerate(runs["eager"]):
+        ref, ref_logits = oss_hf.greedy(prompts[i], max_tokens)
+        assert_greedy_match(res.token_ids, ref, ref_logits, label=f"cuda prompt {i}")

@@ -32,14 +32,12 @@ def _triton_backend() -> BaseMoeBackend:
 
 def create_moe_backend(name: str, device: torch.device | None = None, features: Sequence[str] = ()) -> BaseMoeBackend:
     """The backend `name` ("auto": triton on CUDA where it imports and computes every expert
-    `feature` the model needs, else torch); an explicit backend lacking one is refused by name."""
-    if name == "auto":
+    `feature` the model needs, else torch, logged); an explicit backend lacking one is refused
+    by name."""
+    auto = name == "auto"
+    if auto:
         name = "torch"
-        if device is not None and device.type == "cuda" and features:  # (TritonMoeBackend lists none)
-            from minisgl.utils.logger import init_logger
-
-            init_logger(__name__).info_rank0(f"MoE backend: torch (the triton MoE kernels lack {', '.join(features)})")
-        elif device is not None and device.type == "cuda" and "triton" in MOE_BACKENDS:
+        if device is not None and device.type == "cuda" and "triton" in MOE_BACKENDS:
             try:
                 import triton  # noqa: F401
 
@@ -50,6 +48,11 @@ def create_moe_backend(name: str, device: torch.device | None = None, features: 
                 pass
     backend = MOE_BACKENDS.get(name)()
     missing = [f for f in features if f not in backend.expert_features]
+    if missing and auto and name != "torch":
+        from minisgl.utils.logger import init_logger
+
+        init_logger(__name__).info_rank0(f"MoE backend: torch ({name} does not implement {', '.join(missing)})")
+        return create_moe_backend("torch", device, features)
     if missing:
         raise ValueError(
             f"MoE backend {name!r} does not implement {', '.join(missing)} (the model's experts need it); "

@@ -1,6 +1,7 @@
 """GPT-OSS's attention sinks in the Triton kernels: decode (split-K, where the reduce adds the
 sink, and direct, where the first stage does) and extend (over a cached prefix), with and without
-a sliding window, against a dense float64 reference on random paged inputs; then an Engine on the
+a sliding window, against a dense float64 reference on random paged inputs; the triton MoE with
+the experts' gate/up bias and clamped SwiGLU against the torch MoE backend; then an Engine on the
 tiny GPT-OSS checkpoint of tests/test_gpt_oss.py with the triton backend against HF (float32
 logits, a prompt prefilled in two chunks, then decode steps).
 
@@ -84,6 +85,32 @@ def check_kernels(dev: torch.device = HOST) -> List[str]:
     return errors
 
 
+def check_moe(dev: torch.device = HOST) -> List[str]:
+    """The triton MoE with GPT-OSS's gate/up bias and clamped SwiGLU against the torch MoE
+    backend (float32; the limit low enough to clamp), decode-sized and prefill-sized."""
+    from minisgl.moe.base import ClampedSwiglu
+    from minisgl.moe.torch_moe import TorchMoeBackend
+    from minisgl.moe.triton_moe import TritonMoeBackend
+
+    gen = torch.Generator().manual_seed(12)
+    act = ClampedSwiglu(1.702, 0.7)
+    errors: List[str] = []
+    for tokens, hidden, inter, experts, top_k in ((1, 32, 16, 4, 2), (20, 64, 48, 4, 2)):
+        x = torch.randn(tokens, hidden, generator=gen)
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+        b13 = torch.randn(experts, 2 * inter, generator=gen)
+        w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+        tw, ti = torch.topk(torch.randn(tokens, experts, generator=gen), top_k, dim=-1)
+        tw = torch.softmax(tw, -1)
+        want = TorchMoeBackend().forward(x, w13, w2, tw, ti, b13, act)
+        got = TritonMoeBackend().forward(*_on(dev, x, w13, w2, tw, ti, b13), act).cpu()
+        err = (got - want).abs().max().item()
+        if not err < 1e-4:
+            errors.append(f"moe T={tokens} bias + clamped swiglu: max err {err:.3g}")
+        print(f"moe T={tokens} bias + clamped swiglu: max err {err:.3g}")
+    return errors
+
+
 def check_engine() -> List[str]:
     """On the tests' device (MINISGL_TEST_DEVICE), float32."""
     from helpers import HFOracle, PageAllocator, make_req, random_prompts, running_engine, teacher_forced_logits
@@ -97,8 +124,9 @@ def check_engine() -> List[str]:
         ids = random_prompts([30], seed=950)[0]
         steps = 6
         tokens, ref_logits = hf.greedy(ids, steps)
-        with running_engine(path, page_size=4, attention_backend="triton") as engine:
+        with running_engine(path, page_size=4, attention_backend="triton", moe_backend="triton") as engine:
             assert engine.config.attention_backend == "triton"
+            assert type(engine.moe_backend).__name__ == "TritonMoeBackend"
             PageAllocator(engine).allocate(0, len(ids) + steps)
             first = make_req(ids[:12], 0, output_len=1)  # 12 tokens alone, the rest over that cached prefix
             teacher_forced_logits(engine, [first], [[0]])
@@ -116,7 +144,7 @@ def main() -> int:
     from minisgl.kernel.interpreter import patch_interpreter
 
     patch_interpreter()
-    errors = check_kernels() + check_engine()
+    errors = check_kernels() + check_moe() + check_engine()
     for e in errors:
         print("ERROR", e)
     print("gpt_oss kernels ok" if not errors else f"gpt_oss kernels: {len(errors)} errors")
