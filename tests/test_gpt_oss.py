@@ -110,6 +110,29 @@ def test_config(oss_dir):
     assert cfg.rotary_config.scaling is not None and cfg.rotary_config.scaling["rope_type"] == "yarn"
 
 
+def test_config_in_the_transformers4_layout(tmp_path):
+    """A config.json as the released checkpoints have it (rope_theta + rope_scaling, yarn with
+    truncate false): the same windows, sinks and yarn parameters."""
+    import json
+
+    raw = {k: v for k, v in CONFIG.items() if k != "rope_parameters"}
+    raw.update(architectures=["GptOssForCausalLM"], model_type="gpt_oss", rope_theta=150000.0, transformers_version="4.55.0",
+               layer_types=["sliding_attention", "full_attention"] * 2,
+               rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 4096})  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_hf(cached_load_hf_config(str(tmp_path)))
+    assert cfg.layer_windows == (WINDOW, None, WINDOW, None) and cfg.attention_sinks
+    scaling = cfg.rotary_config.scaling
+    assert cfg.rotary_config.base == 150000.0 and scaling is not None
+    assert (scaling["rope_type"], scaling["factor"], scaling["truncate"], scaling["original_max_position_embeddings"]) == (
+        "yarn",
+        32.0,
+        False,
+        4096,
+    )
+
+
 def test_prefill_logits_match_hf(oss_dir, oss_hf):
     assert_prefill_logits_match_hf(oss_dir, oss_hf, _prompts(), "gpt_oss")
 
@@ -183,6 +206,27 @@ def test_tp2_matches_hf(oss_dir, oss_hf):
     for i, res in enumerate(out):
         ref, ref_logits = oss_hf.greedy(prompts[i], max_tokens)
         assert assert_greedy_match(res.token_ids, ref, ref_logits, label=f"tp2 prompt {i}") >= max_tokens // 2
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU step runners")
+def test_cpu_bf16_decode_runs_the_module_path(oss_dir):
+    """bf16 on a CPU: the C decode loop does not describe GPT-OSS's layers (its attention and MoE
+    blocks are other classes), the CPU attention kernels decline the sink layers, and every decode
+    step ran on ModuleRunner."""
+    from minisgl.core import get_global_ctx
+    from minisgl.engine.cpu_decode import _describe
+
+    with running_llm(oss_dir, dtype="bfloat16", max_running_req=2, max_seq_len_override=64) as llm:
+        engine = llm.scheduler.engine
+        assert engine.cpu_runner is None
+        backend = get_global_ctx().attn_backend
+        why = _describe(engine.model, backend, 1)[1]
+        assert why in ("layer 0 is DecoderLayer(GptOssAttention, GptOssMoe)", "the attention backend is not the CPU kernels'"), why
+        if getattr(backend, "kernels", None) is not None:
+            assert not backend.takes(engine.model.model.layers[1].self_attn.attn)  # a full layer, but with sinks
+        log = record_runners(engine)
+        llm.generate([random_prompts([20], seed=940)[0]], SamplingParams(temperature=0.0, max_tokens=4))
+    assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
 
 
 # ---- MXFP4 experts -----------------------------------------------------------------------------
