@@ -161,11 +161,12 @@ def _moe_gemm_kernel(
     N: tl.constexpr, K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_BIAS: tl.constexpr = False, SWIGLU_ALPHA: tl.constexpr = 0.0, SWIGLU_LIMIT: tl.constexpr = 0.0,
+    HAS_BIAS: tl.constexpr = False, SWIGLU: tl.constexpr = False, SWIGLU_ALPHA: tl.constexpr = 0.0,
+    SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Out[p, :N] for the pairs p of one row block: GATED -> silu(A W[e,:N]^T) * (A W[e,N:2N]^T),
     else (A W[e]^T) * TopkW[p] when MUL_WEIGHT. A's row for pair p is p // A_ROW_DIV. GATED with
-    HAS_BIAS adds Bias[e, :N] / Bias[e, N:2N] to the two products; SWIGLU_ALPHA > 0 replaces
+    HAS_BIAS adds Bias[e, :N] / Bias[e, N:2N] to the two products; SWIGLU replaces
     silu-and-mul by GPT-OSS's clamped SwiGLU (moe/base.py ClampedSwiglu)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
@@ -224,7 +225,7 @@ def _moe_gemm_kernel(
             acc_up += tl.load(b_ptrs + N).to(tl.float32)[None, :]
         g = acc.to(dt).to(tl.float32)
         u = acc_up.to(dt).to(tl.float32)
-        if SWIGLU_ALPHA > 0:
+        if SWIGLU:
             g = tl.minimum(g, SWIGLU_LIMIT)
             u = tl.minimum(tl.maximum(u, -SWIGLU_LIMIT), SWIGLU_LIMIT)
             glu = (g * tl.sigmoid(g * SWIGLU_ALPHA)).to(dt).to(tl.float32)
@@ -261,7 +262,7 @@ def _gemm(
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         EVEN_K=k % block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         UPCAST=INTERPRET and a.dtype == torch.bfloat16, HAS_BIAS=bias is not None,
-        SWIGLU_ALPHA=activation.alpha if activation is not None else 0.0,
+        SWIGLU=activation is not None, SWIGLU_ALPHA=activation.alpha if activation is not None else 0.0,
         SWIGLU_LIMIT=activation.limit if activation is not None else 0.0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

@@ -272,6 +272,7 @@ def ops() -> int:
                 PRECISION="ieee" if dt == "fp32" else "tf32",
                 UPCAST=False,
                 HAS_BIAS=gated,  # (GPT-OSS's gate/up bias and clamped SwiGLU on the gated GEMM)
+                SWIGLU=gated,
                 SWIGLU_ALPHA=1.702 if gated else 0.0,
                 SWIGLU_LIMIT=7.0 if gated else 0.0,
             ),
