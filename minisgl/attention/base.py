@@ -81,7 +81,7 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D].
-        `sinks` [Hq] (float32): the layer's attention sinks, given only to a backend that lists
+        `sinks` [Hq] (the model dtype): the layer's attention sinks, given only to a backend that lists
         "attention_sinks" in its `attention_features`."""
 
     def forward_qkv(self, qkv: torch.Tensor, layer: Any, batch: Batch) -> torch.Tensor | None:

@@ -634,7 +634,7 @@ def decode_attention(
     With S == 1 the first stage writes `out` directly and the scratch is not touched.
     block_n / num_warps / num_stages are the tensor-core kernel's; the CUDA-core one (an fp8 pool,
     `use_cc_decode`) takes CC_TILE. window: the layer's sliding window (None: none); softcap: the
-    score soft-cap (None: none); sinks: [Hq] float32 attention sinks (None: none), which join the
+    score soft-cap (None: none); sinks: [Hq] attention sinks (None: none; read as float32), which join the
     denominator where the softmax completes (the direct first stage or the reduce; the CUDA-core
     fp8 kernel has no sinks: the tensor-core one runs then)."""
     B, Hq, D = q.shape
