@@ -299,6 +299,20 @@ def test_mxfp4_checkpoint_matches_hf_on_dequantized_weights(mxfp4_dirs):
     assert_prefill_logits_match_hf(quant, hf, _prompts(), "gpt_oss mxfp4")
 
 
+def test_mxfp4_tensors_without_a_quantization_config_are_refused(mxfp4_dirs, tmp_path):
+    import json
+    import shutil
+
+    quant, _ = mxfp4_dirs
+    shutil.copy(quant / "model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.loads((quant / "config.json").read_text())
+    del cfg["quantization_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"_blocks \(torch.uint8\) is quantized but config.json has no quantization_config"):
+        with running_engine(tmp_path):
+            pass
+
+
 # ---- YaRN, refusals ----------------------------------------------------------------------------
 @pytest.mark.parametrize("truncate", [True, False])
 @pytest.mark.parametrize("extra", [{}, {"attention_factor": 0.8}, {"mscale": 1.0, "mscale_all_dim": 0.5}])
@@ -398,7 +412,8 @@ def test_cuda_graph_replay_equals_eager(oss_dir, oss_hf):
     for path, extra in (("graphs", {}), ("eager", dict(cuda_graph_bs=[], cuda_graph_max_tokens=0))):
         with running_llm(oss_dir, **kw, **extra) as llm:
             engine = llm.scheduler.engine
-            assert type(engine.moe_backend).__name__ == "TritonMoeBackend" and engine.config.attention_backend == "triton"
+            assert type(engine.moe_backend).__name__ == "TritonMoeBackend"
+            assert type(engine.attn_backend).__name__ == "TritonAttnBackend"
             log = record_runners(engine)
             runs[path] = llm.generate(prompts, params)
         want = "GraphRunner" if path == "graphs" else "ModuleRunner"
