@@ -64,7 +64,7 @@ class DeterministicAttnBackend(BaseAttnBackend):
             chunk_blocks=chunk_blocks,
         )
 
-    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta: DeterministicAttnMetadata = batch.attn_metadata
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         window = self.model_config.window_of(layer_id)

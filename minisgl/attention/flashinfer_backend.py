@@ -173,7 +173,7 @@ class FlashInferAttnBackend(BaseAttnBackend):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
         self._store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
 
-    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta: FlashInferAttnMetadata = batch.attn_metadata
         q = q.contiguous().to(self.dtype)
         return meta.wrapper.run(q, self._paged_kv[layer_id])

@@ -6,8 +6,9 @@ padded [B, max_len] block and runs one masked SDPA for the whole batch.
 
 It is the reference for the per-layer options of ModelConfig (Gemma): a sliding window (a query
 at position p sees keys at positions > p - window, transformers' `sliding_window_overlay`), the
-score scale, and tanh soft-capping of the scores (then attention is spelled out: SDPA has no
-soft-cap), softmax in float32 as transformers' eager attention.
+score scale, tanh soft-capping of the scores and GPT-OSS's attention sinks (a learned logit per
+query head that joins the softmax denominator and weighs no value); with a soft-cap or sinks
+attention is spelled out (SDPA has neither), softmax in float32 as transformers' eager attention.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 class TorchAttnBackend(BaseAttnBackend):
     kv_cache_dtypes: Tuple[str, ...] = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
-    attention_features: Tuple[str, ...] = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
+    attention_features: Tuple[str, ...] = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_sinks")
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -118,7 +119,7 @@ class TorchAttnBackend(BaseAttnBackend):
             s.window_masks[window] = window_mask(torch.arange(k_len - s.q_len, k_len, device=s.slots.device), k_len, window)
         return s.window_masks[window]
 
-    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = self._views(batch.attn_metadata)
         cast = self._compute_dtype
         cfg = self.model_config
@@ -127,33 +128,44 @@ class TorchAttnBackend(BaseAttnBackend):
         if meta.decode_slots is not None:
             keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
-            o = _attention(q.unsqueeze(2).to(keys.dtype), keys, values, self._decode_mask(meta, window), scale, cap)
+            o = _attention(q.unsqueeze(2).to(keys.dtype), keys, values, self._decode_mask(meta, window), scale, cap, sinks)
             return o.squeeze(2).to(q.dtype)
         out = torch.empty_like(q)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
             ki, vi = self.kv_cache.gather(layer_id, s.slots, cast)
             ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)  # [Hk, S, D]
-            oi = _attention(qi.to(ki.dtype), ki, vi, self._prefill_mask(s, window), scale, cap)
+            oi = _attention(qi.to(ki.dtype), ki, vi, self._prefill_mask(s, window), scale, cap, sinks)
             out[s.q_start : s.q_start + s.q_len] = oi.transpose(0, 1).to(q.dtype)
         return out
 
 
 def _attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [..., Hq, L, D] over k, v [..., Hk, S, D]; mask [..., L, S] bool (True: attend) or None
-    for plain causal; scale None: D^-0.5."""
-    if softcap is None:
+    for plain causal; scale None: D^-0.5; sinks [Hq]: one more logit per head in the softmax."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype), v)
+    sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)  # [..., Hq, L, 1]
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _cumsum(xs: List[int]) -> Tuple[int, ...]:

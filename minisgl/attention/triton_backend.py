@@ -76,7 +76,7 @@ class TritonAttnBackend(BaseAttnBackend):
     # fp8_e4m3: the kernels store as the pool's reference store does and widen exactly as they
     # load, so decode reads half the bytes
     kv_cache_dtypes = ("auto", "fp8_e4m3")
-    attention_features = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
+    attention_features = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_sinks")
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -165,7 +165,7 @@ class TritonAttnBackend(BaseAttnBackend):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
         store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
 
-    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         meta: TritonAttnMetadata = batch.attn_metadata
         window, cap = self.model_config.window_of(layer_id), self.softcap
@@ -179,7 +179,7 @@ class TritonAttnBackend(BaseAttnBackend):
             assert meta.mid_lse is not None
             decode_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits,
-                meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order, window=window, softcap=cap,
+                meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order, window=window, softcap=cap, sinks=sinks,
             )  # fmt: skip
             return out
         if meta.num_decode > 0:
@@ -192,12 +192,13 @@ class TritonAttnBackend(BaseAttnBackend):
                 q[:nd], k_cache, v_cache, self.page_table, meta.dec_rows, meta.dec_seq_lens, meta.dec_num_splits,
                 mid_o, mid_lse, out[:nd], self.sm_scale,
                 block_n=decode_tile(MIXED_DECODE_TILE_BS, q.dtype), order=meta.dec_order, window=window, softcap=cap,
+                sinks=sinks,
             )  # fmt: skip
         if meta.max_extend_len > 0:
             assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
             extend_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.q_start, meta.cached_lens,
-                meta.extend_lens, meta.max_extend_len, out, self.sm_scale, window=window, softcap=cap,
+                meta.extend_lens, meta.max_extend_len, out, self.sm_scale, window=window, softcap=cap, sinks=sinks,
             )  # fmt: skip
         return out
 

@@ -259,7 +259,7 @@ class Engine:
         self.ctx.attn_backend = self.attn_backend = create_attention_backend(config.attention_backend, model_config)
         self.moe_backend: BaseMoeBackend | None = None
         if model_config.is_moe:
-            self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device)
+            self.ctx.moe_backend = self.moe_backend = create_moe_backend(config.moe_backend, self.device, model_config.moe_features())
         self.sampler = Sampler(self.device, model_config.vocab_size)
         self.pooling_spec: PoolingSpec | None = None
         self.pooler: Pooler | None = None

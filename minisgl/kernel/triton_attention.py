@@ -32,6 +32,8 @@ Per-layer options (Gemma; ModelConfig.window_of, attn_logit_softcapping): a slid
 splits [seq_len - window, seq_len) instead of [0, seq_len); an extend block starts at its first
 query's bound and masks per row); SOFTCAP > 0 applies cap * tanh(s / cap) to each score s before
 the softmax (a compile-time constant: a model without it runs the kernels it ran before).
+Attention sinks (GPT-OSS, HAS_SINKS): a logit per query head added to the softmax denominator
+where the softmax completes (exp2(sink * log2(e) - m) beside the running sum), weighing no value.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def _decode_partial_kernel(
     stride_os,
     stride_lb,
     stride_lh,
+    Sinks,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -115,6 +118,7 @@ def _decode_partial_kernel(
     USE_PDL: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -179,6 +183,9 @@ def _decode_partial_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
+        if DIRECT and HAS_SINKS:  # the whole softmax is here: the sink joins its denominator
+            sink = tl.load(Sinks + heads, mask=mask_h, other=0.0).to(tl.float32) * LOG2E_C
+            l_i += tl.exp2(sink - m_i)
         has = l_i > 0.0  # an empty chunk (start >= seq_len) contributes weight 0, never NaN
         safe_l = tl.where(has, l_i, 1.0)
         out = acc / safe_l[:, None]
@@ -407,10 +414,12 @@ def _decode_reduce_kernel(
     stride_lh,
     stride_outt,
     stride_outh,
+    Sinks,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr = False,
 ):
     if USE_PDL:  # wait for the partial results (minisgl/kernel/pdl.py)
         tl.extra.cuda.gdc_launch_dependents()
@@ -430,7 +439,10 @@ def _decode_reduce_kernel(
         mask=mask_s[:, None] & mask_d[None, :],
         other=0.0,
     )
-    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    denom = tl.sum(w, 0)
+    if HAS_SINKS:  # the sink's weight on the same scale, exp2(sink * log2(e) - m)
+        denom += tl.exp2(tl.load(Sinks + h).to(tl.float32) * LOG2E_C - m)
+    out = tl.sum(o * w[:, None], 0) / denom
     tl.store(Out + b.to(tl.int64) * stride_outt + h * stride_outh + offs_d, out.to(Out.dtype.element_ty), mask=mask_d)
 
 
@@ -456,6 +468,7 @@ def _extend_kernel(
     stride_vs,
     stride_vh,
     stride_pt,
+    Sinks,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -464,6 +477,7 @@ def _extend_kernel(
     PRECISION: tl.constexpr,
     HEAVY_FIRST: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
+    HAS_SINKS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -522,6 +536,8 @@ def _extend_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
 
+        if HAS_SINKS:
+            l_i += tl.exp2(tl.load(Sinks + h).to(tl.float32) * LOG2E_C - m_i)
         out = acc / l_i[:, None]
         tl.store(
             Out + tok[:, None] * stride_outt + h * stride_outh + offs_d[None, :],
@@ -610,6 +626,7 @@ def decode_attention(
     order: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
     order: [B] the batch rows in the order their programs should start (longest first), or None;
@@ -617,7 +634,9 @@ def decode_attention(
     With S == 1 the first stage writes `out` directly and the scratch is not touched.
     block_n / num_warps / num_stages are the tensor-core kernel's; the CUDA-core one (an fp8 pool,
     `use_cc_decode`) takes CC_TILE. window: the layer's sliding window (None: none); softcap: the
-    score soft-cap (None: none)."""
+    score soft-cap (None: none); sinks: [Hq] attention sinks (None: none; read as float32), which join the
+    denominator where the softmax completes (the direct first stage or the reduce; the CUDA-core
+    fp8 kernel has no sinks: the tensor-core one runs then)."""
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     group = Hq // Hk
@@ -634,7 +653,9 @@ def decode_attention(
     dst = out if direct else mid_o
     dst_strides = (out.stride(0), out.stride(1), 0) if direct else (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2))
     win, cap = window if window is not None else NO_WINDOW, float(softcap or 0.0)
-    if use_cc_decode(q.dtype, k_cache.dtype, group, D):
+    has_sinks = sinks is not None
+    sinks_arg = sinks if sinks is not None else mid_lse  # (a pointer the kernels never read)
+    if use_cc_decode(q.dtype, k_cache.dtype, group, D) and not has_sinks:
         _decode_cc(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, order, dst, dst_strides, mid_lse,
                    sm_scale, pdl, win, cap)  # fmt: skip
     else:
@@ -645,10 +666,10 @@ def decode_attention(
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             page_table.stride(0),
             *dst_strides,
-            mid_lse.stride(0), mid_lse.stride(1),
+            mid_lse.stride(0), mid_lse.stride(1), sinks_arg,
             GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-            USE_PDL=pdl, F16_DOT=f16_dot, SOFTCAP=cap, num_warps=num_warps, num_stages=num_stages,
+            USE_PDL=pdl, F16_DOT=f16_dot, SOFTCAP=cap, HAS_SINKS=has_sinks, num_warps=num_warps, num_stages=num_stages,
             **launch_kwargs(pdl),
         )  # fmt: skip
     if direct:
@@ -657,8 +678,8 @@ def decode_attention(
         mid_o, mid_lse, num_splits, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d, USE_PDL=pdl,
+        out.stride(0), out.stride(1), sinks_arg,
+        HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(S)), BLOCK_D=block_d, USE_PDL=pdl, HAS_SINKS=has_sinks,
         num_warps=4 if fp32 or block_d >= 128 else 2, **launch_kwargs(pdl),
     )  # fmt: skip
 
@@ -679,11 +700,12 @@ def extend_attention(
     heavy_first: bool = True,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata.
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles;
     heavy_first: start the query blocks nearest the end of each chunk first (see the kernel);
-    window / softcap: as decode_attention's."""
+    window / softcap / sinks: as decode_attention's."""
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
@@ -703,9 +725,9 @@ def extend_attention(
         sm_scale * LOG2E, window if window is not None else NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        page_table.stride(0),
+        page_table.stride(0), sinks if sinks is not None else q,
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first, SOFTCAP=float(softcap or 0.0),
+        PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
 

@@ -28,6 +28,7 @@ class AttentionLayer(nn.Module):
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
         softmax_scale: float | None = None,
+        sinks_owner: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -41,6 +42,17 @@ class AttentionLayer(nn.Module):
         # A tuple, not submodules: the norms' weights belong to the owning self_attn block, so
         # their state-dict names match the checkpoint's (self_attn.q_norm.weight).
         self._qk_norm = (q_norm, k_norm) if q_norm is not None and k_norm is not None else None
+        # GPT-OSS's attention sinks: the `sinks` parameter [num_q_heads] of the owning block, read
+        # at each call (loading assigns the parameter anew) and held in a tuple likewise
+        self._sinks_owner = (sinks_owner,) if sinks_owner is not None else None
+
+    @property
+    def sinks(self) -> torch.Tensor | None:
+        if self._sinks_owner is None:
+            return None
+        sinks = self._sinks_owner[0].sinks
+        assert isinstance(sinks, torch.Tensor)
+        return sinks
 
     @property
     def plain(self) -> bool:
@@ -75,7 +87,7 @@ class AttentionLayer(nn.Module):
                 kv.k_cache(self.layer_id), kv.v_cache(self.layer_id), batch.out_loc,
                 self.num_q_heads, self.num_kv_heads, self.head_dim,
             )  # fmt: skip
-            return backend.attend(q, self.layer_id, batch).reshape(-1, self.q_size)
+            return backend.attend(q, self.layer_id, batch, self.sinks).reshape(-1, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_q_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -86,5 +98,5 @@ class AttentionLayer(nn.Module):
             q, k = self.rotary(batch.positions, q, k)
         if self.softmax_scale is not None:
             q = q * (self.softmax_scale * self.head_dim**0.5)
-        o = backend.forward(q, k, v, self.layer_id, batch)
+        o = backend.forward(q, k, v, self.layer_id, batch, self.sinks)
         return o.reshape(-1, self.q_size)

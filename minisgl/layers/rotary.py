@@ -1,4 +1,4 @@
-"""Rotary position embedding (HF's rotate-half layout) with default, linear, llama3 and longrope scaling.
+"""Rotary position embedding (HF's rotate-half layout) with default, linear, llama3, yarn and longrope scaling.
 
 The cos/sin table is computed in float32 on the real device (never on meta: the model is built
 on meta and its weights loaded afterwards, but the table is not a weight) and shared by every
@@ -75,7 +75,49 @@ def _inv_freq(cfg: RotaryConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
         return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, longrope")
+    if rope_type == "yarn":
+        return _yarn(cfg)[0]
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: default, linear, llama3, yarn, longrope")
+
+
+def _yarn(cfg: RotaryConfig) -> Tuple[torch.Tensor, float]:
+    """YaRN (GPT-OSS, DeepSeek): (inv_freq, attention factor) as transformers computes them
+    (`_compute_yarn_parameters`). Each frequency blends the plain one (extrapolation) and the one
+    divided by `factor` (interpolation) along a linear ramp over the dims between the correction
+    dims of `beta_fast` and `beta_slow` rotations within the original context (floored / ceiled
+    unless `truncate` is false); cos/sin are then multiplied by the attention factor, default
+    0.1 * ln(factor) + 1 (or the ratio of two such with `mscale` / `mscale_all_dim`)."""
+    scaling = cfg.scaling or {}
+    if "original_max_position_embeddings" not in scaling:
+        raise ValueError("rope_scaling type 'yarn' needs the field 'original_max_position_embeddings'")
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else cfg.max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, float(m)) / mscale(factor, float(m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+    dim, base = cfg.rotary_dim, cfg.base
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (a zero-width ramp)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolate = 1 - ramp  # the share of the plain frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv_freq, float(attention_factor)
 
 
 def _cos_sin_table(cfg: RotaryConfig) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +129,9 @@ def _cos_sin_table(cfg: RotaryConfig) -> Tuple[torch.Tensor, torch.Tensor]:
         return _longrope_table(cfg, t)
     freqs = torch.outer(t, _inv_freq(cfg))
     emb = freqs.repeat_interleave(2, dim=-1) if cfg.interleaved else torch.cat([freqs, freqs], dim=-1)
+    if _rope_type(cfg) == "yarn":
+        attention_factor = _yarn(cfg)[1]
+        return emb.cos() * attention_factor, emb.sin() * attention_factor
     return emb.cos(), emb.sin()
 
 

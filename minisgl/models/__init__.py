@@ -110,6 +110,13 @@ def _gemma3() -> Type[nn.Module]:
     return Gemma3ForCausalLM
 
 
+@MODELS.register("GptOssForCausalLM")
+def _gpt_oss() -> Type[nn.Module]:
+    from minisgl.models.gpt_oss import GptOssForCausalLM
+
+    return GptOssForCausalLM
+
+
 def create_model(config: ModelConfig) -> nn.Module:
     # a bare decoder (an embedding model) is built as its causal LM, the LM head tied to the embedding
     arch = BARE_DECODERS.get(config.architecture, config.architecture)

@@ -34,6 +34,13 @@ The formats, as their writers lay them out:
 
 Activation scales (`input_scale`) and K/V scales (`k_scale`, `v_scale`) are not used: activations
 run in the model dtype and the KV cache is `--kv-cache-dtype`'s; the loader says so once.
+- `mxfp4` (GPT-OSS's experts, the OCP Microscaling format): for a fused expert tensor `P` of
+  the unquantized layout [E, in, out], `P_blocks` uint8 [E, out, in / 32, 16] holds FP4 E2M1
+  codes two per byte (the low nibble the even column, the high nibble the odd one) and
+  `P_scales` uint8 [E, out, in / 32] one E8M0 exponent per 32 values: w = fp4(code) *
+  2^(scale - 127), transposed back to [E, in, out] (`Mxfp4Blocks`). The other tensors (attention,
+  router, biases) are plain.
+
 What runs is decided by the loader (models/weight.py): every format is dequantized at load;
 on the CPU at tp == 1 the 4-bit formats also keep their codes for the int4 decode GEMM
 (`IntGroups.q4_1`, engine/cpu_decode.py).
@@ -50,7 +57,9 @@ from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Mapping, Tupl
 import torch
 
 UNUSED_SUFFIXES = frozenset({"input_scale", "k_scale", "v_scale"})
-SUPPORTED_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+SUPPORTED_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")
+# FP4 E2M1 by code: bit 3 the sign, bits 2-1 the exponent (bias 1), bit 0 the mantissa
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _AWQ_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)  # column j of a word is nibble _AWQ_NIBBLE_OF_COLUMN[j]
 FP8_E4M3 = torch.float8_e4m3fn
 
@@ -97,6 +106,23 @@ class Fp8Blocks:
         bo, bi = self.block
         s = self.scale.repeat_interleave(bo, 0)[:n].repeat_interleave(bi, 1)[:, :k]
         return self.weight.float() * s
+
+
+@dataclass
+class Mxfp4Blocks:
+    """w[..., o, i] = fp4(code of value i of row o) * 2^(scales[..., o, i // 32] - 127), returned
+    transposed ([..., in, out]: the unquantized checkpoint tensor's layout)."""
+
+    blocks: torch.Tensor  # [..., out, in / 32, 16] uint8, two codes per byte (low nibble first)
+    scales: torch.Tensor  # [..., out, in / 32] uint8, E8M0 exponents (bias 127)
+
+    def dense(self) -> torch.Tensor:
+        lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32, device=self.blocks.device)
+        b = self.blocks.to(torch.int64)
+        codes = torch.stack([b & 0x0F, b >> 4], dim=-1).flatten(-2)  # [..., out, G, 32]
+        scale = torch.exp2(self.scales.to(torch.float32) - 127.0)[..., None]
+        w = (lut[codes] * scale).flatten(-2)  # [..., out, in]
+        return w.transpose(-1, -2).contiguous()
 
 
 Assembled = IntGroups | Fp8Blocks
@@ -321,6 +347,40 @@ class Fp8Format(QuantFormat):
         return _fp8_blocks(prefix, self.label, w, "weight_scale", s, block)
 
 
+class Mxfp4Format(QuantFormat):
+    """quant_method mxfp4: `P_blocks` + `P_scales` pairs (GPT-OSS's fused expert tensors), each
+    pair one `Mxfp4Blocks` named `P`; any other tensor passes through."""
+
+    label = "MXFP4"
+
+    def __init__(self, cfg: Mapping[str, Any]) -> None:
+        pass  # (modules_to_not_convert: those are stored plain and load as they are)
+
+    def stream(self, tensors: Iterable[Tuple[str, Any]], index: Mapping[str, torch.dtype], device: torch.device,
+               only_quantized: bool = False) -> Iterator[Tuple[str, Any]]:  # fmt: skip
+        pending: Dict[str, Dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors:
+            stem, _, kind = name.rpartition("_")
+            if kind not in ("blocks", "scales") or index.get(name) != torch.uint8:
+                if not only_quantized:
+                    yield name, tensor
+                continue
+            bucket = pending.setdefault(stem, {})
+            bucket[kind] = (tensor.read() if hasattr(tensor, "read") else tensor).to(device)
+            if len(bucket) == 2:
+                parts = pending.pop(stem)
+                blocks, scales = parts["blocks"], parts["scales"]
+                if blocks.dim() < 3 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+                    raise ValueError(f"MXFP4 tensor {stem}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                                     f"do not pair (blocks [..., out, in/32, 16], scales [..., out, in/32])")  # fmt: skip
+                yield stem, Mxfp4Blocks(blocks, scales)
+        if pending:
+            stem, parts = next(iter(pending.items()))
+            raise ValueError(
+                f"MXFP4 tensor {stem} has {stem}_{next(iter(parts))} but no {stem}_{'scales' if 'blocks' in parts else 'blocks'}"
+            )
+
+
 @dataclass(frozen=True)
 class _CtScheme:
     """One compressed-tensors config group, as this loader runs it."""
@@ -491,6 +551,8 @@ def quant_format(model_dir: str | Path) -> QuantFormat | None:
         return CompressedTensorsFormat(cfg)
     if method == "fp8":
         return Fp8Format(cfg)
+    if method == "mxfp4":
+        return Mxfp4Format(cfg)
     raise ValueError(f"quantization_config quant_method={method!r} is not supported (supported: {', '.join(SUPPORTED_METHODS)})")
 
 
@@ -501,7 +563,8 @@ def refuse_unannounced(index: Mapping[str, torch.dtype]) -> None:
     """A checkpoint without quantization_config must not hold quantized tensors (they would load
     wrong or fail obscurely): refuse the first one, naming it."""
     for name, dtype in index.items():
-        if name.rpartition(".")[2] in QUANTIZED_TENSOR_SUFFIXES or dtype in (FP8_E4M3, torch.float8_e5m2):
+        mx = name.endswith("_blocks") and dtype == torch.uint8  # (MXFP4)
+        if name.rpartition(".")[2] in QUANTIZED_TENSOR_SUFFIXES or dtype in (FP8_E4M3, torch.float8_e5m2) or mx:
             raise ValueError(f"checkpoint tensor {name} ({dtype}) is quantized but config.json has no quantization_config")
 
 

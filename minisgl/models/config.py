@@ -34,7 +34,7 @@ def _rope_params(hf: Any) -> tuple[float, Dict[str, Any] | None]:
 
 # Architectures whose sliding windows the attention backends mask, layer by layer
 # (`ModelConfig.layer_windows`), so their context is never cut to the window.
-WINDOW_MASKED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+WINDOW_MASKED_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 
 
 def _layer_windows(hf: Any, arch: str) -> Tuple[int | None, ...]:
@@ -155,6 +155,11 @@ class ModelConfig:
     attn_scale: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # GPT-OSS: a learned logit per query head (`self_attn.sinks`) in every softmax denominator
+    attention_sinks: bool = False
+    # GPT-OSS's experts: the clamped SwiGLU's alpha and limit (swiglu_alpha, swiglu_limit)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def layer_has_rope(self, layer_id: int) -> bool:
         return layer_id not in self.no_rope_layers
@@ -176,7 +181,10 @@ class ModelConfig:
     def plain_attention(self, layer_id: int) -> bool:
         """Whether layer `layer_id` is plain causal attention at the default scale (what a
         backend without window, soft-capping or scale support computes exactly)."""
-        return self.window_of(layer_id) is None and self.attn_logit_softcapping is None and self.attn_scale is None
+        return (
+            self.window_of(layer_id) is None and self.attn_logit_softcapping is None and self.attn_scale is None
+            and not self.attention_sinks
+        )  # fmt: skip
 
     def attention_features(self) -> List[str]:
         """The config fields whose attention a plain backend does not compute (empty if none)."""
@@ -187,7 +195,13 @@ class ModelConfig:
             out.append("attn_logit_softcapping")
         if self.attn_scale is not None:
             out.append("query_pre_attn_scalar")
+        if self.attention_sinks:
+            out.append("attention_sinks")
         return out
+
+    def moe_features(self) -> List[str]:
+        """The expert options a plain MoE backend does not compute (moe/base.py)."""
+        return ["expert_bias", "clamped_swiglu"] if self.architecture == "GptOssForCausalLM" else []
 
     @property
     def is_moe(self) -> bool:
@@ -265,6 +279,9 @@ class ModelConfig:
             attn_scale=float(scalar) ** -0.5 if scalar not in (None, head_dim) and arch in WINDOW_MASKED_ARCHITECTURES else None,
             attn_logit_softcapping=_float_or_none(getattr(hf, "attn_logit_softcapping", None)),
             final_logit_softcapping=_float_or_none(getattr(hf, "final_logit_softcapping", None)),
+            attention_sinks=arch == "GptOssForCausalLM",
+            swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
+            swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
         )
 
 

@@ -30,7 +30,7 @@ from torch import nn
 from minisgl.layers.base import ShardedModule
 from minisgl.layers.linear import _Linear
 from minisgl.layers.quant import Int4Weight
-from minisgl.models.checkpoint_quant import Fp8Blocks, IntGroups, quant_format, refuse_unannounced, unused_tensors
+from minisgl.models.checkpoint_quant import Fp8Blocks, IntGroups, Mxfp4Blocks, quant_format, refuse_unannounced, unused_tensors
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -241,7 +241,12 @@ def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype
                           f"{str(dtype).removeprefix('torch.')}, the KV cache is --kv-cache-dtype's)")  # fmt: skip
     said = False
     for name, tensor in fmt.stream(_iter_files(files), index, device):
-        if isinstance(tensor, (IntGroups, Fp8Blocks)):
+        if isinstance(tensor, Mxfp4Blocks):  # a fused expert tensor, named as the unquantized one
+            if not said:
+                logger.info_rank0(f"{fmt.label} weights dequantized to {str(dtype).removeprefix('torch.')} at load")
+                said = True
+            yield name, tensor.dense()
+        elif isinstance(tensor, (IntGroups, Fp8Blocks)):
             if not said:
                 logger.info_rank0(f"{fmt.label} weights dequantized to {str(dtype).removeprefix('torch.')} at load")
                 said = True

@@ -6,7 +6,7 @@ module imports each backend only when it is created.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -30,8 +30,12 @@ def _triton_backend() -> BaseMoeBackend:
     return TritonMoeBackend()
 
 
-def create_moe_backend(name: str, device: torch.device | None = None) -> BaseMoeBackend:
-    if name == "auto":
+def create_moe_backend(name: str, device: torch.device | None = None, features: Sequence[str] = ()) -> BaseMoeBackend:
+    """The backend `name` ("auto": triton on CUDA where it imports and computes every expert
+    `feature` the model needs, else torch, logged); an explicit backend lacking one is refused
+    by name."""
+    auto = name == "auto"
+    if auto:
         name = "torch"
         if device is not None and device.type == "cuda" and "triton" in MOE_BACKENDS:
             try:
@@ -42,4 +46,16 @@ def create_moe_backend(name: str, device: torch.device | None = None) -> BaseMoe
                 name = "triton"
             except ImportError:
                 pass
-    return MOE_BACKENDS.get(name)()
+    backend = MOE_BACKENDS.get(name)()
+    missing = [f for f in features if f not in backend.expert_features]
+    if missing and auto and name != "torch":
+        from minisgl.utils.logger import init_logger
+
+        init_logger(__name__).info_rank0(f"MoE backend: torch ({name} does not implement {', '.join(missing)})")
+        return create_moe_backend("torch", device, features)
+    if missing:
+        raise ValueError(
+            f"MoE backend {name!r} does not implement {', '.join(missing)} (the model's experts need it); "
+            f"the torch MoE backend does (--moe-backend torch or auto)"
+        )
+    return backend

@@ -6,12 +6,21 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.layers.activation import silu_and_mul
-from minisgl.moe.base import BaseMoeBackend
+from minisgl.moe.base import BaseMoeBackend, ClampedSwiglu
 
 
 class TorchMoeBackend(BaseMoeBackend):
+    expert_features = ("expert_bias", "clamped_swiglu")
+
     def forward(
-        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        b13: torch.Tensor | None = None,
+        activation: ClampedSwiglu | None = None,
     ) -> torch.Tensor:
         out = torch.zeros_like(x)
         num_experts = w13.shape[0]
@@ -20,7 +29,8 @@ class TorchMoeBackend(BaseMoeBackend):
         hit = torch.nonzero(mask.sum(dim=(1, 2)) > 0).flatten().tolist()
         for e in hit:
             slot, token = torch.where(mask[e])
-            h = silu_and_mul(F.linear(x[token], w13[e]))
+            h = F.linear(x[token], w13[e], b13[e] if b13 is not None else None)
+            h = silu_and_mul(h) if activation is None else activation(h)
             h = F.linear(h, w2[e]) * topk_weights[token, slot, None]
             out.index_add_(0, token, h.to(out.dtype))
         return out

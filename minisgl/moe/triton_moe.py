@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.moe.base import BaseMoeBackend, MoeCap
+from minisgl.moe.base import BaseMoeBackend, ClampedSwiglu, MoeCap
 from minisgl.utils.env import read_env
 
 INTERPRET = read_env().triton_interpret
@@ -155,15 +155,19 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> T
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _moe_gemm_kernel(
-    A, W, Out, SortedIds, BlockExpert, Total, TopkW,
+    A, W, Out, SortedIds, BlockExpert, Total, TopkW, Bias,
     num_pairs, num_m_blocks,
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on, stride_be,
     N: tl.constexpr, K: tl.constexpr, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False, SWIGLU: tl.constexpr = False, SWIGLU_ALPHA: tl.constexpr = 0.0,
+    SWIGLU_LIMIT: tl.constexpr = 0.0,
 ):  # fmt: skip
     """Out[p, :N] for the pairs p of one row block: GATED -> silu(A W[e,:N]^T) * (A W[e,N:2N]^T),
-    else (A W[e]^T) * TopkW[p] when MUL_WEIGHT. A's row for pair p is p // A_ROW_DIV."""
+    else (A W[e]^T) * TopkW[p] when MUL_WEIGHT. A's row for pair p is p // A_ROW_DIV. GATED with
+    HAS_BIAS adds Bias[e, :N] / Bias[e, N:2N] to the two products; SWIGLU replaces
+    silu-and-mul by GPT-OSS's clamped SwiGLU (moe/base.py ClampedSwiglu)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     # grouped ordering: GROUP_M row blocks share each column sweep (weight tiles stay in L2)
@@ -215,10 +219,20 @@ def _moe_gemm_kernel(
 
     dt = Out.dtype.element_ty
     if GATED:
+        if HAS_BIAS:
+            b_ptrs = Bias + expert * stride_be + offs_wn
+            acc += tl.load(b_ptrs).to(tl.float32)[None, :]
+            acc_up += tl.load(b_ptrs + N).to(tl.float32)[None, :]
         g = acc.to(dt).to(tl.float32)
         u = acc_up.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        res = (s * u).to(dt)
+        if SWIGLU:
+            g = tl.minimum(g, SWIGLU_LIMIT)
+            u = tl.minimum(tl.maximum(u, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+            glu = (g * tl.sigmoid(g * SWIGLU_ALPHA)).to(dt).to(tl.float32)
+            res = ((u + 1.0) * glu).to(dt)
+        else:
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            res = (s * u).to(dt)
     elif MUL_WEIGHT:
         wt = tl.load(TopkW + pairs, mask=row_ok, other=0.0).to(tl.float32)
         res = (acc.to(dt).to(tl.float32) * wt[:, None]).to(dt)
@@ -231,7 +245,7 @@ def _moe_gemm_kernel(
 def _gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
     total: torch.Tensor, topk_w: torch.Tensor, num_pairs: int, n: int, a_row_div: int, gated: bool, mul_weight: bool,
-    cfg: MoeConfig,
+    cfg: MoeConfig, bias: torch.Tensor | None = None, activation: ClampedSwiglu | None = None,
 ) -> None:  # fmt: skip
     k = a.shape[1]
     # small test shapes: don't tile wider than the problem (tl.dot needs >= 16)
@@ -240,13 +254,16 @@ def _gemm(
     num_m_blocks = block_expert.numel()
     grid = (num_m_blocks * triton.cdiv(n, block_n),)
     _moe_gemm_kernel[grid](
-        a, w, out, sorted_ids, block_expert, total, topk_w,
+        a, w, out, sorted_ids, block_expert, total, topk_w, bias if bias is not None else topk_w,
         num_pairs, num_m_blocks,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0,
         N=n, K=k, A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=cfg.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
         EVEN_K=k % block_k == 0, PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        UPCAST=INTERPRET and a.dtype == torch.bfloat16,
+        UPCAST=INTERPRET and a.dtype == torch.bfloat16, HAS_BIAS=bias is not None,
+        SWIGLU=activation is not None, SWIGLU_ALPHA=activation.alpha if activation is not None else 0.0,
+        SWIGLU_LIMIT=activation.limit if activation is not None else 0.0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
@@ -258,8 +275,11 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: Optional[MoeConfig] = None,
+    b13: torch.Tensor | None = None,
+    activation: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_* [T, k] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_* [T, k] -> [T, H];
+    b13 [E, 2I] a bias on the w13 products, activation None: SiLU-and-mul."""
     num_tokens, hidden = x.shape
     num_experts, two_i, _ = w13.shape
     inter = two_i // 2
@@ -275,7 +295,9 @@ def fused_moe(
     if not weights.is_contiguous():
         weights = weights.contiguous()
     cache1 = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, cache1, sorted_ids, block_expert, total, weights, num_pairs, inter, top_k, True, False, cfg)
+    if b13 is not None and b13.stride(-1) != 1:
+        b13 = b13.contiguous()
+    _gemm(x, w13, cache1, sorted_ids, block_expert, total, weights, num_pairs, inter, top_k, True, False, cfg, b13, activation)
     cache2 = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _gemm(cache1, w2, cache2, sorted_ids, block_expert, total, weights, num_pairs, hidden, 1, False, True, cfg)
     if top_k == 1:
@@ -287,18 +309,26 @@ class TritonMoeBackend(BaseMoeBackend):
     """Fused Triton MoE on CUDA (or under TRITON_INTERPRET=1); the torch reference elsewhere."""
 
     caps = MoeCap.DECODE_GRAPH  # fixed launches for every routing (see the module docstring)
+    expert_features = ("expert_bias", "clamped_swiglu")
 
     def __init__(self, config: Optional[MoeConfig] = None) -> None:
         self.config = config
         self._fallback: Optional[BaseMoeBackend] = None
 
     def forward(
-        self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        b13: torch.Tensor | None = None,
+        activation: ClampedSwiglu | None = None,
     ) -> torch.Tensor:
         if not (x.is_cuda or INTERPRET) or w13.dtype != x.dtype or w2.dtype != x.dtype:
             if self._fallback is None:
                 from minisgl.moe.torch_moe import TorchMoeBackend
 
                 self._fallback = TorchMoeBackend()
-            return self._fallback.forward(x, w13, w2, topk_weights, topk_ids)
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, self.config)
+            return self._fallback.forward(x, w13, w2, topk_weights, topk_ids, b13, activation)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, self.config, b13, activation)

@@ -13,6 +13,19 @@ from __future__ import annotations
 from typing import Tuple
 
 OPEN, CLOSE = "<think>", "</think>"
+# OpenAI's harmony format (GPT-OSS): messages in channels (`<|channel|>analysis` for reasoning,
+# `final` for the answer, `commentary` for tool calls), not <think> tags
+HARMONY_MARK = "<|channel|>"
+
+
+def harmony_unparsed(chat_template: str | None) -> str | None:
+    """Why a chat template's output will not be split (a harmony template: its channels are not
+    parsed into reasoning_content / tool calls here), or None; the server logs it at start-up."""
+    if HARMONY_MARK not in (chat_template or ""):
+        return None
+    return ("the chat template is OpenAI's harmony format (GPT-OSS): its analysis / final / commentary channels are "
+            "not parsed; replies come back whole in `content` (reasoning and tool calls included, as the detokenizer "
+            "leaves them)")  # fmt: skip
 
 
 def wants_reasoning(name: str, chat_template: str | None) -> bool:

@@ -77,6 +77,7 @@ CHECKS: Dict[str, List[Key]] = {
     "test_triton_sampling_interpret.py": [("sampling", (), True), ("sm90", ("sampling",), False)],
     "test_deterministic.py": [("deterministic", (), True)],
     "test_gemma.py": [("gemma", (), True)],
+    "test_gpt_oss.py": [("gpt_oss", (), True)],
     "test_triton_kernels_interpret.py": [("ops", (), True), ("sm90", ("ops",), False)],
     "test_triton_gemv_interpret.py": [("gemv", (), True), ("sm90", ("gemv",), False)],
 }  # fmt: skip

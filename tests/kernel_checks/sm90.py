@@ -129,7 +129,7 @@ def ops() -> int:
     for bn, direct in ((128, False), (64, True)):
         kern = build(
             A._decode_partial_kernel,
-            dec,
+            {**dec, "Sinks": "*fp32"},
             dict(
                 GROUP=2,
                 HEAD_DIM=128,
@@ -142,6 +142,7 @@ def ops() -> int:
                 USE_PDL=False,
                 F16_DOT=True,
                 SOFTCAP=0.0,
+                HAS_SINKS=direct,  # (GPT-OSS's sinks: the direct stage adds them)
             ),
             4,
             3,
@@ -153,20 +154,31 @@ def ops() -> int:
     # extend kernel with and without the cap
     build(
         A._decode_partial_kernel,
-        {**dec, "K": "*bf16", "V": "*bf16"},
+        {**dec, "K": "*bf16", "V": "*bf16", "Sinks": "*fp32"},
         dict(GROUP=2, HEAD_DIM=256, BLOCK_H=16, BLOCK_N=64, BLOCK_D=256, PRECISION="tf32", DIRECT=True,
-             HAS_ORDER=True, USE_PDL=False, F16_DOT=False, SOFTCAP=50.0),
+             HAS_ORDER=True, USE_PDL=False, F16_DOT=False, SOFTCAP=50.0, HAS_SINKS=False),
         4,
         3,
     )  # fmt: skip
     ext = {n: "i32" for n in A._extend_kernel.arg_names if n.startswith("stride")}
     ext.update({"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "PageTable": "*i32", "Rows": "*i64",
-                "QStart": "*i64", "CachedLens": "*i64", "ExtendLens": "*i64", "qk_scale": "fp32", "window": "i32"})  # fmt: skip
+                "QStart": "*i64", "CachedLens": "*i64", "ExtendLens": "*i64", "qk_scale": "fp32", "window": "i32",
+                "Sinks": "*fp32"})  # fmt: skip
     for cap in (0.0, 50.0):
         build(
             A._extend_kernel,
             ext,
-            dict(GROUP=2, HEAD_DIM=128, BLOCK_M=64, BLOCK_N=64, BLOCK_D=128, PRECISION="tf32", HEAVY_FIRST=True, SOFTCAP=cap),
+            dict(
+                GROUP=2,
+                HEAD_DIM=128,
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_D=128,
+                PRECISION="tf32",
+                HEAVY_FIRST=True,
+                SOFTCAP=cap,
+                HAS_SINKS=cap == 0.0,
+            ),
             4,
             3,
         )
@@ -228,7 +240,19 @@ def ops() -> int:
             "BlockExpert": "*i32",
             "Total": "*i32",
             "TopkW": f"*{dt}",
-            **i32("num_pairs", "num_m_blocks", "stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk", "stride_om", "stride_on"),
+            "Bias": f"*{dt}",
+            **i32(
+                "num_pairs",
+                "num_m_blocks",
+                "stride_am",
+                "stride_ak",
+                "stride_we",
+                "stride_wn",
+                "stride_wk",
+                "stride_om",
+                "stride_on",
+                "stride_be",
+            ),
         }
         n, k = (768, 2048) if gated else (2048, 768)
         kern = build(
@@ -247,6 +271,10 @@ def ops() -> int:
                 EVEN_K=True,
                 PRECISION="ieee" if dt == "fp32" else "tf32",
                 UPCAST=False,
+                HAS_BIAS=gated,  # (GPT-OSS's gate/up bias and clamped SwiGLU on the gated GEMM)
+                SWIGLU=gated,
+                SWIGLU_ALPHA=1.702 if gated else 0.0,
+                SWIGLU_LIMIT=7.0 if gated else 0.0,
             ),
             cfg.num_warps,
             cfg.num_stages,

@@ -153,7 +153,7 @@ class ServerState:
     def __init__(
         self, args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metrics: ServerMetrics, tokenizer_info: Dict[str, Any]
     ) -> None:
-        from minisgl.server.reasoning import wants_reasoning
+        from minisgl.server.reasoning import harmony_unparsed, wants_reasoning
         from minisgl.server.tools import pick_parser
 
         self.args = args
@@ -162,6 +162,8 @@ class ServerState:
         self.tokenizer_description: Dict[str, Any] | None = tokenizer_info.get("info")  # GET /tokenizer_info
         self.tool_parser = pick_parser(args.tool_call_parser, self.chat_template)
         self.reasoning = wants_reasoning(args.reasoning_parser, self.chat_template)
+        if (why := harmony_unparsed(self.chat_template)) is not None:
+            logger.warning(why)
         self.frontend = frontend
         self.metrics = metrics
         self.limits = RequestLimits.for_server(args.max_request_bytes, args.max_prompt_bytes, info)
