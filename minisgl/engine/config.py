@@ -93,6 +93,7 @@ class EngineConfig:
     # The rendezvous store at that address is served by the process that started the ranks
     # (distributed.host_rendezvous: LLM(tp=N), the server on one machine), not by rank 0
     dist_store_hosted: bool = False
+    # CUDA: "fp8" quantizes the dense linear weights to per-channel FP8 at load (layers/fp8.py).
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
     # GEMMs ("auto" (None too): a 4-bit AWQ/GPTQ/compressed-tensors checkpoint's own codes, else
     # none; "none"; "gguf": the GGUF's own Q4_1/Q8_0 codes; "int4", "int8": rounded), and the C
@@ -101,10 +102,11 @@ class EngineConfig:
     # whatever this says: models/checkpoint_quant.py.
     quantization: str | None = knob(
         "auto",
-        "CPU only: weight-only quantized decode GEMMs (auto: a 4-bit AWQ/GPTQ/compressed-tensors checkpoint's own codes, "
-        "else none; gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
+        "weight quantization. CPU: weight-only quantized decode GEMMs (auto: a 4-bit AWQ/GPTQ/compressed-tensors "
+        "checkpoint's own codes, else none; gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded). CUDA: fp8 turns "
+        "the linear weights into per-channel FP8 at load (W8A8 FP8 GEMM); FP8 checkpoints run FP8 whatever this says",
         group=MODEL,
-        choices=("auto", "none", "gguf", "int4", "int8"),
+        choices=("auto", "none", "gguf", "int4", "int8", "fp8"),
     )
     cpu_fast_decode: bool = True
     # What the server does with the model (engine/pooling.py): "generate" (the LM head samples
