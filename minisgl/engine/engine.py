@@ -113,8 +113,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
     check_kv_cache_dtype(config.kv_cache_dtype, device)
     if config.quantization == "fp8" and not is_cuda(device):
         raise ValueError(
-            f"quantization='fp8' (online FP8 W8A8 weights) needs a CUDA device, got {device}; "
-            "on the CPU use quantization='int8' or 'int4'"
+            f"quantization='fp8' (online FP8 W8A8 weights) needs a CUDA device, got {device}; on the CPU use quantization='int8' or 'int4'"
         )
     if config.deterministic:
         if config.attention_backend not in ("auto", "deterministic"):
