@@ -19,3 +19,11 @@ def test_fp8_kernels_in_interpreter() -> None:
     proc = run_module("fp8", timeout=300)
     print(proc.stdout)
     assert proc.returncode == 0, f"fp8 checks failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+def test_fp8_kernels_compile_for_sm90() -> None:
+    """Every tile the GEMM picks, compiled for sm_90 (tests/kernel_checks/sm90.py fp8): FP8 wgmma
+    (below 64 rows exact e4m3 -> fp16 mma.sync), shared memory within the H200's, no spills."""
+    proc = run_module("sm90", "fp8", interpret=False, timeout=300)
+    print(proc.stdout)
+    assert proc.returncode == 0, f"sm_90 compilation failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-4000:]}"

@@ -93,17 +93,19 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, str
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def gemm_config(m: int, n: int) -> Tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) for M rows and N outputs: decode
-    (M <= 16) streams the weight in narrow column tiles so that every SM has some; prefill takes
-    the 128 x 128 tiles that keep the tensor cores busy."""
+def gemm_config(m: int, n: int, block_n: int) -> Tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages) for M rows, N outputs and weight scales
+    per `block_n` rows: decode (M <= 16) streams the weight in narrow column tiles so that every SM
+    has some (Triton runs these dots as exact e4m3 -> fp16 conversions into mma.sync: M is below
+    wgmma's 64); from 17 rows on, FP8 wgmma tiles. At 128 x 128 a per-row scale vector costs
+    register spills (tests/kernel_checks/sm90.py), so per-row scales take 128 x 64 there."""
     if m <= 16:
         return 16, (64 if n >= 8192 else 32), 1, 4, 4
     if m <= 64:
         return 64, 64, 8, 4, 4
     if m <= 256:
         return 64, 128, 8, 4, 3
-    return 128, 128, 8, 8, 3
+    return (128, 128, 8, 8, 3) if block_n > 1 else (128, 64, 8, 8, 3)
 
 
 def fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, block_n: int,
@@ -120,7 +122,7 @@ def fp8_gemm(x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch
     y = torch.empty((m, n), dtype=out_dtype, device=x_q.device)
     if m == 0:
         return y
-    bm, bn, gm, warps, stages = gemm_config(m, n)
+    bm, bn, gm, warps, stages = gemm_config(m, n, block_n)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     stride_bsk = w_s.stride(1) if w_s.shape[1] > 1 else 0
     _fp8_gemm_kernel[grid](

@@ -79,5 +79,5 @@ CHECKS: Dict[str, List[Key]] = {
     "test_gemma.py": [("gemma", (), True)],
     "test_triton_kernels_interpret.py": [("ops", (), True), ("sm90", ("ops",), False)],
     "test_triton_gemv_interpret.py": [("gemv", (), True), ("sm90", ("gemv",), False)],
-    "test_fp8_kernels_interpret.py": [("fp8", (), True)],
+    "test_fp8_kernels_interpret.py": [("fp8", (), True), ("sm90", ("fp8",), False)],
 }  # fmt: skip
