@@ -12,8 +12,12 @@ A quantized checkpoint (config.json's `quantization_config`: models/checkpoint_q
 the same way, each quantized layer's tensors (packed codes, scales, zero points) gathered until its
 last one arrives, dequantized to float32 on the load device and then treated as that layer's
 dense `weight`: cast, sharded (at tp=N each rank reads the whole quantized matrix, dequantizes it
-and keeps its slice) and merged like any other. `load_int4_codes` reads a 4-bit checkpoint's
-codes a second time for the CPU's int4 decode GEMM (tp == 1).
+and keeps its slice) and merged like any other. With `keep_fp8` (CUDA) an FP8 layer of a linear
+module stays FP8 instead: an `Fp8Weight` (layers/fp8.py) sharded and merged with its scales,
+whose scales are installed on the module and whose float8 weight goes into the state dict; a cut
+off its 128-column groups, or a module that is not a linear layer (MoE experts), dequantizes
+it. `load_int4_codes` reads a 4-bit checkpoint's codes a second time for the CPU's int4 decode
+GEMM (tp == 1).
 """
 
 from __future__ import annotations
