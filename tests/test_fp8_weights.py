@@ -129,3 +129,37 @@ def test_online_fp8_is_refused_on_the_cpu(tiny_dir):
     with pytest.raises(ValueError, match="quantization='fp8'.*needs a CUDA device"):
         with running_engine(tiny_dir, device="cpu", quantization="fp8"):
             pass
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel"])
+def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
+    """The kept-FP8 path end to end on the CPU, the op's torch implementation standing in for the
+    CUDA kernels (the same arithmetic, tests/test_fp8_kernels_interpret.py): every projection
+    holds float8_e4m3fn weights and runs the FP8 op (activations quantized per 128 columns), and
+    each greedy token is in HF float32's top 5 (on the dequantized weights, fed our tokens) until
+    the first divergence from HF's argmax."""
+    from helpers import HFOracle, allocated_reqs, run_generation, running_engine
+
+    from minisgl.engine import engine as engine_mod
+    from minisgl.layers import fp8
+    from minisgl.layers.linear import _Linear
+
+    ck = checkpoint(name)
+    calls = []
+    op = fp8.fp8_linear
+    monkeypatch.setattr(engine_mod, "keeps_fp8", lambda device, deterministic: True)
+    monkeypatch.setattr(fp8, "fp8_linear", lambda x, *a: calls.append(x.shape[0]) or op(x, *a))
+    prompts = [[3, 17, 99, 4, 250, 8, 61], [40, 2, 2, 180, 77, 5, 13, 90, 11]]
+    steps = 6
+    with running_engine(ck.quantized, device="cpu", cpu_fast_decode=False) as engine:
+        mods = [m for m in engine.model.modules() if isinstance(m, _Linear)]
+        assert mods and all(m.weight.dtype == FP8_E4M3 and m.weight_scale is not None for m in mods)
+        outs = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
+    assert len(calls) >= len(mods) * steps, "the projections did not run the FP8 op"
+    hf = HFOracle(ck.dense)
+    for ids, out in zip(prompts, outs):
+        ref = hf.logits(list(ids) + out[:-1])[len(ids) - 1 :]
+        for j, tok in enumerate(out):
+            assert tok in ref[j].topk(5).indices.tolist(), f"{name}: token {j} ({tok}) not in HF's top 5"
+            if tok != int(ref[j].argmax()):
+                break

@@ -9,7 +9,6 @@ Init order matters: TP info and device -> stream and global Context -> communica
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from typing import Any, List, NamedTuple, Tuple
 
@@ -30,7 +29,7 @@ from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
-from minisgl.layers.fp8 import quantize_linears_fp8
+from minisgl.layers.fp8 import keeps_fp8, quantize_linears_fp8
 from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
 from minisgl.models.weight import dummy_weights, load_weights
@@ -397,9 +396,7 @@ class Engine:
     def _load_weight_state_dict(self, config: EngineConfig) -> dict[str, torch.Tensor]:
         if config.use_dummy_weight:
             return dummy_weights(self.model, self.device, self.dtype)
-        # FP8 checkpoints keep FP8 weights where the FP8 GEMM runs: CUDA with Triton, not in
-        # deterministic mode (its GEMMs must be batch-invariant; the dequantized weight's are)
-        keep_fp8 = is_cuda(self.device) and not config.deterministic and importlib.util.find_spec("triton") is not None
+        keep_fp8 = keeps_fp8(self.device, config.deterministic)  # CUDA: FP8 checkpoints stay FP8
         return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype, keep_fp8=keep_fp8)
 
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:

@@ -114,6 +114,40 @@ class Fp8Weight:
         module.weight_block_n = self.block_n  # type: ignore[assignment]
 
 
+def keeps_fp8(device: torch.device, deterministic: bool) -> bool:
+    """Whether FP8 checkpoints keep FP8 weights on this engine: on CUDA with Triton (the FP8
+    GEMM), not in deterministic mode (its GEMMs must be batch-invariant; the dequantized weight's
+    are). Elsewhere they are dequantized at load."""
+    import importlib.util
+
+    return device.type == "cuda" and not deterministic and importlib.util.find_spec("triton") is not None
+
+
+def quantize_groups_torch(x: torch.Tensor) -> torch.Tensor:
+    """The activation quantizer's values (kernel/triton_fp8.quantize_groups), dequantized: per row
+    and 128 columns, scale = absmax / 448, x / scale saturated and rounded to e4m3, times scale."""
+    m, k = x.shape
+    g = x.float().reshape(m, k // GROUP_K, GROUP_K)
+    s = g.abs().amax(-1, keepdim=True).clamp(min=1e-10) / FP8_MAX
+    return ((g / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3).float() * s).reshape(m, k)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The FP8 linear op: x W^T (+ bias) with x quantized per (row, 128 columns). CUDA: the Triton
+    kernels (kernel/triton_fp8.py); elsewhere the same arithmetic in float32 torch ops (the
+    reference: no speed, the CPU never keeps FP8 weights outside tests)."""
+    if x.is_cuda:
+        from minisgl.kernel.triton_fp8 import fp8_linear as triton_fp8_linear
+
+        return triton_fp8_linear(x, weight, scale, block_n, bias)
+    flat = quantize_groups_torch(x.reshape(-1, x.shape[-1]))
+    y = flat @ Fp8Weight(weight, scale, block_n).dense().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
 def quantize_per_row(w: torch.Tensor) -> Fp8Weight:
     """Online FP8 (`--quantization fp8`): scale = absmax / 448 per output row, w / scale rounded
     to e4m3 (saturated)."""

@@ -61,7 +61,7 @@ class _Linear(ShardedModule):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) on this rank's weight: F.linear, or the FP8 GEMM for an FP8 weight."""
         if self.weight_scale is not None:
-            from minisgl.kernel.triton_fp8 import fp8_linear
+            from minisgl.layers.fp8 import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale, self.weight_block_n, bias)
         return F.linear(x, self.weight, bias)
