@@ -131,13 +131,14 @@ def test_online_fp8_is_refused_on_the_cpu(tiny_dir):
             pass
 
 
-@pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel"])
+@pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel", "fp8_block_moe"])
 def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
     """The kept-FP8 path end to end on the CPU, the op's torch implementation standing in for the
     CUDA kernels (the same arithmetic, tests/test_fp8_kernels_interpret.py): every projection
     holds float8_e4m3fn weights and runs the FP8 op (activations quantized per 128 columns), and
     each greedy token is in HF float32's top 5 (on the dequantized weights, fed our tokens) until
-    the first divergence from HF's argmax."""
+    the first divergence from HF's argmax. Qwen3-MoE: the experts' FP8 tensors are dequantized
+    (the MoE GEMM has no FP8 path), the router stays dense as in the checkpoint."""
     from helpers import HFOracle, allocated_reqs, run_generation, running_engine
 
     from minisgl.engine import engine as engine_mod
@@ -152,8 +153,14 @@ def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
     prompts = [[3, 17, 99, 4, 250, 8, 61], [40, 2, 2, 180, 77, 5, 13, 90, 11]]
     steps = 6
     with running_engine(ck.quantized, device="cpu", cpu_fast_decode=False) as engine:
-        mods = [m for m in engine.model.modules() if isinstance(m, _Linear)]
-        assert mods and all(m.weight.dtype == FP8_E4M3 and m.weight_scale is not None for m in mods)
+        mods = [m for n, m in engine.model.named_modules() if isinstance(m, _Linear) and not n.endswith("mlp.gate")]
+        for m in mods:  # K not a multiple of 128 (the MoE model's o_proj, 4 heads of 16): dequantized
+            kept = m.weight.shape[1] % 128 == 0
+            assert (m.weight.dtype == FP8_E4M3) == kept and (m.weight_scale is not None) == kept
+        mods = [m for m in mods if m.weight_scale is not None]
+        assert mods
+        others = [p for n, p in engine.model.named_parameters() if p.dtype == FP8_E4M3 and not any(m.weight is p for m in mods)]
+        assert not others, "only linear layers keep FP8 weights"
         outs = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
     assert len(calls) >= len(mods) * steps, "the projections did not run the FP8 op"
     hf = HFOracle(ck.dense)

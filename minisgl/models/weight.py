@@ -290,6 +290,7 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
     their scales are installed on the layer (`weight_scale`), the weights are in the state dict."""
     out: Dict[str, torch.Tensor] = {}
     pending: Dict[str, Dict[Any, Any]] = {}
+    said: set[str] = set()
     for ckpt_name, full in _checkpoint_tensors(model_dir, device, dtype, keep_fp8):
         found = _pieces(model, ckpt_name, full)
         if found is None:
@@ -303,6 +304,10 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
                 except Fp8Unaligned as e:
                     logger.info_rank0(f"{ckpt_name}: this rank's shard cannot stay FP8 ({e}); dequantized")
             if shards is None:  # not a linear layer's weight (MoE experts), or a cut off the 128-column groups
+                if not isinstance(module, _Linear) and "non-linear" not in said:
+                    logger.info_rank0(f"{ckpt_name}: FP8 weights of {type(module).__name__} are dequantized (only linear "
+                                      "layers run the FP8 GEMM); the same for the others")  # fmt: skip
+                    said.add("non-linear")
                 _, module, param_name, pieces = cast(Any, _pieces(model, ckpt_name, full.dense()))
                 shards = _shards(module, param_name, pieces)
         else:

@@ -72,8 +72,8 @@ def run_checks(shapes: Iterable[Shape], device: str, seed: int = 0, sum_rtol: fl
         want_s = (x.abs().reshape(m, -1, 128).amax(-1).clamp(min=F8._EPS) / F8.FP8_MAX).float()
         check(f"quant scales M={m} K={k}", x_s, want_s, 0.0, 1e-6)
         want_q = (x / want_s.repeat_interleave(128, 1)).clamp(-448, 448).to(torch.float8_e4m3fn).float()
-        # one e4m3 step (2^-3 relative) where x / s rounds differently on the GPU
-        check(f"quant codes M={m} K={k}", x_q.float(), want_q, 0.0, 2.0**-3)
+        # one e4m3 step (2^-3 relative, 2^-9 among subnormals) where x / s rounds differently on the GPU
+        check(f"quant codes M={m} K={k}", x_q.float(), want_q, 2.0**-9, 2.0**-3)
         assert bool((x_q[0, :128].float() == 0).all()), "an all-zero group must quantize to zeros"
         xd = dequant(x_q, x_s, 1, 128)
         for per_row in (False, True):
