@@ -170,3 +170,28 @@ def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
             assert tok in ref[j].topk(5).indices.tolist(), f"{name}: token {j} ({tok}) not in HF's top 5"
             if tok != int(ref[j].argmax()):
                 break
+
+
+def test_online_fp8_layers_run_the_fp8_op(checkpoint):
+    """`--quantization fp8`'s conversion (models/weight.quantize_linears_fp8) on a dense model, run
+    on the CPU through the op's torch implementation: every linear layer per-row FP8, each greedy
+    token in HF float32's top 5 until the first divergence (the CUDA run: tests/test_fp8_cuda.py)."""
+    from helpers import HFOracle, allocated_reqs, run_generation, running_engine
+
+    from minisgl.layers.linear import _Linear
+    from minisgl.models.weight import quantize_linears_fp8
+
+    ck = checkpoint("fp8_block")
+    prompts = [[3, 17, 99, 4, 250, 8, 61]]
+    steps = 6
+    with running_engine(ck.dense, device="cpu", cpu_fast_decode=False) as engine:
+        done = quantize_linears_fp8(engine.model)
+        mods = [m for m in engine.model.modules() if isinstance(m, _Linear)]
+        assert len(done) == len(mods) and all(m.weight.dtype == FP8_E4M3 and m.weight_block_n == 1 for m in mods)
+        outs = run_generation(engine, allocated_reqs(engine, prompts, steps), steps)
+    hf = HFOracle(ck.dense)
+    ref = hf.logits(prompts[0] + outs[0][:-1])[len(prompts[0]) - 1 :]
+    for j, tok in enumerate(outs[0]):
+        assert tok in ref[j].topk(5).indices.tolist(), f"token {j} ({tok}) not in HF's top 5"
+        if tok != int(ref[j].argmax()):
+            break

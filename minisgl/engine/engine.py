@@ -29,10 +29,10 @@ from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
-from minisgl.layers.fp8 import keeps_fp8, quantize_linears_fp8
+from minisgl.layers.fp8 import keeps_fp8
 from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
-from minisgl.models.weight import dummy_weights, load_weights
+from minisgl.models.weight import dummy_weights, load_weights, quantize_linears_fp8
 from minisgl.moe.base import BaseMoeBackend, MoeCap
 from minisgl.moe.registry import create_moe_backend
 from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize

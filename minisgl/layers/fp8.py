@@ -18,14 +18,10 @@ scales are first repeated per row (block_n = 1, the same values, 1/128 of the we
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, List
+from typing import Iterable
 
 import torch
 from torch import nn
-
-from minisgl.utils.logger import init_logger
-
-logger = init_logger(__name__)
 
 GROUP_K = 128  # the activation quantizer's group along K, and the weight scale block along K
 FP8_MAX = 448.0
@@ -154,27 +150,3 @@ def quantize_per_row(w: torch.Tensor) -> Fp8Weight:
     s = (w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX).contiguous()
     q = (w.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_E4M3)
     return Fp8Weight(q, s, 1)
-
-
-def quantize_linears_fp8(model: nn.Module) -> List[str]:
-    """Turn every linear layer's bf16/fp16/fp32 weight into per-row FP8 in place (layers whose K
-    is not a multiple of 128 stay dense, logged); the names of the layers converted."""
-    from minisgl.layers.linear import _Linear
-
-    done: List[str] = []
-    skipped: List[str] = []
-    for name, mod in model.named_modules():
-        if not isinstance(mod, _Linear) or mod.weight.dtype == FP8_E4M3:
-            continue
-        if mod.weight.shape[1] % GROUP_K:
-            skipped.append(name)
-            continue
-        q = quantize_per_row(mod.weight.data)
-        mod.weight = nn.Parameter(q.weight, requires_grad=False)
-        q.install(mod)
-        done.append(name)
-    if skipped:
-        logger.info_rank0(f"--quantization fp8: {len(skipped)} linear layers keep their dense weight (in_features not a "
-                          f"multiple of {GROUP_K}), e.g. {skipped[0]}")  # fmt: skip
-    logger.info_rank0(f"--quantization fp8: {len(done)} linear layers run per-channel FP8 weights (W8A8)")
-    return done

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from minisgl.layers.base import ShardedModule
-from minisgl.layers.fp8 import Fp8Unaligned, Fp8Weight
+from minisgl.layers.fp8 import FP8_E4M3, GROUP_K, Fp8Unaligned, Fp8Weight, quantize_per_row
 from minisgl.layers.linear import _Linear
 from minisgl.layers.quant import Int4Weight
 from minisgl.models.checkpoint_quant import Fp8Blocks, IntGroups, quant_format, refuse_unannounced, unused_tensors
@@ -381,6 +381,28 @@ def load_int4_codes(model: nn.Module, model_dir: str) -> Tuple[str, Dict[str, In
             codes, d, m = merged[:, :k], merged[:, k : k + k // 32], merged[:, k + k // 32 :]
             out[name.rpartition(".")[0]] = Int4Weight.from_q4_1(codes.to(torch.uint8), d, m)
     return fmt.label, out
+
+
+def quantize_linears_fp8(model: nn.Module) -> List[str]:
+    """Turn every linear layer's bf16/fp16/fp32 weight into per-row FP8 in place (layers whose K
+    is not a multiple of 128 stay dense, logged); the names of the layers converted."""
+    done: List[str] = []
+    skipped: List[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, _Linear) or mod.weight.dtype == FP8_E4M3:
+            continue
+        if mod.weight.shape[1] % GROUP_K:
+            skipped.append(name)
+            continue
+        q = quantize_per_row(mod.weight.data)
+        mod.weight = nn.Parameter(q.weight, requires_grad=False)
+        q.install(mod)
+        done.append(name)
+    if skipped:
+        logger.info_rank0(f"--quantization fp8: {len(skipped)} linear layers keep their dense weight (in_features not a "
+                          f"multiple of {GROUP_K}), e.g. {skipped[0]}")  # fmt: skip
+    logger.info_rank0(f"--quantization fp8: {len(done)} linear layers run per-channel FP8 weights (W8A8)")
+    return done
 
 
 def dummy_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Dict[str, torch.Tensor]:
