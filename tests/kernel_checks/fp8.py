@@ -9,7 +9,8 @@ real shapes).
 - the GEMM: y equals (x_q * x_s) @ (w_q * w_s)^T evaluated in float32 from the kernel's own x_q and
   x_s, for 128 x 128 weight blocks (N not a multiple of the tile or of 128) and per-row scales
   (one scale column broadcast over K), with and without bias, float32 and bfloat16 output;
-- `fp8_linear` end to end against the same oracle on a 3-D input.
+- `fp8_linear` end to end against the same oracle on a 3-D input, and (CPU) the op's torch
+  implementation in layers/fp8.py (what tests/test_fp8_weights.py runs) against the kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterable, List, Tuple
 import torch
 
 Shape = Tuple[int, int, int]  # (M, N, K)
-INTERPRETER_SHAPES: List[Shape] = [(1, 160, 256), (5, 96, 128), (33, 200, 384)]
+INTERPRETER_SHAPES: List[Shape] = [(1, 160, 256), (5, 96, 128), (33, 200, 384), (130, 136, 128)]  # (130: 3 x 2 grouped tiles)
 
 
 def dequant(q: torch.Tensor, s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -90,6 +91,11 @@ def run_checks(shapes: Iterable[Shape], device: str, seed: int = 0, sum_rtol: fl
             x3 = x.reshape(1, m, k)
             y3 = F8.fp8_linear(x3, w_q, w_s, block_n)
             check(f"fp8_linear {what} M={m} N={n} K={k}", y3.reshape(m, n), ref, -sum_rtol, 1e-5)
+            if device == "cpu":  # the op's torch implementation (layers/fp8.py), which the CPU tests run
+                from minisgl.layers.fp8 import fp8_linear as torch_op
+
+                check(f"torch op {what} M={m} N={n} K={k}", torch_op(x3, w_q, w_s, block_n).reshape(m, n), y3.reshape(m, n).float(),
+                      -sum_rtol, 1e-5)  # fmt: skip
     return failures
 
 
