@@ -131,7 +131,7 @@ def test_online_fp8_is_refused_on_the_cpu(tiny_dir):
             pass
 
 
-@pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel", "fp8_block_moe"])
+@pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel", "fp8_tensor_static", "fp8_block_moe"])
 def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
     """The kept-FP8 path end to end on the CPU, the op's torch implementation standing in for the
     CUDA kernels (the same arithmetic, tests/test_fp8_kernels_interpret.py): every projection
