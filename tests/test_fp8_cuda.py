@@ -7,7 +7,7 @@ kernels: the activation quantizer and the block-scaled FP8 GEMM (128x128 blocks 
          {1, 8, 64, 512, 4096}; the GEMM sums each 128-wide dot on the FP8 tensor cores, so
          results are held to 1e-4 of the output's scale (+ the output dtype's rounding).
 graph:   fp8_linear captured in a CUDA graph and replayed on new input == eager, bit for bit.
-e2e:     a tiny FP8-block checkpoint (tests/quant_helpers.py) on CUDA in bf16: every linear layer
+e2e:     a tiny FP8-block checkpoint (tests/quant_helpers.py; also per-channel, per-tensor) on CUDA in bf16: every linear layer
          keeps float8_e4m3fn weights, each greedy token is in HF float32's top 5 (on the exact
          dequantized weights, fed our tokens) until the first divergence from HF's argmax, max
          |logit diff| printed; with CUDA graphs (decode and mixed-step) the same tokens as eager.
@@ -122,12 +122,13 @@ def test_fp8_block_checkpoint_keeps_fp8_weights_on_cuda(checkpoint, oracle) -> N
     assert graphs == eager, "CUDA graphs changed the tokens"
 
 
-def test_fp8_channel_checkpoint_keeps_fp8_weights_on_cuda(checkpoint, oracle) -> None:
-    ck = checkpoint("ct_fp8_channel")
+@pytest.mark.parametrize("name", ["ct_fp8_channel", "fp8_tensor_static"])
+def test_fp8_channel_and_tensor_checkpoints_keep_fp8_weights_on_cuda(name, checkpoint, oracle) -> None:
+    ck = checkpoint(name)
     with running_engine(ck.quantized, dtype=torch.bfloat16, attention_backend="triton") as engine:
         assert len(_fp8_linears(engine)) == 4 * len(engine.model.model.layers)
         outs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
-        _top5_and_max_diff(engine, oracle(ck.dense), outs, "compressed-tensors FP8 channel")
+        _top5_and_max_diff(engine, oracle(ck.dense), outs, name)
 
 
 def test_online_fp8_quantization(checkpoint, oracle) -> None:
