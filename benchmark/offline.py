@@ -3,6 +3,7 @@
     python benchmark/offline.py                       # 2-core CPU: embedded SmolLM2-135M, bf16 where fast
     python benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \\
         --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset 64      # the full GPU run
+    (add --quantization fp8 on CUDA: the same run on per-channel FP8 weights, W8A8 FP8 GEMM)
 
 The recipe (random.seed(0)): N prompts of randint(100, max_input) token ids, each randint(0, 10000);
 then N max_tokens of randint(100, max_output); temperature 0.6, EOS ignored. One warm-up request,
@@ -78,6 +79,8 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         config["num_page_override"] = args.num_pages
     if args.kv_cache_dtype != "auto":
         config["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.quantization is not None:
+        config["quantization"] = args.quantization
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
     config["max_seq_len_override"] = max(longest, 128)
 
@@ -91,6 +94,7 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         device=device,
         attention_backend=engine.config.attention_backend,
         kv_cache_dtype=engine.kv_cache.kv_cache_dtype,
+        quantization=engine.config.quantization,
         kv_tokens=engine.num_pages * engine.config.page_size,
         overlap=llm.scheduler.overlap,
     )
@@ -334,6 +338,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (see docs/ARCHITECTURE.md)")
     ap.add_argument("--disable-mixed-batches", action="store_true", help="prefill and decode steps alternate")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
+    ap.add_argument("--quantization", default=None,
+                    help="the engine's --quantization: fp8 (CUDA: per-channel FP8 weights, with --dummy-weights too) | none | int4 | int8 | gguf (CPU)")  # fmt: skip
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")

@@ -93,6 +93,8 @@ class EngineConfig:
     # The rendezvous store at that address is served by the process that started the ranks
     # (distributed.host_rendezvous: LLM(tp=N), the server on one machine), not by rank 0
     dist_store_hosted: bool = False
+    # CUDA: "fp8" runs the linear layers on the FP8 GEMM (layers/fp8.py): an FP8 checkpoint's own
+    # weights and scales, a dense one's quantized per channel at load (opt-in until run on a GPU).
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
     # GEMMs ("auto" (None too): a 4-bit AWQ/GPTQ/compressed-tensors checkpoint's own codes, else
     # none; "none"; "gguf": the GGUF's own Q4_1/Q8_0 codes; "int4", "int8": rounded), and the C
@@ -101,10 +103,11 @@ class EngineConfig:
     # whatever this says: models/checkpoint_quant.py.
     quantization: str | None = knob(
         "auto",
-        "CPU only: weight-only quantized decode GEMMs (auto: a 4-bit AWQ/GPTQ/compressed-tensors checkpoint's own codes, "
-        "else none; gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded)",
+        "weight quantization. CPU: weight-only quantized decode GEMMs (auto: a 4-bit AWQ/GPTQ/compressed-tensors "
+        "checkpoint's own codes, else none; gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded). CUDA: fp8 runs the "
+        "linear layers on the W8A8 FP8 GEMM (an FP8 checkpoint's own weights, a dense one's per-channel FP8 at load)",
         group=MODEL,
-        choices=("auto", "none", "gguf", "int4", "int8"),
+        choices=("auto", "none", "gguf", "int4", "int8", "fp8"),
     )
     cpu_fast_decode: bool = True
     # What the server does with the model (engine/pooling.py): "generate" (the LM head samples

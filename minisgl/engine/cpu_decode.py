@@ -37,7 +37,7 @@ from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
 
-QUANTIZATIONS = ("auto", "none", "gguf", "int4", "int8")
+QUANTIZATIONS = ("auto", "none", "gguf", "int4", "int8", "fp8")
 
 
 def load_quant_weights(model: Any, method: str, model_path: str | None) -> Dict[str, QuantWeight]:
@@ -258,7 +258,7 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
     elif not config.cpu_fast_decode:
         why_not = "cpu_fast_decode=False"
     if why_not is not None:
-        if method not in ("auto", "none"):
+        if method not in ("auto", "none", "fp8"):  # (fp8 is CUDA's, checked at engine config)
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
         return None
     hugepage_pool(kv_cache)

@@ -29,9 +29,10 @@ from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
+from minisgl.layers.fp8 import keeps_fp8
 from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
-from minisgl.models.weight import dummy_weights, load_weights
+from minisgl.models.weight import dummy_weights, load_weights, quantize_linears_fp8
 from minisgl.moe.base import BaseMoeBackend, MoeCap
 from minisgl.moe.registry import create_moe_backend
 from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize
@@ -109,6 +110,10 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(f"memory_ratio must be in (0, 1], got {config.memory_ratio}")
     device = _pick_device(config)
     check_kv_cache_dtype(config.kv_cache_dtype, device)
+    if config.quantization == "fp8" and not is_cuda(device):
+        raise ValueError(
+            f"quantization='fp8' (online FP8 W8A8 weights) needs a CUDA device, got {device}; on the CPU use quantization='int8' or 'int4'"
+        )
     if config.deterministic:
         if config.attention_backend not in ("auto", "deterministic"):
             raise ValueError(
@@ -232,6 +237,8 @@ class Engine:
         with rope_tables(self.device), torch.device("meta"), torch_dtype(config.dtype):
             self.model = create_model(model_config)
         self.model.load_state_dict(self._load_weight_state_dict(config))
+        if config.quantization == "fp8":  # online FP8: the dense linear weights become per-channel FP8
+            quantize_linears_fp8(self.model)
         self.model.eval()
 
         # ---- KV pool: what memory remains
@@ -389,7 +396,8 @@ class Engine:
     def _load_weight_state_dict(self, config: EngineConfig) -> dict[str, torch.Tensor]:
         if config.use_dummy_weight:
             return dummy_weights(self.model, self.device, self.dtype)
-        return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype)
+        keep_fp8 = keeps_fp8(self.device, config.deterministic, config.quantization)  # CUDA + fp8: FP8 stays FP8
+        return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype, keep_fp8=keep_fp8)
 
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
         mc = config.model_config

@@ -154,8 +154,9 @@ def _reference(kind: Kind, x: torch.Tensor, r: torch.Tensor, nw: torch.Tensor, w
 
 def fusable_linears(model: nn.Module) -> List[Any]:
     """The projection ops of `model` a plan may cover: every linear layer (it declares its
-    `fused_kind`) without a bias, in module order."""
-    return [m for m in model.modules() if getattr(m, "fused_kind", None) is not None and getattr(m, "bias", 0) is None]
+    `fused_kind`) without a bias and with a dense weight (an FP8 one runs its own GEMM), in module order."""
+    return [m for m in model.modules() if getattr(m, "fused_kind", None) is not None and getattr(m, "bias", 0) is None
+            and getattr(m, "weight_scale", None) is None]  # fmt: skip
 
 
 def build_plan(model: nn.Module, max_m: int, stream: Any, budget_s: float = 20.0) -> SkinnyPlan | None:

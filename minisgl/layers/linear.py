@@ -36,6 +36,11 @@ class _Linear(ShardedModule):
     # the fused GEMV where it won.
     fused_kind: "Kind" = "plain"
     skinny: "SkinnyPlan | None" = None
+    # An FP8 weight kept as FP8 (CUDA; layers/fp8.py): `weight` is float8_e4m3fn and these are
+    # its float32 scales per (weight_block_n rows x 128 columns); the projection then runs the
+    # W8A8 FP8 GEMM (kernel/triton_fp8.py) instead of F.linear. None: a dense weight.
+    weight_scale: torch.Tensor | None = None
+    weight_block_n: int = 0
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
@@ -53,9 +58,17 @@ class _Linear(ShardedModule):
             return out[0] if out is not None else None
         return None
 
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on this rank's weight: F.linear, or the FP8 GEMM for an FP8 weight."""
+        if self.weight_scale is not None:
+            from minisgl.layers.fp8 import fp8_linear
+
+            return fp8_linear(x, self.weight, self.weight_scale, self.weight_block_n, bias)
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._fast(x)
-        return y if y is not None else F.linear(x, self.weight, self.bias)
+        return y if y is not None else self._matmul(x, self.bias)
 
     def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this [gate | up] projection of x: one pass over the weight where the
@@ -138,5 +151,5 @@ class RowParallelLinear(_Linear):
         y = self._fast(x)
         if y is not None:
             return y
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self._matmul(x, None))
         return y + self.bias if self.bias is not None else y

@@ -41,9 +41,10 @@ run in the model dtype and the KV cache is `--kv-cache-dtype`'s; the loader says
   2^(scale - 127), transposed back to [E, in, out] (`Mxfp4Blocks`). The other tensors (attention,
   router, biases) are plain.
 
-What runs is decided by the loader (models/weight.py): every format is dequantized at load;
-on the CPU at tp == 1 the 4-bit formats also keep their codes for the int4 decode GEMM
-(`IntGroups.q4_1`, engine/cpu_decode.py).
+What runs is decided by the loader (models/weight.py): every format is dequantized at load,
+except FP8 linear layers on CUDA under `--quantization fp8`, which stay FP8 (layers/fp8.py, the
+W8A8 FP8 GEMM); on the CPU at tp == 1 the 4-bit formats also keep their codes for the int4 decode
+GEMM (`IntGroups.q4_1`, engine/cpu_decode.py).
 """
 
 from __future__ import annotations

@@ -12,8 +12,12 @@ A quantized checkpoint (config.json's `quantization_config`: models/checkpoint_q
 the same way, each quantized layer's tensors (packed codes, scales, zero points) gathered until its
 last one arrives, dequantized to float32 on the load device and then treated as that layer's
 dense `weight`: cast, sharded (at tp=N each rank reads the whole quantized matrix, dequantizes it
-and keeps its slice) and merged like any other. `load_int4_codes` reads a 4-bit checkpoint's
-codes a second time for the CPU's int4 decode GEMM (tp == 1).
+and keeps its slice) and merged like any other. With `keep_fp8` (CUDA) an FP8 layer of a linear
+module stays FP8 instead: an `Fp8Weight` (layers/fp8.py) sharded and merged with its scales,
+whose scales are installed on the module and whose float8 weight goes into the state dict; a cut
+off its 128-column groups, or a module that is not a linear layer (MoE experts), dequantizes
+it. `load_int4_codes` reads a 4-bit checkpoint's codes a second time for the CPU's int4 decode
+GEMM (tp == 1).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from minisgl.layers.base import ShardedModule
+from minisgl.layers.fp8 import FP8_E4M3, GROUP_K, Fp8Unaligned, Fp8Weight, quantize_per_row
 from minisgl.layers.linear import _Linear
 from minisgl.layers.quant import Int4Weight
 from minisgl.models.checkpoint_quant import Fp8Blocks, IntGroups, Mxfp4Blocks, quant_format, refuse_unannounced, unused_tensors
@@ -225,9 +230,10 @@ def _pieces(model: nn.Module, ckpt_name: str, full: Any) -> Tuple[str, Any, str,
     return name, module, param_name, pieces
 
 
-def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype) -> Iterator[Tuple[str, Any]]:
+def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype, keep_fp8: bool) -> Iterator[Tuple[str, Any]]:
     """(name, CheckpointTensor or dense tensor) of the checkpoint in file order: a quantized
-    layer's tensors become one dequantized `<layer>.weight` (float32, on `device`)."""
+    layer's tensors become one dequantized `<layer>.weight` (float32, on `device`), or with
+    `keep_fp8` an FP8 layer whose layout the FP8 GEMM takes one `Fp8Weight`."""
     files = checkpoint_files(model_dir)
     index = checkpoint_index(files)
     fmt = quant_format(model_dir)
@@ -239,45 +245,106 @@ def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype
     if unused:
         logger.info_rank0(f"{fmt.label}: the checkpoint's {', '.join(unused)} tensors are not used (activations run in "
                           f"{str(dtype).removeprefix('torch.')}, the KV cache is --kv-cache-dtype's)")  # fmt: skip
-    said = False
+    said: set[str] = set()
     for name, tensor in fmt.stream(_iter_files(files), index, device):
         if isinstance(tensor, Mxfp4Blocks):  # a fused expert tensor, named as the unquantized one
-            if not said:
+            if "dense" not in said:
                 logger.info_rank0(f"{fmt.label} weights dequantized to {str(dtype).removeprefix('torch.')} at load")
-                said = True
+                said.add("dense")
             yield name, tensor.dense()
-        elif isinstance(tensor, (IntGroups, Fp8Blocks)):
-            if not said:
+            continue
+        if isinstance(tensor, Fp8Blocks) and keep_fp8:
+            try:
+                yield f"{name}.weight", Fp8Weight.from_blocks(tensor.weight, tensor.scale, tensor.block)
+                if "fp8" not in said:
+                    logger.info_rank0(f"{fmt.label} weights kept as FP8 (W8A8 FP8 GEMM, dynamic per-token-group activations)")
+                    said.add("fp8")
+                continue
+            except Fp8Unaligned as e:
+                logger.info_rank0(f"{fmt.label} layer {name}: {e}; dequantized to {str(dtype).removeprefix('torch.')}")
+        if isinstance(tensor, (IntGroups, Fp8Blocks)):
+            if "dense" not in said:
                 logger.info_rank0(f"{fmt.label} weights dequantized to {str(dtype).removeprefix('torch.')} at load")
-                said = True
+                said.add("dense")
             yield f"{name}.weight", tensor.dense()
         else:
             yield name, tensor
 
 
-def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: torch.dtype) -> Dict[str, torch.Tensor]:
-    """The state dict of `model` (built on meta) for this rank, read from `model_dir`."""
+def _shards(module: Any, param_name: str, pieces: List[Tuple[Any, Any]]) -> List[Tuple[Any, Any]]:
+    """(part, this rank's shard) of each piece; a sharded layer narrows the piece, which for a
+    CheckpointTensor reads only this rank's slice from the file."""
+    if not isinstance(module, ShardedModule):
+        return pieces
+    return [(part, module.shard(param_name, cast(Any, tensor), part)) for part, tensor in pieces]
+
+
+def _merge_fp8(module: Any, name: str, bucket: Dict[Any, Any], dtype: torch.dtype) -> Any:
+    """The merged parameter of parts some of which are FP8: one Fp8Weight where all are, else
+    (a part left dense by the checkpoint or by its cut) every part dense (logged)."""
+    parts = [bucket[p] for p in module.parts(name.rpartition(".")[2])]
+    if all(isinstance(p, Fp8Weight) for p in parts):
+        return Fp8Weight.cat(parts)
+    logger.info_rank0(f"{name}: some parts are not FP8; the merged weight is dequantized to {str(dtype).removeprefix('torch.')}")
+    return torch.cat([p.dense().to(dtype) if isinstance(p, Fp8Weight) else p for p in parts], dim=0)
+
+
+def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: torch.dtype,
+                 keep_fp8: bool = False) -> Dict[str, torch.Tensor]:  # fmt: skip
+    """The state dict of `model` (built on meta) for this rank, read from `model_dir`. With
+    `keep_fp8` (CUDA, layers/fp8.py) an FP8 checkpoint's linear layers keep float8_e4m3fn weights:
+    their scales are installed on the layer (`weight_scale`), the weights are in the state dict."""
     out: Dict[str, torch.Tensor] = {}
-    pending: Dict[str, Dict[Any, torch.Tensor]] = {}
-    for ckpt_name, full in _checkpoint_tensors(model_dir, device, dtype):
-        if (found := _pieces(model, ckpt_name, full)) is not None:
-            name, module, param_name, pieces = found
-            for part, tensor in pieces:
-                # A sharded layer narrows `tensor`, which reads only this rank's slice from the file.
-                piece: Any = module.shard(param_name, cast(Any, tensor), part) if isinstance(module, ShardedModule) else tensor
+    pending: Dict[str, Dict[Any, Any]] = {}
+    said: set[str] = set()
+    for ckpt_name, full in _checkpoint_tensors(model_dir, device, dtype, keep_fp8):
+        found = _pieces(model, ckpt_name, full)
+        if found is None:
+            continue
+        name, module, param_name, pieces = found
+        if isinstance(full, Fp8Weight):
+            shards = None
+            if isinstance(module, _Linear) and param_name == "weight":
+                try:
+                    shards = _shards(module, param_name, pieces)
+                except Fp8Unaligned as e:
+                    logger.info_rank0(f"{ckpt_name}: this rank's shard cannot stay FP8 ({e}); dequantized")
+            if shards is None:  # not a linear layer's weight (MoE experts), or a cut off the 128-column groups
+                if not isinstance(module, _Linear) and "non-linear" not in said:
+                    logger.info_rank0(f"{ckpt_name}: FP8 weights of {type(module).__name__} are dequantized (only linear "
+                                      "layers run the FP8 GEMM); the same for the others")  # fmt: skip
+                    said.add("non-linear")
+                _, module, param_name, pieces = cast(Any, _pieces(model, ckpt_name, full.dense()))
+                shards = _shards(module, param_name, pieces)
+        else:
+            shards = _shards(module, param_name, pieces)
+        for part, piece in shards:
+            local: Any
+            if isinstance(piece, Fp8Weight):
+                local = piece.to(device)
+            else:
                 if isinstance(piece, CheckpointTensor):
                     piece = piece.read()  # replicated
                 target_dtype = dtype if piece.is_floating_point() else piece.dtype
                 local = piece.to(device=device, dtype=target_dtype)
-                del piece
-                parts = module.parts(param_name) if isinstance(module, ShardedModule) else None
-                if part is None or parts is None:
-                    out[name] = local
-                    continue
+            del piece
+            parts = module.parts(param_name) if isinstance(module, ShardedModule) else None
+            if part is None or parts is None:
+                merged = local
+            else:
                 bucket = pending.setdefault(name, {})
                 bucket[part] = local
-                if len(bucket) == len(parts):
-                    out[name] = module.merge(param_name, pending.pop(name))
+                if len(bucket) < len(parts):
+                    continue
+                bucket = pending.pop(name)
+                if any(isinstance(t, Fp8Weight) for t in bucket.values()):
+                    merged = _merge_fp8(module, name, bucket, dtype)
+                else:
+                    merged = module.merge(param_name, bucket)
+            if isinstance(merged, Fp8Weight):
+                merged.install(module)
+                merged = merged.weight
+            out[name] = merged
     if pending:
         name, bucket = next(iter(pending.items()))
         raise ValueError(
@@ -320,6 +387,28 @@ def load_int4_codes(model: nn.Module, model_dir: str) -> Tuple[str, Dict[str, In
             codes, d, m = merged[:, :k], merged[:, k : k + k // 32], merged[:, k + k // 32 :]
             out[name.rpartition(".")[0]] = Int4Weight.from_q4_1(codes.to(torch.uint8), d, m)
     return fmt.label, out
+
+
+def quantize_linears_fp8(model: nn.Module) -> List[str]:
+    """Turn every linear layer's bf16/fp16/fp32 weight into per-row FP8 in place (layers whose K
+    is not a multiple of 128 stay dense, logged); the names of the layers converted."""
+    done: List[str] = []
+    skipped: List[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, _Linear) or mod.weight.dtype == FP8_E4M3:
+            continue
+        if mod.weight.shape[1] % GROUP_K:
+            skipped.append(name)
+            continue
+        q = quantize_per_row(mod.weight.data)
+        mod.weight = nn.Parameter(q.weight, requires_grad=False)
+        q.install(mod)
+        done.append(name)
+    if skipped:
+        logger.info_rank0(f"--quantization fp8: {len(skipped)} linear layers keep their dense weight (in_features not a "
+                          f"multiple of {GROUP_K}), e.g. {skipped[0]}")  # fmt: skip
+    logger.info_rank0(f"--quantization fp8: {len(done)} linear layers run per-channel FP8 weights (W8A8)")
+    return done
 
 
 def dummy_weights(model: nn.Module, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Dict[str, torch.Tensor]:

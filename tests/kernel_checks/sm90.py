@@ -3,7 +3,7 @@ launch gets (unit strides constant, 16-byte aligned pointers): the interpreter r
 accepts code the GPU compiler rejects; this catches that without a GPU, and checks properties of the
 compiled code (tensor-core dots, software pipelining, no layout change in a loop, no spills).
 
-    python -m kernel_checks.sm90 ops|sampling|gemv        (TRITON_INTERPRET unset)
+    python -m kernel_checks.sm90 ops|sampling|gemv|fp8       (TRITON_INTERPRET unset)
 """
 
 from __future__ import annotations
@@ -426,7 +426,88 @@ def gemv() -> int:
     return 1 if failures else 0
 
 
-CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv}
+def fp8() -> int:
+    """The FP8 kernels (kernel/triton_fp8.py) at every tile gemm_config picks, both scale layouts:
+    tensor-core dots (wgmma on e4m3 operands; below 64 rows exact e4m3 -> fp16 into mma.sync),
+    within the H200's shared memory, no register spills."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minisgl.kernel import triton_fp8 as F8
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    failures = []
+
+    def compile_(fn, sig, consts, num_warps, num_stages, divisible):
+        full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+        return triton.compile(
+            ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+
+    def spills(kern) -> object:
+        if not os.path.exists(cuobjdump):
+            return "?"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kern.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        return len(re.findall(r"\b(LDL|STL)\b", sass))
+
+    sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_xm": "i32", "stride_qm": "i32", "stride_sm": "i32"}
+    try:
+        compile_(F8._quant_groups_kernel, sig, {"GROUP_K": F8.GROUP, "EPS": F8._EPS, "QMAX": F8.FP8_MAX}, 4, 1,
+                 ("x_ptr", "q_ptr", "s_ptr", "stride_xm", "stride_qm"))  # fmt: skip
+        print("ok   _quant_groups_kernel")
+    except Exception as e:
+        print("FAIL _quant_groups_kernel", type(e).__name__, str(e)[:1500])
+        failures.append("quant")
+    fn = F8._fp8_gemm_kernel
+    base = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*bf16", "bias_ptr": "*bf16",
+            "M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_asm": "i32", "stride_bn": "i32", "stride_bsn": "i32",
+            "stride_cm": "i32"}  # fmt: skip
+    divisible = ("a_ptr", "as_ptr", "b_ptr", "bs_ptr", "c_ptr", "bias_ptr", "K", "stride_am", "stride_bn", "stride_cm")
+    seen = set()
+    for m in (1, 16, 64, 256, 4096):
+        for n in (1024, 34816):
+            for scale_bn, bsk_one in ((128, True), (1, False), (1, True)):
+                cfg = F8.gemm_config(m, n, scale_bn)
+                if (cfg, scale_bn, bsk_one) in seen:
+                    continue
+                seen.add((cfg, scale_bn, bsk_one))
+                bm, bn, gm, warps, stages = cfg
+                sig = dict(base) if bsk_one else {**base, "stride_bsk": "i32"}
+                consts = {"SCALE_BN": scale_bn, "HAS_BIAS": not bsk_one, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": F8.GROUP,
+                          "GROUP_M": gm, **({"stride_bsk": 1} if bsk_one else {})}  # fmt: skip
+                what = f"tile {cfg} scale rows {scale_bn} stride_bsk {'1' if bsk_one else 'runtime'}"
+                try:
+                    kern = compile_(fn, sig, consts, warps, stages, divisible)
+                except Exception as e:
+                    print("FAIL", what, type(e).__name__, str(e)[:1500])
+                    failures.append(what)
+                    continue
+                ptx = kern.asm["ptx"]
+                fp8_mma = bool(re.search(r"wgmma\.mma_async\S*e4m3", ptx))
+                if bm < 64:  # below wgmma's M: exact e4m3 -> fp16 conversions into fp16 mma.sync
+                    fp8_mma = "cvt.rn.f16x2.e4m3x2" in ptx and "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in ptx
+                sp = spills(kern)
+                ok = fp8_mma and kern.metadata.shared <= 227 * 1024 and sp in (0, "?")
+                print("ok  " if ok else "FAIL", what, "fp8 mma", fp8_mma, "smem", kern.metadata.shared, "spills", sp)
+                if not ok:
+                    failures.append(what)
+    print("FAILURES:", failures)
+    return 1 if failures else 0
+
+
+CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv, "fp8": fp8}
 
 if __name__ == "__main__":
     sys.exit(CHECKS[sys.argv[1]]())
