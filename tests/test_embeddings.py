@@ -14,7 +14,7 @@ import base64
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Dict, Iterator, List, Sequence
 
 import httpx
 import numpy as np
@@ -123,23 +123,34 @@ def bare_dir(tmp_path_factory: pytest.TempPathFactory, embedded_model_dir: str) 
     return build_bare_llama(tmp_path_factory.mktemp("llama_bare"), embedded_model_dir)
 
 
-def _server(model: Path, log: Path, *extra: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(str(model), "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), *extra, log_path=log)
+@pytest.fixture(scope="module")
+def servers(lm_dir: Path, bare_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, ServerProcess]]:
+    """Both servers, started together so that their start-ups overlap."""
+    logs = tmp_path_factory.mktemp("logs")
+    common = ("--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN))
+    started = {
+        "lm": ServerProcess(str(lm_dir), *common, "--task", "embed", "--chunked-prefill-size", "32", log_path=logs / "lm.log"),
+        "bare": ServerProcess(
+            str(bare_dir), *common, "--pooling", "mean", "--no-normalize", "--chunked-prefill-size", "16", log_path=logs / "bare.log"
+        ),  # fmt: skip
+    }
     try:
-        yield server.wait_ready()
+        for srv in started.values():
+            srv.wait_ready()
+        yield started
     finally:
-        server.stop()
+        for srv in started.values():
+            srv.stop()
 
 
 @pytest.fixture(scope="module")
-def lm_server(lm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from _server(lm_dir, tmp_path_factory.mktemp("logs") / "lm.log", "--task", "embed", "--chunked-prefill-size", "32")
+def lm_server(servers: Dict[str, ServerProcess]) -> ServerProcess:
+    return servers["lm"]
 
 
 @pytest.fixture(scope="module")
-def bare_server(bare_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("logs") / "bare.log"
-    yield from _server(bare_dir, log, "--pooling", "mean", "--no-normalize", "--chunked-prefill-size", "16")
+def bare_server(servers: Dict[str, ServerProcess]) -> ServerProcess:
+    return servers["bare"]
 
 
 def _assert_close(got: Any, want: np.ndarray) -> None:
