@@ -41,10 +41,17 @@ def servers(tiny_chat_model: str, chat_server: ServerProcess, tmp_path_factory: 
     own = {
         "tp2": ServerProcess(tiny_chat_model, *EXTRA, "--tp", "2", log_path=logs / "tp2.log"),
         "tp2_kill": ServerProcess(tiny_chat_model, *EXTRA, "--tp", "2", log_path=logs / "tp2_kill.log"),
-    }
+        # node 0 of two whose node 1 never comes: started now, so that its wait overlaps the
+        # other tests (test_node_that_never_joins_times_out reads how it ended)
+        "lonely": ServerProcess(
+            tiny_chat_model, *EXTRA, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr",
+            f"127.0.0.1:{free_port()}", "--dist-timeout", "3", log_path=logs / "lonely.log",
+        ),
+    }  # fmt: skip
     try:
-        for s in own.values():
-            s.wait_ready()
+        for name, s in own.items():
+            if name != "lonely":
+                s.wait_ready()
         yield {"tp1": chat_server, **own}
     finally:
         for s in own.values():
@@ -200,16 +207,9 @@ def test_dead_rank_on_another_node_stops_node_0(tiny_chat_model: str, tmp_path) 
         node1.stop()
 
 
-def test_node_that_never_joins_times_out(tiny_chat_model: str, tmp_path) -> None:
-    addr = f"127.0.0.1:{free_port()}"
-    node0 = ServerProcess(
-        tiny_chat_model, *EXTRA, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr", addr,
-        "--dist-timeout", "3", log_path=tmp_path / "node0.log",
-    )  # fmt: skip
-    try:
-        rc = node0.proc.wait(120)
-        log = node0.log()
-        assert rc == 1, log[-3000:]
-        assert "did not all join" in log and "distributed_timeout=3" in log, log[-3000:]
-    finally:
-        node0.stop()
+def test_node_that_never_joins_times_out(servers: Dict[str, ServerProcess]) -> None:
+    node0 = servers["lonely"]
+    rc = node0.proc.wait(120)
+    log = node0.log()
+    assert rc == 1, log[-3000:]
+    assert "did not all join" in log and "distributed_timeout=3" in log, log[-3000:]
