@@ -1,7 +1,7 @@
 """CPU serving benchmark on the embedded SmolLM2-135M, next to HF transformers from the same run.
 
-    python benchmark/cpu.py                        # bf16, dense
-    python benchmark/cpu.py --quantization gguf    # the GGUF's own Q4_1 codes for small batches
+    python benchmark/cpu.py                        # bf16, the GGUF's own codes for small batches
+    python benchmark/cpu.py --quantization none    # the GGUF dequantized (the default runs its own Q4_1 codes)
     python benchmark/cpu.py --kv-cache-dtype int8  # K/V as int8 codes with per-head scales
     python benchmark/cpu.py --parts latency --plot docs/cpu_batch_scaling.png
 
@@ -295,7 +295,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="latency,offline")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantization", default=None, help="auto (default) | none | gguf | int4 | int8")
+    p.add_argument("--quantization", default=None, help="auto (default: the GGUF's own codes) | none | gguf | int4 | int8")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (per-head scales)")
     p.add_argument("--prompt-len", type=int, default=500)
     p.add_argument("--gen-len", type=int, default=128)

@@ -502,9 +502,10 @@ def _hf_greedy(model, ids: List[int], n: int):
 
 def test_embedded_fp32_gguf_int4_is_exact(embedded_model_dir, embedded_oracle, embedded_tokenizer):
     """fp32 activations on the GGUF's own int4 codes compute with exactly the weights HF
-    dequantized: greedy decoding stays token-exact (tie-aware) against HF fp32."""
+    dequantized: greedy decoding stays token-exact (tie-aware) against HF fp32. The codes are
+    the default for a GGUF (`quantization` auto): no option asks for them here."""
     ids = _chat_ids(embedded_tokenizer, QUESTIONS[0])
-    with running_engine(embedded_model_dir, max_running_req=1, max_seq_len=96, quantization="gguf") as engine:
+    with running_engine(embedded_model_dir, max_running_req=1, max_seq_len=96) as engine:
         assert any(g.quant is not None for g in bound_gemms(engine.model))
         ours = _generate(engine, [ids], 10)[0]
     ref, ref_logits = embedded_oracle.greedy(ids, 10)
@@ -525,7 +526,8 @@ def _bf16_tie_aware(ours: List[int], ref: List[int], ref_logits, label: str) -> 
 def test_embedded_bf16_agrees_with_hf_bf16(embedded_model_dir, embedded_tokenizer):
     hf = _hf(embedded_model_dir, torch.bfloat16)
     prompts = [_chat_ids(embedded_tokenizer, q) for q in QUESTIONS]
-    with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128, dtype=torch.bfloat16) as engine:
+    with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128, dtype=torch.bfloat16, quantization="none") as engine:
+        assert not any(g.quant is not None for g in bound_gemms(engine.model))  # none: the dequantized weights
         model = engine.model  # the runner moved the weights onto huge pages: the head stays tied
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         outs = _generate(engine, prompts, 24)
@@ -535,7 +537,7 @@ def test_embedded_bf16_agrees_with_hf_bf16(embedded_model_dir, embedded_tokenize
     assert "Paris" in embedded_tokenizer.decode(outs[0])
 
 
-@pytest.mark.parametrize("method,kv", [("gguf", "auto"), ("int8", "auto"), (None, "int8")])
+@pytest.mark.parametrize("method,kv", [("gguf", "auto"), ("int8", "auto"), ("none", "int8")])
 def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, method, kv):
     """Quantized decode (gguf: the file's own Q4_1 codes; int8: its weights rounded to Q8_0 blocks;
     or bf16 weights over the int8 KV cache) vs HF bf16 on the dequantized weights, teacher-forced

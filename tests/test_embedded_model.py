@@ -78,3 +78,32 @@ def test_embedded_model_runs_in_bf16_with_page_size_4(embedded_model_dir, embedd
         alloc.allocate(0, len(ids) + 10)
         out = run_generation(engine, [make_req(ids, 0, output_len=10)], 10)[0]
     assert "Paris" in embedded_tokenizer.decode(out)
+
+
+def test_a_copy_of_the_gguf_elsewhere_reuses_the_converted_folder(embedded_model_dir, tmp_path, monkeypatch):
+    """The converted folder is keyed by the GGUF's content, not its path: another install of the
+    same file (another venv) finds it without converting again, and the folder then points at
+    this copy for the GGUF's own codes (the first one may be gone)."""
+    import shutil
+
+    import transformers
+
+    from minisgl.models.gguf_quant import GGUF_MARKER, gguf_source
+    from minisgl.utils.hf import default_model_path, resolve_model_path
+
+    copy = tmp_path / "venv2" / Path(default_model_path()).name
+    copy.parent.mkdir()
+    shutil.copyfile(default_model_path(), copy)
+
+    def no_conversion(*a, **k):
+        raise AssertionError("the GGUF was converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    folder = resolve_model_path(str(copy))
+    try:
+        assert folder == embedded_model_dir
+        assert (Path(folder) / GGUF_MARKER).read_text() == str(copy.resolve())
+        assert gguf_source(folder) == str(copy.resolve())
+    finally:
+        resolve_model_path(default_model_path())  # the marker back on the installed file
+    assert gguf_source(folder) == str(Path(default_model_path()).resolve())

@@ -33,6 +33,7 @@ from minisgl.layers.linear import _Linear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight
 from minisgl.models.base import DecoderLayer, DecoderModel, GatedMLP, SelfAttention
+from minisgl.models.gguf_quant import gguf_source
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -47,7 +48,7 @@ def load_quant_weights(model: Any, method: str, model_path: str | None) -> Dict[
     "int4" / "int8": round-to-nearest of the loaded dense weights (any checkpoint). The LM head
     is int8 in every mode (int4 costs the vocabulary distribution too much)."""
     from minisgl.layers.quant import Int8Weight, quantize_weight
-    from minisgl.models.gguf_quant import gguf_source, load_gguf_quant
+    from minisgl.models.gguf_quant import load_gguf_quant
 
     cfg = model.config  # type: ignore[attr-defined]
     if method == "gguf":
@@ -263,6 +264,8 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
         return None
     hugepage_pool(kv_cache)
     quant = None
+    if method == "auto" and not config.use_dummy_weight and gguf_source(config.model_path) is not None:
+        method = "gguf"  # a GGUF runs on its own codes (what a GGUF user expects; none: dequantized)
     if method == "auto":  # (dummy weights: no checkpoint to read codes from)
         quant = None if config.use_dummy_weight else checkpoint_int4(model, config.model_path) or None
     elif method != "none":  # (from the plain weights, before they move)

@@ -59,12 +59,18 @@ def convert_gguf(gguf_file: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = Path(gguf_file).resolve()
-    stat = src.stat()
-    key = f"{src}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
-    out = _cache_root() / f"{src.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    # Keyed by the file's content (and the converter's version), not its path: every venv that
+    # installs the same model package shares one converted folder (hashing ~100 MB: ~0.1 s).
+    h = hashlib.blake2b()
+    with open(src, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()[:16]
+    out = _cache_root() / f"{src.stem}-{digest}-tf{transformers.__version__}"
     marker = "minisgl_gguf_source.txt"  # lets quantization='gguf' find the codes again
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        if not (out / marker).exists():
+        known = (out / marker).read_text().strip() if (out / marker).exists() else ""
+        if known != str(src):  # (this install's copy: the one the folder was converted from may be gone)
             (out / marker).write_text(str(src))
         return str(out)
 
