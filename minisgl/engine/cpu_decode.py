@@ -48,14 +48,18 @@ def load_quant_weights(model: Any, method: str, model_path: str | None) -> Dict[
     "int4" / "int8": round-to-nearest of the loaded dense weights (any checkpoint). The LM head
     is int8 in every mode (int4 costs the vocabulary distribution too much)."""
     from minisgl.layers.quant import Int8Weight, quantize_weight
-    from minisgl.models.gguf_quant import load_gguf_quant
+    from minisgl.models.gguf_quant import load_gguf_quant_cached
 
     cfg = model.config  # type: ignore[attr-defined]
     if method == "gguf":
         src = gguf_source(model_path)
         if src is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model (or the embedded default), got {model_path!r}")
-        codes = load_gguf_quant(src, cfg.num_qo_heads, cfg.num_kv_heads)
+        from pathlib import Path
+
+        from minisgl.utils.hf import resolve_model_path
+
+        codes = load_gguf_quant_cached(src, cfg.num_qo_heads, cfg.num_kv_heads, Path(resolve_model_path(model_path)))
         if not codes:
             raise ValueError(f"{src} has no Q4_1/Q8_0 matrices to run quantized")
         return codes
