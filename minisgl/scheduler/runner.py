@@ -34,6 +34,9 @@ class StepResult:
     # the embed task: per row its pooled vector as float32 little-endian bytes (None: its prompt
     # continues in a later chunk); None for a generate step
     embeddings: List[bytes | None] | None = None
+    # a verify step: per row the target's greedy token after each fed token ([] for a row
+    # without drafts); None for any other step
+    verify: List[List[int]] | None = None
 
 
 @dataclass
@@ -90,7 +93,10 @@ class Runner:
                                        plan.ends + [r.device_len for r in pads]):  # fmt: skip
                 rows += [row] * (end - start)
                 positions += range(start, end)
-            self._stage_prompt_logprobs(plan, batch)
+            if plan.drafts:
+                self._stage_verify(plan, batch)
+            else:
+                self._stage_prompt_logprobs(plan, batch)
         with stream_context(self.stream):
             rows_t = make_device_tensor(rows, torch.int64, self.device)
             pos_t = make_device_tensor(positions, torch.int64, self.device)
@@ -148,6 +154,20 @@ class Runner:
             record_stream(batch.prompt_logprob_rows, self.engine.stream)
             record_stream(batch.prompt_logprob_targets, self.engine.stream)
 
+    def _stage_verify(self, plan: StepPlan, batch: Batch) -> None:
+        """A verify step: every fed row of a row with drafts (its last token and the drafts)
+        goes through the LM head."""
+        rows: List[int] = []
+        offset = 0
+        for start, end, drafts in zip(plan.starts, plan.ends, plan.drafts):
+            if drafts:
+                rows += range(offset, offset + end - start)
+            offset += end - start
+        batch.verify = True
+        with stream_context(self.stream):
+            batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
+        record_stream(batch.prompt_logprob_rows, self.engine.stream)
+
     def wait(self, flight: Flight) -> None:
         """Block until the step's results are on the host."""
         flight.output.copy_done_event.synchronize()
@@ -166,6 +186,14 @@ class Runner:
         if out.embeddings is not None:
             vectors = out.embeddings.numpy().astype("<f4")
             result.embeddings = [vectors[i].tobytes() if emits else None for i, emits in enumerate(flight.plan.emits)]
+        if out.verify_tokens is not None:
+            flat = out.verify_tokens.tolist()
+            verify: List[List[int]] = []
+            for drafts in flight.plan.drafts:
+                n = len(drafts) + 1 if drafts else 0
+                verify.append(flat[:n])
+                flat = flat[n:]
+            result.verify = verify
         if out.prompt_logprobs is not None:
             # to host lists once per step, not a tensor op per prompt token
             values, top_values, top_ids = (t.tolist() for t in out.prompt_logprobs)

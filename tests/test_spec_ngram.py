@@ -1,0 +1,267 @@
+"""Speculative decoding by n-gram prompt lookup (issue 29, first part): the proposer on lists,
+and greedy outputs with speculation on token-identical to speculation off (float32, tiny
+llama) — with drafts accepted, in batches where some rows cannot speculate, with a stop token
+or max_tokens landing inside an accepted run, a stop string, and aborts; no page leaks."""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import contextmanager, nullcontext
+import random
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+from sched_helpers import TINY, assert_idle_and_clean, llm_kwargs
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.scheduler import Scheduler, UserRequest
+from minisgl.scheduler.spec_ngram import propose
+
+# ---- the proposer -------------------------------------------------------------------------
+
+
+def _propose_reference(tokens: List[int], k: int, lo: int, hi: int) -> List[int]:
+    """The same lookup written the obvious way: for n from hi down to lo, the latest earlier
+    start whose n tokens equal the last n."""
+    for n in range(hi, lo - 1, -1):
+        if n >= len(tokens):
+            continue
+        tail = tokens[-n:]
+        starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tail]
+        if starts:
+            s = max(starts)
+            return tokens[s + n : s + n + k]
+    return []
+
+
+def test_propose_examples() -> None:
+    assert propose([1, 2, 3, 9, 1, 2, 3], 4, 1, 4) == [9, 1, 2, 3]
+    assert propose([1, 2, 3, 9, 1, 2, 3], 2, 1, 4) == [9, 1]
+    # the longest n-gram wins over a later shorter match
+    assert propose([5, 6, 7, 1, 6, 8, 5, 6], 3, 1, 3) == [7, 1, 6]
+    assert propose([5, 6, 7, 1, 6, 8, 5, 6], 3, 1, 1) == [8, 5, 6]
+    assert propose([4, 4, 4], 4, 1, 4) == [4]  # (the latest earlier match: only its one follower)
+    assert propose([1, 2, 3], 4, 1, 4) == []  # nothing repeats
+    assert propose([1, 2, 3, 1], 4, 2, 4) == []  # a 1-gram match is below the minimum
+    assert propose([7], 4, 1, 4) == [] and propose([], 4, 1, 4) == []
+
+
+def test_propose_matches_reference() -> None:
+    rng = random.Random(3)
+    for _ in range(400):
+        tokens = [rng.randrange(4) for _ in range(rng.randint(0, 30))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        assert propose(tokens, k, lo, hi) == _propose_reference(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> None:
+    from minisgl.distributed import DistributedInfo
+    from minisgl.scheduler import SchedulerConfig
+
+    base: Dict[str, Any] = {"model_path": str(tiny_model_dir(TINY)), "dtype": torch.float32}
+    with pytest.raises(ValueError, match="speculative_algorithm"):
+        SchedulerConfig(**base, tp_info=DistributedInfo(0, 1), speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        SchedulerConfig(**base, tp_info=DistributedInfo(0, 1), speculative_algorithm="ngram", speculative_ngram_min=3, speculative_ngram_max=2)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        SchedulerConfig(**base, tp_info=DistributedInfo(0, 2), speculative_algorithm="ngram")
+
+
+# ---- the engine: speculation on vs off ----------------------------------------------------
+
+_UIDS = itertools.count(1_000_000)  # (apart from the LLM's own uids)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    """One LLM with speculation on (one engine per process); `_spec_off` runs it without."""
+    model_dir = _with_word_tokenizer(Path(tiny_model_dir(TINY)), tmp_path_factory.mktemp("spec"))
+    llm = LLM(str(model_dir), **llm_kwargs(speculative_algorithm="ngram"))
+    try:
+        yield llm
+    finally:
+        llm.shutdown()
+
+
+@contextmanager
+def _spec_off(sched: Scheduler) -> Iterator[None]:
+    """The same scheduler and engine with speculation off: every decode step a plain one."""
+    sched.speculative = None
+    try:
+        yield
+    finally:
+        sched.speculative = "ngram"
+
+
+def _copy_heavy_prompts(n: int, seed: int) -> List[List[int]]:
+    """Prompts that repeat a short pattern: proposals from the first step on."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(n):
+        pattern = [rng.randrange(1, 256) for _ in range(rng.randint(2, 8))]
+        prompts.append((pattern * 12)[: rng.randint(12, 40)])
+    return prompts
+
+
+def _run(sched: Scheduler, reqs: List[Tuple[List[int], SamplingParams]], abort_at: Dict[int, int] | None = None) -> Tuple[Dict[int, List[int]], Dict[int, str], List[Dict[int, int]]]:
+    """Run `reqs` to the end on `sched` step by step: tokens and finish reason per request, and
+    per step how many tokens each request got. `abort_at`: request index -> abort it once it
+    has that many tokens."""
+    uids = []
+    for ids, params in reqs:
+        uid = next(_UIDS)
+        sched.add_request(UserRequest(uid, list(ids), params))
+        uids.append(uid)
+    index = {uid: i for i, uid in enumerate(uids)}
+    tokens: Dict[int, List[int]] = {i: [] for i in range(len(reqs))}
+    reasons: Dict[int, str] = {}
+    steps: List[Dict[int, int]] = []
+    for _ in range(10_000):
+        if not sched.has_work():
+            break
+        per_step: Dict[int, int] = {}
+        for out in sched.step():
+            i = index[out.uid]
+            if i in reasons:
+                continue
+            if out.token_id is not None:
+                tokens[i].append(out.token_id)
+                per_step[i] = per_step.get(i, 0) + 1
+            if out.finished:
+                reasons[i] = out.finish_reason or ""
+            elif abort_at and abort_at.get(i) is not None and len(tokens[i]) >= abort_at[i]:
+                sched.abort(out.uid)
+                reasons[i] = "abort"
+        steps.append(per_step)
+    assert not sched.has_work()
+    return tokens, reasons, steps
+
+
+def _both(llm: LLM, reqs: List[Tuple[List[int], SamplingParams]], **kw: Any) -> Tuple[Any, Any, Any]:
+    """The same requests with speculation off, then on: (off, on, the spec counters "on" added).
+    The prefix cache is emptied before each so both prefill the same way."""
+    sched = llm.scheduler
+    with _spec_off(sched):
+        sched.reset_prefix_cache()
+        off = _run(sched, reqs, **kw)
+        assert_idle_and_clean(sched)
+    before = sched.stats()
+    on = _run(sched, reqs, **kw)
+    after = sched.stats()
+    assert_idle_and_clean(sched)
+    proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    rows = after.spec_verify_rows - before.spec_verify_rows
+    return off, on, (proposed, accepted, rows)
+
+
+def test_greedy_identical_with_accepted_drafts(llm: LLM) -> None:
+    prompts = _copy_heavy_prompts(8, seed=1)
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=64 + 7 * i)) for i, p in enumerate(prompts)]
+    off, on, (proposed, accepted, rows) = _both(llm, reqs)
+    assert on[0] == off[0] and on[1] == off[1]
+    assert rows > 0 and accepted > 0, (proposed, accepted, rows)
+    assert (accepted + rows) / rows > 1.0  # mean tokens per verify row
+    assert any(n > 1 for step in on[2] for n in step.values()), "no step emitted an accepted run"
+    stats = llm.scheduler.stats()
+    assert stats.spec_mean_accepted_length > 1.0 and 0.0 < stats.spec_acceptance_rate <= 1.0
+
+
+def test_mixed_batch_some_rows_cannot_speculate(llm: LLM) -> None:
+    """Greedy rows speculate beside sampled (seeded), penalized, logit_bias, min_tokens and
+    logprobs rows in the same steps; every row's output equals speculation off."""
+    prompts = _copy_heavy_prompts(7, seed=2)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=60),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=40),
+        SamplingParams(temperature=0.0, max_tokens=50, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=50, logit_bias={7: 3.0}),
+        SamplingParams(temperature=0.0, max_tokens=50, min_tokens=20, stop_token_ids=[33]),
+        SamplingParams(temperature=0.0, max_tokens=45, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=70),
+    ]
+    off, on, (_, accepted, rows) = _both(llm, list(zip(prompts, params)))
+    assert on[0] == off[0] and on[1] == off[1]
+    assert rows > 0
+    assert any(len(step) > 1 and max(step.values()) > 1 for step in on[2]), "no step mixed a verify row with others"
+
+
+def _inside_run(steps: List[Dict[int, int]], tokens: List[int], row: int) -> int:
+    """An output index of `row` that a verify step emitted with accepted tokens after it in the
+    same step, and whose token does not occur earlier in the output (-1: none)."""
+    at = 0
+    for step in steps:
+        n = step.get(row, 0)
+        for j in range(at, at + n - 1):  # not the run's last token
+            if tokens[j] not in tokens[:j]:
+                return j
+        at += n
+    return -1
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM) -> None:
+    prompts = _copy_heavy_prompts(8, seed=1)
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=64 + 7 * i)) for i, p in enumerate(prompts)]
+    tokens, _, steps = _run(llm.scheduler, reqs)
+    cuts = [(i, _inside_run(steps, tokens[i], i)) for i in range(len(reqs))]
+    cuts = [(i, j) for i, j in cuts if j >= 0]
+    assert cuts, "no accepted run to land in"
+    stop_reqs = [(prompts[i], SamplingParams(temperature=0.0, max_tokens=200, stop_token_ids=[tokens[i][j]])) for i, j in cuts]
+    length_reqs = [(prompts[i], SamplingParams(temperature=0.0, max_tokens=j + 1)) for i, j in cuts]
+    off, on, _ = _both(llm, stop_reqs + length_reqs)
+    assert on[0] == off[0] and on[1] == off[1]
+    for n, (i, j) in enumerate(cuts):
+        assert on[0][n] == tokens[i][: j + 1] and on[1][n] == "stop"
+        assert on[0][len(cuts) + n] == tokens[i][: j + 1] and on[1][len(cuts) + n] == "length"
+
+
+def test_aborts_leave_no_pages(llm: LLM) -> None:
+    prompts = _copy_heavy_prompts(10, seed=4)
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=80)) for p in prompts]
+    abort_at = {i: 3 + 5 * i for i in range(0, 10, 2)}  # every other request, at different points
+    off, on, _ = _both(llm, reqs, abort_at=abort_at)  # (_both checks the pools)
+    for i in range(10):
+        if i in abort_at:
+            assert on[1][i] == "abort" and on[0][i][: abort_at[i]] == off[0][i][: abort_at[i]]
+        else:
+            assert on[0][i] == off[0][i] and on[1][i] == off[1][i]
+
+
+def test_stop_string_inside_an_accepted_run(llm: LLM) -> None:
+    """LLM.generate with a stop string: ended at the same token with speculation on, the rest
+    of the step's accepted run discarded."""
+    prompts = _copy_heavy_prompts(8, seed=1)
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=64 + 7 * i)) for i, p in enumerate(prompts)]
+    tokens, _, steps = _run(llm.scheduler, reqs)
+    i, j = next((i, j) for i in range(len(reqs)) if (j := _inside_run(steps, tokens[i], i)) >= 0)
+    params = SamplingParams(temperature=0.0, max_tokens=200, stop=[llm.tokenizer.decode([tokens[i][j]])])
+    results = {}
+    for spec in (False, True):
+        llm.scheduler.reset_prefix_cache()
+        with _spec_off(llm.scheduler) if not spec else nullcontext():
+            out = llm.generate([prompts[i]], params)[0]
+        results[spec] = (out.token_ids, out.text, out.finish_reason)
+        assert_idle_and_clean(llm.scheduler)
+    assert results[True] == results[False]
+    assert results[True][2] == "stop" and results[True][0] == tokens[i][: j + 1]
+
+
+def _with_word_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
+    """A copy of the tiny checkpoint with a word-level tokenizer: token i is the word 'w{i}'."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path / "with_tokenizer"
+    shutil.copytree(model_dir, out)
+    vocab = {f"w{i}": i for i in range(256)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(out)
+    return out
