@@ -190,33 +190,57 @@ def test_mixed_batch_some_rows_cannot_speculate(llm: LLM) -> None:
     assert any(len(step) > 1 and max(step.values()) > 1 for step in on[2]), "no step mixed a verify row with others"
 
 
-def _inside_run(steps: List[Dict[int, int]], tokens: List[int], row: int) -> int:
-    """An output index of `row` that a verify step emitted with accepted tokens after it in the
-    same step, and whose token does not occur earlier in the output (-1: none)."""
-    at = 0
-    for step in steps:
-        n = step.get(row, 0)
-        for j in range(at, at + n - 1):  # not the run's last token
-            if tokens[j] not in tokens[:j]:
-                return j
-        at += n
-    return -1
+class _OracleProposer:
+    """Proposes each request's true greedy continuation (from a run with speculation off), as
+    a draft model equal to the target would: every draft is accepted, so runs are k + 1 tokens
+    long and a stop lands inside one. `wrong_at`: draft index replaced by a wrong token (a
+    partial acceptance; None: all right)."""
+
+    def __init__(self, prompts: List[List[int]], outputs: List[List[int]], wrong_at: int | None = None) -> None:
+        self.known = list(zip(prompts, outputs))
+        self.wrong_at = wrong_at
+
+    def __call__(self, tokens: List[int], k: int, lo: int, hi: int) -> List[int]:
+        for prompt, out in self.known:
+            n = len(prompt)
+            if tokens[:n] == prompt and tokens[n:] == out[: len(tokens) - n]:
+                draft = list(out[len(tokens) - n : len(tokens) - n + k])
+                if self.wrong_at is not None and self.wrong_at < len(draft):
+                    draft[self.wrong_at] = (draft[self.wrong_at] + 1) % 256
+                return draft
+        return []
 
 
-def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM) -> None:
-    prompts = _copy_heavy_prompts(8, seed=1)
-    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=64 + 7 * i)) for i, p in enumerate(prompts)]
-    tokens, _, steps = _run(llm.scheduler, reqs)
-    cuts = [(i, _inside_run(steps, tokens[i], i)) for i in range(len(reqs))]
-    cuts = [(i, j) for i, j in cuts if j >= 0]
-    assert cuts, "no accepted run to land in"
-    stop_reqs = [(prompts[i], SamplingParams(temperature=0.0, max_tokens=200, stop_token_ids=[tokens[i][j]])) for i, j in cuts]
-    length_reqs = [(prompts[i], SamplingParams(temperature=0.0, max_tokens=j + 1)) for i, j in cuts]
-    off, on, _ = _both(llm, stop_reqs + length_reqs)
+def _first_inside_run(out: List[int], k: int) -> int:
+    """An index whose token occurs there first and that is not the last of its run: with
+    every draft accepted, after the prefill's token the runs are out[1 : k + 2], ..."""
+    return next(j for j in range(1, len(out)) if out[j] not in out[:j] and (j - 1) % (k + 1) != k)
+
+
+@pytest.mark.parametrize("wrong_at", [None, 2])
+def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.MonkeyPatch, wrong_at: int | None) -> None:
+    import minisgl.scheduler.policy as policy
+
+    prompts = _copy_heavy_prompts(4, seed=5)
+    sched = llm.scheduler
+    with _spec_off(sched):
+        ref, _, _ = _run(sched, [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts])
+    outputs = [ref[i] for i in range(len(prompts))]
+    monkeypatch.setattr(policy, "propose", _OracleProposer(prompts, outputs, wrong_at))
+    k = sched.config.speculative_num_tokens
+    cuts = [_first_inside_run(out, k if wrong_at is None else wrong_at) for out in outputs]
+    stop_reqs = [(p, SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[out[j]])) for p, out, j in zip(prompts, outputs, cuts)]
+    length_reqs = [(p, SamplingParams(temperature=0.0, max_tokens=j + 1)) for p, j in zip(prompts, cuts)]
+    off, on, (proposed, accepted, rows) = _both(llm, stop_reqs + length_reqs)
     assert on[0] == off[0] and on[1] == off[1]
-    for n, (i, j) in enumerate(cuts):
-        assert on[0][n] == tokens[i][: j + 1] and on[1][n] == "stop"
-        assert on[0][len(cuts) + n] == tokens[i][: j + 1] and on[1][len(cuts) + n] == "length"
+    n = len(prompts)
+    for i, j in enumerate(cuts):
+        assert on[0][i] == outputs[i][: j + 1] and on[1][i] == "stop"
+        assert on[0][n + i] == outputs[i][: j + 1] and on[1][n + i] == "length"
+    if wrong_at is None:
+        assert accepted == proposed > 0
+    else:
+        assert 0 < accepted < proposed
 
 
 def test_aborts_leave_no_pages(llm: LLM) -> None:
@@ -231,23 +255,28 @@ def test_aborts_leave_no_pages(llm: LLM) -> None:
             assert on[0][i] == off[0][i] and on[1][i] == off[1][i]
 
 
-def test_stop_string_inside_an_accepted_run(llm: LLM) -> None:
+def test_stop_string_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """LLM.generate with a stop string: ended at the same token with speculation on, the rest
     of the step's accepted run discarded."""
-    prompts = _copy_heavy_prompts(8, seed=1)
-    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=64 + 7 * i)) for i, p in enumerate(prompts)]
-    tokens, _, steps = _run(llm.scheduler, reqs)
-    i, j = next((i, j) for i in range(len(reqs)) if (j := _inside_run(steps, tokens[i], i)) >= 0)
-    params = SamplingParams(temperature=0.0, max_tokens=200, stop=[llm.tokenizer.decode([tokens[i][j]])])
+    import minisgl.scheduler.policy as policy
+
+    prompt = _copy_heavy_prompts(1, seed=6)[0]
+    sched = llm.scheduler
+    with _spec_off(sched):
+        ref, _, _ = _run(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=60))])
+    out = ref[0]
+    monkeypatch.setattr(policy, "propose", _OracleProposer([prompt], [out]))
+    j = _first_inside_run(out, sched.config.speculative_num_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=60, stop=[llm.tokenizer.decode([out[j]])])
     results = {}
     for spec in (False, True):
-        llm.scheduler.reset_prefix_cache()
-        with _spec_off(llm.scheduler) if not spec else nullcontext():
-            out = llm.generate([prompts[i]], params)[0]
-        results[spec] = (out.token_ids, out.text, out.finish_reason)
-        assert_idle_and_clean(llm.scheduler)
+        sched.reset_prefix_cache()
+        with _spec_off(sched) if not spec else nullcontext():
+            res = llm.generate([prompt], params)[0]
+        results[spec] = (res.token_ids, res.text, res.finish_reason)
+        assert_idle_and_clean(sched)
     assert results[True] == results[False]
-    assert results[True][2] == "stop" and results[True][0] == tokens[i][: j + 1]
+    assert results[True][2] == "stop" and results[True][0] == out[: j + 1]
 
 
 def _with_word_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
