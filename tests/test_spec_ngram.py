@@ -6,8 +6,8 @@ or max_tokens landing inside an accepted run, a stop string, and aborts; no page
 from __future__ import annotations
 
 import itertools
-from contextlib import contextmanager, nullcontext
 import random
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
@@ -66,7 +66,9 @@ def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> Non
     with pytest.raises(ValueError, match="speculative_algorithm"):
         SchedulerConfig(**base, tp_info=DistributedInfo(0, 1), speculative_algorithm="eagle")
     with pytest.raises(ValueError, match="speculative_ngram_min"):
-        SchedulerConfig(**base, tp_info=DistributedInfo(0, 1), speculative_algorithm="ngram", speculative_ngram_min=3, speculative_ngram_max=2)
+        SchedulerConfig(
+            **base, tp_info=DistributedInfo(0, 1), speculative_algorithm="ngram", speculative_ngram_min=3, speculative_ngram_max=2
+        )
     with pytest.raises(ValueError, match="tensor parallelism"):
         SchedulerConfig(**base, tp_info=DistributedInfo(0, 2), speculative_algorithm="ngram")
 
@@ -107,7 +109,9 @@ def _copy_heavy_prompts(n: int, seed: int) -> List[List[int]]:
     return prompts
 
 
-def _run(sched: Scheduler, reqs: List[Tuple[List[int], SamplingParams]], abort_at: Dict[int, int] | None = None) -> Tuple[Dict[int, List[int]], Dict[int, str], List[Dict[int, int]]]:
+def _run(
+    sched: Scheduler, reqs: List[Tuple[List[int], SamplingParams]], abort_at: Dict[int, int] | None = None
+) -> Tuple[Dict[int, List[int]], Dict[int, str], List[Dict[int, int]]]:
     """Run `reqs` to the end on `sched` step by step: tokens and finish reason per request, and
     per step how many tokens each request got. `abort_at`: request index -> abort it once it
     has that many tokens."""

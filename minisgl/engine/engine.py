@@ -441,7 +441,8 @@ class Engine:
             verify_tokens = None
             if batch.verify and batch.prompt_hidden is not None:
                 # the same LM head and argmax as the sampler's greedy rows, at every draft position
-                verify_tokens = greedy_tokens(self.model.lm_head(batch.prompt_hidden)).to(torch.int32).to("cpu", non_blocking=True)
+                lm_head: Any = self.model.lm_head
+                verify_tokens = greedy_tokens(lm_head(batch.prompt_hidden)).to(torch.int32).to("cpu", non_blocking=True)
                 batch.prompt_hidden = None
             elif batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
