@@ -298,3 +298,23 @@ def _with_word_tokenizer(model_dir: Path, tmp_path: Path) -> Path:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(out)
     return out
+
+
+def test_metrics_export_the_spec_counters(llm: LLM) -> None:
+    """/metrics' registry gets the scheduler's speculation counters (as the server pushes them)."""
+    from minisgl.server.metrics import ServerMetrics
+
+    prompts = _copy_heavy_prompts(3, seed=1)
+    _run(llm.scheduler, [(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts])
+    stats = llm.scheduler.stats()
+    assert stats.spec_proposed_tokens > 0
+    metrics = ServerMetrics()
+    metrics.update_stats(stats)
+    text = metrics.render().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("minisgl_spec_")}
+    assert values["minisgl_spec_proposed_tokens_total"] == stats.spec_proposed_tokens
+    assert values["minisgl_spec_accepted_tokens_total"] == stats.spec_accepted_tokens
+    assert values["minisgl_spec_acceptance_rate"] == pytest.approx(stats.spec_accepted_tokens / stats.spec_proposed_tokens)
+    assert values["minisgl_spec_mean_accepted_length"] == pytest.approx(
+        (stats.spec_accepted_tokens + stats.spec_verify_rows) / stats.spec_verify_rows
+    )
