@@ -318,3 +318,65 @@ def test_metrics_export_the_spec_counters(llm: LLM) -> None:
     assert values["minisgl_spec_mean_accepted_length"] == pytest.approx(
         (stats.spec_accepted_tokens + stats.spec_verify_rows) / stats.spec_verify_rows
     )
+
+
+# ---- sampled rows: rejection sampling against a one-hot draft -----------------------------
+
+CHI2_999 = {5: 20.52, 3: 16.27}  # chi-square 99.9% quantiles by degrees of freedom
+
+
+def _chi2(tokens: torch.Tensor, p: torch.Tensor) -> float:
+    """Pearson's statistic of `tokens` against the distribution `p`, over the tokens p allows."""
+    counts = torch.bincount(tokens, minlength=p.numel()).double()
+    n = counts.sum()
+    keep = p > 0
+    assert counts[~keep].sum() == 0, "a token the distribution excludes was drawn"
+    expected = n * p[keep].double()
+    return float(((counts[keep] - expected) ** 2 / expected).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution() -> None:
+    """Verify positions of 200k sampled rows on a 6-token vocabulary: the first emitted token
+    is distributed as the target's p (temperature and top-k applied), and the token after an
+    accepted draft as the next position's p. A naive acceptance (always keep the draft, or
+    resample from p without removing it) fails the same test."""
+    from minisgl.core import SamplingParams
+    from minisgl.engine.spec_verify import make_verify_args, verify_tokens
+
+    torch.manual_seed(0)
+    vocab, n, temperature = 6, 200_000, 0.8
+    logits = torch.randn(2, vocab) * 1.5
+    params = SamplingParams(temperature=temperature, top_k=4)
+
+    def target(row: torch.Tensor) -> torch.Tensor:  # independent of the sampler's code
+        p = torch.softmax(row / temperature, dim=-1)
+        p[p < p.topk(4).values[-1]] = 0.0
+        return p / p.sum()
+
+    p0, p1 = target(logits[0]), target(logits[1])
+    draft = int(p0.argmax())  # the likeliest token: accepted often, rejected often enough
+    args = make_verify_args([params] * n, [[draft]] * n, vocab, torch.device("cpu"))
+    rows = logits.repeat(n, 1)  # row 2i: the position fed the last token, 2i + 1: the draft's
+    out = verify_tokens(rows, args).view(n, 2)
+    first, after = out[:, 0], out[:, 1]
+    dof = int((p0 > 0).sum()) - 1
+    assert _chi2(first, p0) < CHI2_999[dof]
+    accepted = first == draft
+    assert _chi2(after[accepted], p1) < CHI2_999[dof]
+    # the controls: naive acceptances are caught
+    assert _chi2(torch.full((n,), draft), p0) > 100 * CHI2_999[dof]
+    accept = torch.rand(n) < p0[draft]
+    naive = torch.where(accept, torch.full((n,), draft), torch.multinomial(p0, n, replacement=True))
+    assert _chi2(naive, p0) > 10 * CHI2_999[dof]
+
+
+def test_sampled_rows_speculate(llm: LLM) -> None:
+    """Unseeded sampled rows verify drafts too (seeded ones do not: their tokens must stay the
+    non-speculative ones); they finish within max_tokens and leave no pages."""
+    prompts = _copy_heavy_prompts(4, seed=7)
+    before = llm.scheduler.stats().spec_verify_rows
+    reqs = [(p, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=30)) for p in prompts]
+    tokens, reasons, _ = _run(llm.scheduler, reqs)
+    assert_idle_and_clean(llm.scheduler)
+    assert llm.scheduler.stats().spec_verify_rows > before
+    assert all(len(tokens[i]) == 30 and reasons[i] == "length" for i in range(len(prompts)))

@@ -697,8 +697,9 @@ class Policy:
         # slots are rewritten by the next steps (the pages stay the request's)
         req.cached_len = start + 1 + accepted
         req.device_len = req.cached_len + 1
-        if accepted < len(drafts):  # the pool holds a rejected draft there: the target's token replaces it
-            self._tp_writes.append((req.table_idx, req.cached_len, [targets[accepted]]))
+        # the pool holds a rejected draft there, or the sampler's token (a sampled row's bonus
+        # token is the verify draw, not the sampler's)
+        self._tp_writes.append((req.table_idx, req.cached_len, [targets[accepted]]))
         outputs: List[TokenOutput] = []
         for token in targets[: accepted + 1]:
             outputs.append(self._emit(req, token, None))
@@ -863,12 +864,13 @@ class Policy:
 
 
 def _can_speculate(req: SchedReq) -> bool:
-    """Greedy acceptance compares drafts with the target's plain argmax: a row whose sampler
-    applies more (a draw, penalties, logit_bias, min_tokens' ban, a grammar mask) or that
-    returns logprobs decodes without drafts."""
+    """Verification (engine/spec_verify.py) applies temperature, top-k, top-p and min-p: a row
+    whose sampler applies more (penalties, logit_bias, min_tokens' ban, a grammar mask), whose
+    draw is seeded (its tokens would differ from the non-speculative ones) or that returns
+    logprobs decodes without drafts."""
     p = req.sampling_params
     return (
-        p.is_greedy
+        (p.is_greedy or p.seed is None)
         and not p.has_penalties
         and not p.logit_bias
         and p.logprobs is None

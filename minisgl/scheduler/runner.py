@@ -16,6 +16,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.engine import Engine, ForwardOutput
+from minisgl.engine.spec_verify import make_verify_args
 from minisgl.scheduler.plan import StepPlan, Write
 from minisgl.utils.device import create_stream, make_device_tensor, record_stream, stream_context
 
@@ -159,14 +160,20 @@ class Runner:
         goes through the LM head."""
         rows: List[int] = []
         offset = 0
-        for start, end, drafts in zip(plan.starts, plan.ends, plan.drafts):
-            if drafts:
+        for start, end, draft in zip(plan.starts, plan.ends, plan.drafts):
+            if draft:
                 rows += range(offset, offset + end - start)
             offset += end - start
-        batch.verify = True
+        with_drafts = [(req.sampling_params, d) for req, d in zip(plan.reqs, plan.drafts) if d]
+        params, drafts = [p for p, _ in with_drafts], [d for _, d in with_drafts]
         with stream_context(self.stream):
+            batch.verify_args = make_verify_args(params, drafts, self.engine.sampler.vocab_size, self.device)
             batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
         record_stream(batch.prompt_logprob_rows, self.engine.stream)
+        args = batch.verify_args
+        for t in (args.drafts, args.sampled, args.temperatures, args.top_k, args.top_p, args.min_p):
+            if t is not None:
+                record_stream(t, self.engine.stream)
 
     def wait(self, flight: Flight) -> None:
         """Block until the step's results are on the host."""
