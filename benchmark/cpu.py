@@ -260,10 +260,10 @@ def part_spec(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
         llm = LLM(None, dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, max_running_req=4,
                   max_seq_len_override=1024, cpu_kv_cache_bytes=1 << 30, speculative_algorithm=spec)  # fmt: skip
         tok = llm.tokenizer
-        copy = tok.apply_chat_template([{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}],
-                                       add_generation_prompt=True, tokenize=True)  # fmt: skip
-        prompts = {"copy": list(copy), "random": random_prompts(1, 200, 200, seed=3)[0]}
-        params = SamplingParams(temperature=0.0, max_tokens=a.gen_len)
+        chat = tok.apply_chat_template([{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}],
+                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
+        prompts = {"copy": [int(t) for t in tok.encode(chat, add_special_tokens=False)], "random": random_prompts(1, 200, 200, seed=3)[0]}
+        params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, ignore_eos=True)
         llm.generate([prompts["random"][:16]], SamplingParams(max_tokens=4))  # warm-up
         for name, prompt in prompts.items():
             llm.scheduler.reset_prefix_cache()
@@ -274,18 +274,24 @@ def part_spec(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
             s = llm.scheduler.stats()
             rows, acc = s.spec_verify_rows - before.spec_verify_rows, s.spec_accepted_tokens - before.spec_accepted_tokens
             prop = s.spec_proposed_tokens - before.spec_proposed_tokens
+            assert res.completion_tokens == a.gen_len
             results[f"{name}_{spec or 'off'}"] = {
-                "tok_s": res.completion_tokens / wall, "tokens": res.token_ids, "acceptance": acc / prop if prop else 0.0,
+                "tok_s": res.completion_tokens / wall, "tokens": res.token_ids, "prompt": prompt, "acceptance": acc / prop if prop else 0.0,
                 "mean_accepted_length": (acc + rows) / rows if rows else 0.0,
             }  # fmt: skip
         llm.shutdown()
+    from minisgl.utils.hf import load_tokenizer
+
+    llm_text = load_tokenizer(resolve_model_path(None)).decode
     out["spec"] = {}
     for name in ("copy", "random"):
         off, on = results[f"{name}_off"], results[f"{name}_ngram"]
+        if name == "copy":
+            print("copy output (off):", repr(llm_text(off["tokens"])))
         same = off["tokens"] == on["tokens"]
         out["spec"][name] = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
                              "acceptance": on["acceptance"], "mean_accepted_length": on["mean_accepted_length"], "same_tokens": same}  # fmt: skip
-        print(f"speculation ({name} prompt, batch 1, {a.gen_len} tokens): off {off['tok_s']:.1f} tok/s, ngram {on['tok_s']:.1f} tok/s "
+        print(f"speculation ({name} prompt of {len(off['prompt'])} tokens, batch 1, {a.gen_len} tokens): off {off['tok_s']:.1f} tok/s, ngram {on['tok_s']:.1f} tok/s "
               f"({on['tok_s'] / off['tok_s']:.2f}x), acceptance {on['acceptance']:.2f}, mean accepted length "
               f"{on['mean_accepted_length']:.2f}, same tokens: {same}")  # fmt: skip
 

@@ -78,11 +78,12 @@ def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> Non
 _UIDS = itertools.count(1_000_000)  # (apart from the LLM's own uids)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    """One LLM with speculation on (one engine per process); `_spec_off` runs it without."""
+@pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
+def llm(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    """One LLM with speculation on (one engine per process); `_spec_off` runs it without. With
+    page_size 4 a verify row's drafts often need a page of their own."""
     model_dir = _with_word_tokenizer(Path(tiny_model_dir(TINY)), tmp_path_factory.mktemp("spec"))
-    llm = LLM(str(model_dir), **llm_kwargs(speculative_algorithm="ngram"))
+    llm = LLM(str(model_dir), **llm_kwargs(speculative_algorithm="ngram", page_size=request.param))
     try:
         yield llm
     finally:
