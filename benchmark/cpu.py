@@ -264,7 +264,8 @@ def part_spec(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
                                        add_generation_prompt=True, tokenize=False)  # fmt: skip
         prompts = {"copy": [int(t) for t in tok.encode(chat, add_special_tokens=False)], "random": random_prompts(1, 200, 200, seed=3)[0]}
         params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, ignore_eos=True)
-        llm.generate([prompts["random"][:16]], SamplingParams(max_tokens=4))  # warm-up
+        # warm-up at the measured lengths (the first long prefill and decode pay one-time costs)
+        llm.generate(list(prompts.values()), SamplingParams(max_tokens=16, ignore_eos=True))
         for name, prompt in prompts.items():
             llm.scheduler.reset_prefix_cache()
             before = llm.scheduler.stats()

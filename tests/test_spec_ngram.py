@@ -33,7 +33,8 @@ def _propose_reference(tokens: List[int], k: int, lo: int, hi: int) -> List[int]
         starts = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tail]
         if starts:
             s = max(starts)
-            return tokens[s + n : s + n + k]
+            period = len(tokens) - n - s  # the match repeats the text every `period` tokens
+            return [tokens[s + n + i % period] for i in range(k)]
     return []
 
 
@@ -43,7 +44,8 @@ def test_propose_examples() -> None:
     # the longest n-gram wins over a later shorter match
     assert propose([5, 6, 7, 1, 6, 8, 5, 6], 3, 1, 3) == [7, 1, 6]
     assert propose([5, 6, 7, 1, 6, 8, 5, 6], 3, 1, 1) == [8, 5, 6]
-    assert propose([4, 4, 4], 4, 1, 4) == [4]  # (the latest earlier match: only its one follower)
+    assert propose([4, 4, 4], 4, 1, 4) == [4, 4, 4, 4]  # a cycle continues past the end
+    assert propose([1, 2, 1, 2, 1], 5, 1, 4) == [2, 1, 2, 1, 2]
     assert propose([1, 2, 3], 4, 1, 4) == []  # nothing repeats
     assert propose([1, 2, 3, 1], 4, 2, 4) == []  # a 1-gram match is below the minimum
     assert propose([7], 4, 1, 4) == [] and propose([], 4, 1, 4) == []
