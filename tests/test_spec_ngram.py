@@ -17,6 +17,7 @@ from sched_helpers import TINY, assert_idle_and_clean, llm_kwargs
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+from minisgl.sampling_params import GrammarSpec
 from minisgl.scheduler import Scheduler, UserRequest
 from minisgl.scheduler.spec_ngram import propose
 
@@ -179,8 +180,8 @@ def test_greedy_identical_with_accepted_drafts(llm: LLM) -> None:
 
 
 def test_mixed_batch_some_rows_cannot_speculate(llm: LLM) -> None:
-    """Greedy rows speculate beside sampled (seeded), penalized, logit_bias, min_tokens and
-    logprobs rows in the same steps; every row's output equals speculation off."""
+    """Greedy rows speculate beside sampled (seeded), penalized, logit_bias, min_tokens,
+    logprobs and grammar rows in the same steps; every row's output equals speculation off."""
     prompts = _copy_heavy_prompts(7, seed=2)
     params = [
         SamplingParams(temperature=0.0, max_tokens=60),
@@ -190,8 +191,11 @@ def test_mixed_batch_some_rows_cannot_speculate(llm: LLM) -> None:
         SamplingParams(temperature=0.0, max_tokens=50, min_tokens=20, stop_token_ids=[33]),
         SamplingParams(temperature=0.0, max_tokens=45, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=70),
+        SamplingParams(temperature=0.0, max_tokens=24, grammar=GrammarSpec("regex", "(w[1-9])+")),
     ]
+    prompts.append(prompts[0])
     off, on, (_, accepted, rows) = _both(llm, list(zip(prompts, params)))
+    assert len(on[0][7]) == 24 and all(1 <= t <= 9 for t in on[0][7])  # the grammar held
     assert on[0] == off[0] and on[1] == off[1]
     assert rows > 0
     assert any(len(step) > 1 and max(step.values()) > 1 for step in on[2]), "no step mixed a verify row with others"
