@@ -55,7 +55,7 @@ class ForwardOutput(NamedTuple):
     # the embed task: [B, hidden] float32 pooled vectors on the host (a row whose prompt
     # continues in a later chunk is zeros); next_tokens_* are then zeros, sampled from nothing
     embeddings: torch.Tensor | None = None
-    # a verify step: the target's greedy token at each of batch.prompt_logprob_rows, on the host
+    # a verify step: the target's token at each of batch.prompt_logprob_rows (engine/spec_verify.py), on the host
     verify_tokens: torch.Tensor | None = None
 
 

@@ -35,7 +35,7 @@ class StepResult:
     # the embed task: per row its pooled vector as float32 little-endian bytes (None: its prompt
     # continues in a later chunk); None for a generate step
     embeddings: List[bytes | None] | None = None
-    # a verify step: per row the target's greedy token after each fed token ([] for a row
+    # a verify step: per row the target's token after each fed token ([] for a row
     # without drafts); None for any other step
     verify: List[List[int]] | None = None
 
