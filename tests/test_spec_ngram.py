@@ -74,6 +74,12 @@ def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> Non
         )
     with pytest.raises(ValueError, match="tensor parallelism"):
         SchedulerConfig(**base, tp_info=DistributedInfo(0, 2), speculative_algorithm="ngram")
+    from minisgl.server.args import parse_args
+
+    args = parse_args(["--speculative-algorithm", "ngram", "--speculative-num-tokens", "3", "--speculative-ngram-max", "5"])
+    assert [args.engine_value(f"speculative_{k}") for k in ("algorithm", "num_tokens", "ngram_min", "ngram_max")] == ["ngram", 3, 1, 5]
+    assert args.check_tp_layout() is None
+    assert "tensor parallelism" in (parse_args(["--speculative-algorithm", "ngram", "--tp", "2"]).check_tp_layout() or "")
 
 
 # ---- the engine: speculation on vs off ----------------------------------------------------
