@@ -16,7 +16,7 @@ from typing import List
 
 import torch
 
-from minisgl.engine.sample import MIN_T, filtered_probs, greedy_tokens
+from minisgl.engine.sample import MIN_P, MIN_T, filtered_probs, greedy_tokens
 from minisgl.sampling_params import SamplingParams
 from minisgl.utils.device import make_device_tensor
 
@@ -49,7 +49,7 @@ def make_verify_args(params: List[SamplingParams], drafts: List[List[int]], voca
             sampled += range(len(flat), len(flat) + n)
             ts += [max(p.temperature, MIN_T)] * n
             ks += [p.top_k if p.top_k >= 1 else vocab_size] * n
-            ps += [min(p.top_p, 1.0)] * n
+            ps += [min(max(p.top_p, MIN_P), 1.0)] * n  # (as the sampler clamps it)
             mins += [p.min_p] * n
         flat += d + [-1]
     args = VerifyArgs(make_device_tensor(flat, torch.int64, device), None)
