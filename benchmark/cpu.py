@@ -14,6 +14,9 @@ Parts (comma-separated --parts, default all but the plot sweep):
   docs/PERFORMANCE.md).
 - offline: --num-requests (64) prompts of U[100, 300] random token ids, --max-tokens (128) new
   tokens each, EOS ignored, greedy; HF on the first --hf-requests of them in one static batch.
+- spec: batch-1 output tok/s with `--speculative-algorithm ngram` off vs on (one process, greedy,
+  --gen-len tokens): a chat asking to repeat a passage, and a random-id prompt; with the
+  acceptance rate and mean accepted length.
 - sweep: decode tok/s vs batch size (1..64, --sweep-context tokens of context) for minisgl
   (engine decode steps) and HF (generate), plotted to --plot when given.
 Also printed: the memory roofline of batch-1 decode (weight bytes read per step / measured
@@ -239,6 +242,61 @@ def part_offline(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
     print(line)
 
 
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin of oil and a "
+    "cloth for the great lens. For thirty years he had watched the ships pass the rocks below, and he knew "
+    "each captain by the rhythm of their horns. When the storm came in October, the power failed across the "
+    "island, but the old lamp still burned, and the fishing boats found their way home one by one."
+)
+
+
+def part_spec(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
+    """Batch-1 output tok/s with n-gram speculation off vs on, one process: a copy-heavy chat (repeat
+    a passage) and a random-id prompt; acceptance and mean accepted length of the "on" runs."""
+    from minisgl.llm import LLM
+
+    results: Dict[str, Any] = {}
+    for spec in (None, "ngram"):
+        llm = LLM(None, dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, max_running_req=4,
+                  max_seq_len_override=1024, cpu_kv_cache_bytes=1 << 30, speculative_algorithm=spec)  # fmt: skip
+        tok = llm.tokenizer
+        chat = tok.apply_chat_template([{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}],
+                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
+        prompts = {"copy": [int(t) for t in tok.encode(chat, add_special_tokens=False)], "random": random_prompts(1, 200, 200, seed=3)[0]}
+        params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, ignore_eos=True)
+        # warm-up at the measured lengths (the first long prefill and decode pay one-time costs)
+        llm.generate(list(prompts.values()), SamplingParams(max_tokens=16, ignore_eos=True))
+        for name, prompt in prompts.items():
+            llm.scheduler.reset_prefix_cache()
+            before = llm.scheduler.stats()
+            t0 = time.perf_counter()
+            res = llm.generate([prompt], params)[0]
+            wall = time.perf_counter() - t0
+            s = llm.scheduler.stats()
+            rows, acc = s.spec_verify_rows - before.spec_verify_rows, s.spec_accepted_tokens - before.spec_accepted_tokens
+            prop = s.spec_proposed_tokens - before.spec_proposed_tokens
+            assert res.completion_tokens == a.gen_len
+            results[f"{name}_{spec or 'off'}"] = {
+                "tok_s": res.completion_tokens / wall, "tokens": res.token_ids, "prompt": prompt, "acceptance": acc / prop if prop else 0.0,
+                "mean_accepted_length": (acc + rows) / rows if rows else 0.0,
+            }  # fmt: skip
+        llm.shutdown()
+    from minisgl.utils.hf import load_tokenizer
+
+    llm_text = load_tokenizer(resolve_model_path(None)).decode
+    out["spec"] = {}
+    for name in ("copy", "random"):
+        off, on = results[f"{name}_off"], results[f"{name}_ngram"]
+        if name == "copy":
+            print("copy output (off):", repr(llm_text(off["tokens"])))
+        same = off["tokens"] == on["tokens"]
+        out["spec"][name] = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
+                             "acceptance": on["acceptance"], "mean_accepted_length": on["mean_accepted_length"], "same_tokens": same}  # fmt: skip
+        print(f"speculation ({name} prompt of {len(off['prompt'])} tokens, batch 1, {a.gen_len} tokens): off {off['tok_s']:.1f} tok/s, ngram {on['tok_s']:.1f} tok/s "
+              f"({on['tok_s'] / off['tok_s']:.2f}x), acceptance {on['acceptance']:.2f}, mean accepted length "
+              f"{on['mean_accepted_length']:.2f}, same tokens: {same}")  # fmt: skip
+
+
 def part_sweep(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
     """Decode tok/s per batch size: ours = batch / (min over 3 runs of the mean of 5 engine decode
     steps); HF = batch / median gap between generated tokens of a 9-token generate (one gap is one
@@ -322,7 +380,7 @@ def main() -> None:
     print(f"load average at start: {out['loadavg_start']:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     hf = None if a.no_hf else hf_model(dtype)
     for part in a.parts.split(","):
-        {"latency": part_latency, "offline": part_offline, "sweep": part_sweep}[part](a, hf, out)
+        {"latency": part_latency, "offline": part_offline, "sweep": part_sweep, "spec": part_spec}[part](a, hf, out)
     out["loadavg_end"] = loadavg()
     print(f"load average at end: {out['loadavg_end']:.2f}")
     print(json.dumps(out))

@@ -103,6 +103,10 @@ class Batch:
     prompt_logprob_targets: torch.Tensor | None = field(init=False, default=None)
     prompt_hidden: torch.Tensor | None = field(init=False, default=None)
     prompt_logprob_counts: List[int] = field(init=False, default_factory=list)  # per request
+    # A verify step (speculative decoding, engine/spec_verify.py): prompt_logprob_rows are the
+    # rows of the rows with drafts, and the engine returns the target's token at each of them
+    # (by these VerifyArgs) instead of prompt logprobs.
+    verify_args: Any = field(init=False, default=None)
     # A mixed batch (phase "prefill") starts with this many decode rows (one token each).
     num_decode_rows: int = field(init=False, default=0)
     # The embed task: the model returns every fed row's final-normed hidden state instead of

@@ -24,6 +24,7 @@ from minisgl.engine.mixed_graph import default_max_tokens
 from minisgl.engine.pooling import Pooler, PoolingSpec, read_pooling_spec
 from minisgl.engine.runners import ModuleRunner, StepRunner, pick_runner
 from minisgl.engine.sample import BatchSamplingArgs, Sampler
+from minisgl.engine.spec_verify import verify_tokens
 from minisgl.kernel.fused import use_fused_on
 from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
@@ -55,6 +56,8 @@ class ForwardOutput(NamedTuple):
     # the embed task: [B, hidden] float32 pooled vectors on the host (a row whose prompt
     # continues in a later chunk is zeros); next_tokens_* are then zeros, sampled from nothing
     embeddings: torch.Tensor | None = None
+    # a verify step: the target's token at each of batch.prompt_logprob_rows (engine/spec_verify.py), on the host
+    verify_tokens: torch.Tensor | None = None
 
 
 def _align_up_32(x: int) -> int:
@@ -444,14 +447,21 @@ class Engine:
             if args.logprobs_k is not None:
                 logprobs = _token_logprobs(logits, next_tokens_gpu, args.logprobs_k)
             prompt_logprobs = None
-            if batch.prompt_hidden is not None:
+            verify_cpu = None
+            if batch.verify_args is not None and batch.prompt_hidden is not None:
+                # the same LM head as every row's, at every position of the rows with drafts
+                lm_head: Any = self.model.lm_head
+                verify = verify_tokens(lm_head(batch.prompt_hidden), batch.verify_args)
+                verify_cpu = verify.to(torch.int32).to("cpu", non_blocking=True)
+                batch.prompt_hidden = None
+            elif batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
                 k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
                 prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
                 batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
-        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs)
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs, verify_tokens=verify_cpu)
 
     def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
         """The embed task's step: a prefill whose hidden rows are pooled; nothing is sampled."""

@@ -56,6 +56,11 @@ class SchedulerStats:
     new_token_ratio: float = 0.0  # the admission estimate in use
     host_s: float = 0.0  # scheduling + launching (host time the device may hide with overlap)
     wait_s: float = 0.0  # waiting for the device's results
+    # speculative decoding: draft tokens verified, of them accepted, and the rows that verified
+    # drafts (each also gets the target's own token: tokens per verify row = (accepted + rows) / rows)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_rows: int = 0
     # set by the scheduler process (scheduler/process.py)
     num_active: int = 0  # requests holding a table row (running + finished but not yet released)
     aborted_requests: int = 0
@@ -64,6 +69,15 @@ class SchedulerStats:
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.free_pages / self.total_pages
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verify row produced on average (accepted drafts + the target's own)."""
+        return (self.spec_accepted_tokens + self.spec_verify_rows) / self.spec_verify_rows if self.spec_verify_rows else 0.0
 
     @property
     def cache_hit_rate(self) -> float:

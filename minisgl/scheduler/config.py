@@ -85,6 +85,20 @@ class SchedulerConfig(EngineConfig):
         choices=("fcfs", "priority"),
     )
 
+    # Speculative decoding (scheduler/spec_ngram.py): plain greedy decoding rows propose tokens by
+    # n-gram prompt lookup and verify them in one extend step; the rest of the batch decodes as usual.
+    speculative_algorithm: str | None = knob(
+        None,
+        "ngram: greedy rows propose the tokens that followed the latest earlier match of their last n tokens "
+        "(prompt + output) and verify them in one step (outputs are unchanged; forces the non-overlap loop)",
+        group=SCHEDULING,
+        choices=("ngram",),
+        default_text="off",
+    )
+    speculative_num_tokens: int = knob(4, "draft tokens proposed per speculating row and step at most", group=SCHEDULING, type=positive_int)
+    speculative_ngram_min: int = knob(1, "shortest n-gram the lookup matches", group=SCHEDULING, type=positive_int)
+    speculative_ngram_max: int = knob(4, "longest n-gram the lookup matches (tried first)", group=SCHEDULING, type=positive_int)
+
     def __post_init__(self) -> None:
         if self.max_extend_tokens < 1:
             raise ValueError(f"max_extend_tokens must be >= 1, got {self.max_extend_tokens}")
@@ -103,6 +117,19 @@ class SchedulerConfig(EngineConfig):
             )
         if self.new_token_ratio_decay_steps < 1:
             raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
+        if self.speculative_algorithm not in (None, "ngram"):
+            raise ValueError(f"speculative_algorithm must be None (off) or 'ngram', got {self.speculative_algorithm!r}")
+        if self.speculative_num_tokens < 1:
+            raise ValueError(f"speculative_num_tokens must be >= 1, got {self.speculative_num_tokens}")
+        if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:
+            raise ValueError(
+                "speculative n-gram lengths must satisfy 1 <= speculative_ngram_min <= speculative_ngram_max, got "
+                f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
+            )
+        if self.speculative_algorithm is not None and self.tp_info.size > 1:
+            raise ValueError(
+                f"speculative_algorithm={self.speculative_algorithm!r} is not supported with tensor parallelism (tp={self.tp_info.size})"
+            )
 
     @property
     def overlap(self) -> bool:

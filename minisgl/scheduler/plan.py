@@ -54,6 +54,9 @@ class StepPlan:
     releases: List[int] = field(default_factory=list)  # uids that finished: forget them
     new_rows: List[NewRow] = field(default_factory=list)
     history: Dict[int, List[int]] = field(default_factory=dict)  # uid -> tokens accepted since the last plan
+    # A verify step (speculative decoding): per row its draft tokens, fed after its last token
+    # ([] for a row that does not speculate: a one-token extend); empty for any other step.
+    drafts: List[List[int]] = field(default_factory=list)
     # The policy's own request objects, for a runner in the same process (never sent: a
     # follower resolves `uids` to its own objects).
     reqs: List[Any] = field(default_factory=list, repr=False, compare=False)

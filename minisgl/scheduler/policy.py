@@ -26,6 +26,7 @@ from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
 from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
+from minisgl.scheduler.spec_ngram import propose
 from minisgl.scheduler.step_budget import StepBudget
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
@@ -76,6 +77,7 @@ class _Pick:
     reqs: List[SchedReq]
     phase: str
     num_decode_rows: int = 0
+    drafts: List[List[int]] | None = None  # a verify step: per row its draft tokens ([]: none)
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,10 @@ class Policy:
         on_cpu: bool = False,
     ) -> None:
         self.config = config
+        self.speculative = config.speculative_algorithm
+        if self.speculative is not None and limits.pooling is not None:
+            raise ValueError(f"speculative_algorithm={self.speculative!r} needs the generate task (this model runs the embed task)")
+        self._spec_proposed = self._spec_accepted = self._spec_rows = 0
         # the prompt-token cap of steps beside decoding streams: max_step_ms, by default on a CPU only
         target = config.max_step_ms
         self.step_budget = StepBudget(target or None) if (target or (target is None and on_cpu)) else None
@@ -331,8 +337,37 @@ class Policy:
         if decodable:
             self._last_phase = "decode"
             self.estimate.step()
-            return _Pick(decodable, "decode")
+            return self._decode_pick(decodable)
         return None
+
+    def _decode_pick(self, reqs: List[SchedReq]) -> _Pick:
+        """A decode step, or with speculation a verify step when some row has a draft: each row
+        with one is an extend of its last token and the drafts, the others one-token extends."""
+        if self.speculative is None:
+            return _Pick(reqs, "decode")
+        cfg = self.config
+        ps = self.page_size
+        optimistic = cfg.admission == "optimistic"
+        spare = self.available_pages() - self._decode_need  # (worst case: reservations cover max_tokens)
+        drafts: List[List[int]] = []
+        for req in reqs:
+            draft: List[int] = []
+            # room for the drafts and the token after them within max_tokens
+            k = min(cfg.speculative_num_tokens, req.max_device_len - req.device_len - 1)
+            if k > 0 and _can_speculate(req) and len(req.token_ids) == req.device_len:
+                draft = propose(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+            if draft and optimistic:
+                have = max(len(req.pages), div_ceil(req.device_len, ps))
+                extra = max(0, div_ceil(req.device_len + len(draft), ps) - have)
+                if extra > spare:
+                    draft = []
+                else:
+                    spare -= extra
+                    self._decode_need += extra
+            drafts.append(draft)
+        if not any(drafts):
+            return _Pick(reqs, "decode")
+        return _Pick(reqs, "prefill", drafts=drafts)
 
     # ---- admission and retraction ------------------------------------------------------------
     def available_pages(self) -> int:
@@ -540,6 +575,12 @@ class Policy:
         reqs = pick.reqs
         decode = pick.phase == "decode"
         plan = StepPlan(pick.phase, [], [], [], [], [], pick.num_decode_rows, reqs=reqs)
+        if pick.drafts is not None:  # the drafts follow each row's last token in the token pool
+            plan.drafts = pick.drafts
+            for req, draft in zip(reqs, pick.drafts):
+                if draft:
+                    self._tp_writes.append((req.table_idx, req.device_len, draft))
+                    req.device_len += len(draft)
         ps = self.page_size
         ahead = self.alloc_ahead
         if self.config.admission == "optimistic" and ahead:
@@ -563,7 +604,7 @@ class Policy:
             plan.starts = [r.cached_len for r in reqs]
             # a request emits a real token once its whole prompt (or resume) has KV
             plan.emits = [r.device_len >= r.prefill_len for r in reqs]
-            plan.prompt_logprobs = _prompt_logprob_plan(reqs)
+            plan.prompt_logprobs = None if plan.drafts else _prompt_logprob_plan(reqs)
         plan.page_writes, self._pt_writes = self._pt_writes, []
         plan.token_writes, self._tp_writes = self._tp_writes, []
         if self._share_rows:
@@ -575,6 +616,9 @@ class Policy:
     def launched(self, plan: StepPlan) -> None:
         """After the runner launched `plan` (its rows advanced by complete_one): where each
         prefilling request stands for the next plan."""
+        if plan.drafts:  # a verify step: every row was decoding (consume rolls the lengths back)
+            self._steps["decode"] += 1
+            return
         self._steps[plan.phase] += 1
         if plan.is_prefill:
             reqs: List[SchedReq] = plan.reqs
@@ -594,6 +638,9 @@ class Policy:
         if plan.is_decode:
             self.step_budget.observe(len(plan.uids), 0, ms)
             return
+        if plan.drafts:  # a verify step: decode rows, their drafts counted as prompt tokens
+            self.step_budget.observe(len(plan.uids), sum(map(len, plan.drafts)), ms)
+            return
         prompt_tokens = sum(plan.ends) - sum(plan.starts) - plan.num_decode_rows
         self.step_budget.observe(plan.num_decode_rows, prompt_tokens, ms)
 
@@ -612,10 +659,10 @@ class Policy:
             return self._consume_embeddings(plan, result.embeddings)
         tokens = result.tokens
         lps = result.logprobs
+        verify = result.verify if plan.drafts else None
         plp = result.prompt_logprobs
         counts = plan.prompt_logprobs.counts if plp is not None and plan.prompt_logprobs is not None else None
         plp_at = 0
-        share = self._share_rows
         outputs: List[TokenOutput] = []
         for i, (req, real) in enumerate(zip(plan.reqs, plan.emits)):
             n = counts[i] if counts is not None else 0
@@ -630,26 +677,57 @@ class Policy:
                 plp_at += n
             if not real or req.status is _FINISHED:
                 continue
-            token = tokens[i]
-            req.append_token(token)
-            self._generated += 1
-            out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
-            if req.sampling_params.prompt_logprobs is not None and req.num_output == 1:
-                out.prompt_logprobs, req.prompt_lp = req.prompt_lp, []
-            if lps is not None and lps[i] is not None:
-                out.logprob, out.top_logprobs = lps[i]
-            matcher = req.grammar_matcher
-            if matcher is not None and not matcher.accept_token(token):
-                logger.warning("request %d: token %d is outside its grammar", req.uid, token)
-            if share and (matcher is not None or req.sampling_params.has_penalties):
-                self._history.setdefault(req.uid, []).append(token)  # the followers' sampler reads it
-            if token in req.stop_ids or (matcher is not None and matcher.is_terminated()):
-                self._finish(req, "stop")
-            elif req.num_output >= req.output_len:
-                self._finish(req, "length")
-            out.finished, out.finish_reason = req.finished, req.finish_reason
-            outputs.append(out)
+            if verify is not None and plan.drafts[i]:
+                outputs += self._accept_drafts(req, plan.starts[i], plan.drafts[i], verify[i])
+                continue
+            outputs.append(self._emit(req, tokens[i], lps[i] if lps is not None else None))
         return outputs
+
+    def _accept_drafts(self, req: SchedReq, start: int, drafts: List[int], targets: List[int]) -> List[TokenOutput]:
+        """Greedy acceptance of a verify row: the drafts the target agrees with, then the
+        target's own token (at the first mismatch, or after every draft). Emitted one by one
+        as a decode step would, so a stop condition cuts the run where it would have stopped."""
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+            accepted += 1
+        self._spec_rows += 1
+        self._spec_proposed += len(drafts)
+        self._spec_accepted += accepted
+        # KV is sound for the fed last token and the accepted drafts; the rejected drafts'
+        # slots are rewritten by the next steps (the pages stay the request's)
+        req.cached_len = start + 1 + accepted
+        req.device_len = req.cached_len + 1
+        # the pool holds a rejected draft there, or the sampler's token (a sampled row's bonus
+        # token is the verify draw, not the sampler's)
+        self._tp_writes.append((req.table_idx, req.cached_len, [targets[accepted]]))
+        outputs: List[TokenOutput] = []
+        for token in targets[: accepted + 1]:
+            outputs.append(self._emit(req, token, None))
+            if req.finished:
+                break
+        return outputs
+
+    def _emit(self, req: SchedReq, token: int, lp: Any) -> TokenOutput:
+        """One generated token of a running request: appended, stop conditions checked."""
+        share = self._share_rows
+        req.append_token(token)
+        self._generated += 1
+        out = TokenOutput(req.uid, token, prompt_tokens=req.prompt_len, cached_tokens=req.num_cached_prompt)
+        if req.sampling_params.prompt_logprobs is not None and req.num_output == 1:
+            out.prompt_logprobs, req.prompt_lp = req.prompt_lp, []
+        if lp is not None:
+            out.logprob, out.top_logprobs = lp
+        matcher = req.grammar_matcher
+        if matcher is not None and not matcher.accept_token(token):
+            logger.warning("request %d: token %d is outside its grammar", req.uid, token)
+        if share and (matcher is not None or req.sampling_params.has_penalties):
+            self._history.setdefault(req.uid, []).append(token)  # the followers' sampler reads it
+        if token in req.stop_ids or (matcher is not None and matcher.is_terminated()):
+            self._finish(req, "stop")
+        elif req.num_output >= req.output_len:
+            self._finish(req, "length")
+        out.finished, out.finish_reason = req.finished, req.finish_reason
+        return out
 
     def _consume_embeddings(self, plan: StepPlan, vectors: List[bytes | None]) -> List[TokenOutput]:
         """An embed step: each request whose prompt ended in it gets its vector and finishes."""
@@ -757,6 +835,9 @@ class Policy:
             retractions=self._retractions,
             peak_running=self._peak_running,
             new_token_ratio=self.effective_new_token_ratio,
+            spec_proposed_tokens=self._spec_proposed,
+            spec_accepted_tokens=self._spec_accepted,
+            spec_verify_rows=self._spec_rows,
         )
 
     def check_invariants(self) -> None:
@@ -780,6 +861,23 @@ class Policy:
         freed = self.cache.reset()
         self.allocator.free(freed)
         return len(freed)
+
+
+def _can_speculate(req: SchedReq) -> bool:
+    """Verification (engine/spec_verify.py) applies temperature, top-k, top-p and min-p: a row
+    whose sampler applies more (penalties, logit_bias, min_tokens' ban, a grammar mask), whose
+    draw is seeded (its tokens would differ from the non-speculative ones) or that returns
+    logprobs decodes without drafts."""
+    p = req.sampling_params
+    return (
+        (p.is_greedy or p.seed is None)
+        and not p.has_penalties
+        and not p.logit_bias
+        and p.logprobs is None
+        and p.prompt_logprobs is None
+        and req.grammar_matcher is None
+        and req.num_output >= p.min_tokens
+    )
 
 
 def _wants_prompt_logprobs(req: SchedReq) -> bool:

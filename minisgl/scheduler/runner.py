@@ -16,6 +16,7 @@ import torch
 
 from minisgl.core import Batch
 from minisgl.engine import Engine, ForwardOutput
+from minisgl.engine.spec_verify import make_verify_args
 from minisgl.scheduler.plan import StepPlan, Write
 from minisgl.utils.device import create_stream, make_device_tensor, record_stream, stream_context
 
@@ -34,6 +35,9 @@ class StepResult:
     # the embed task: per row its pooled vector as float32 little-endian bytes (None: its prompt
     # continues in a later chunk); None for a generate step
     embeddings: List[bytes | None] | None = None
+    # a verify step: per row the target's token after each fed token ([] for a row
+    # without drafts); None for any other step
+    verify: List[List[int]] | None = None
 
 
 @dataclass
@@ -90,7 +94,10 @@ class Runner:
                                        plan.ends + [r.device_len for r in pads]):  # fmt: skip
                 rows += [row] * (end - start)
                 positions += range(start, end)
-            self._stage_prompt_logprobs(plan, batch)
+            if plan.drafts:
+                self._stage_verify(plan, batch)
+            else:
+                self._stage_prompt_logprobs(plan, batch)
         with stream_context(self.stream):
             rows_t = make_device_tensor(rows, torch.int64, self.device)
             pos_t = make_device_tensor(positions, torch.int64, self.device)
@@ -148,6 +155,26 @@ class Runner:
             record_stream(batch.prompt_logprob_rows, self.engine.stream)
             record_stream(batch.prompt_logprob_targets, self.engine.stream)
 
+    def _stage_verify(self, plan: StepPlan, batch: Batch) -> None:
+        """A verify step: every fed row of a row with drafts (its last token and the drafts)
+        goes through the LM head."""
+        rows: List[int] = []
+        offset = 0
+        for start, end, draft in zip(plan.starts, plan.ends, plan.drafts):
+            if draft:
+                rows += range(offset, offset + end - start)
+            offset += end - start
+        with_drafts = [(req.sampling_params, d) for req, d in zip(plan.reqs, plan.drafts) if d]
+        params, drafts = [p for p, _ in with_drafts], [d for _, d in with_drafts]
+        with stream_context(self.stream):
+            batch.verify_args = make_verify_args(params, drafts, self.engine.sampler.vocab_size, self.device)
+            batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
+        record_stream(batch.prompt_logprob_rows, self.engine.stream)
+        args = batch.verify_args
+        for t in (args.drafts, args.sampled, args.temperatures, args.top_k, args.top_p, args.min_p):
+            if t is not None:
+                record_stream(t, self.engine.stream)
+
     def wait(self, flight: Flight) -> None:
         """Block until the step's results are on the host."""
         flight.output.copy_done_event.synchronize()
@@ -166,6 +193,14 @@ class Runner:
         if out.embeddings is not None:
             vectors = out.embeddings.numpy().astype("<f4")
             result.embeddings = [vectors[i].tobytes() if emits else None for i, emits in enumerate(flight.plan.emits)]
+        if out.verify_tokens is not None:
+            flat = out.verify_tokens.tolist()
+            verify: List[List[int]] = []
+            for drafts in flight.plan.drafts:
+                n = len(drafts) + 1 if drafts else 0
+                verify.append(flat[:n])
+                flat = flat[n:]
+            result.verify = verify
         if out.prompt_logprobs is not None:
             # to host lists once per step, not a tensor op per prompt token
             values, top_values, top_ids = (t.tolist() for t in out.prompt_logprobs)

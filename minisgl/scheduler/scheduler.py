@@ -23,6 +23,9 @@ from minisgl.scheduler.policy import Limits, Policy, SchedulerStats
 from minisgl.scheduler.request import TokenOutput
 from minisgl.scheduler.runner import Runner, is_fatal
 from minisgl.utils.hf import resolve_model_path
+from minisgl.utils.logger import init_logger
+
+logger = init_logger(__name__)
 
 COMPILE_WAIT_S = 0.02  # the longest an idle loop waits for a grammar compile before it reads messages again
 
@@ -80,6 +83,10 @@ class Scheduler(Policy):
         else:
             assert limits is not None, "a scheduler over a given runner needs its limits"
             self.overlap = config.overlap
+        if config.speculative_algorithm is not None and self.overlap:
+            # a verify step's accepted length decides where the next step starts
+            logger.info("speculative decoding (%s) runs the non-overlap loop", config.speculative_algorithm)
+            self.overlap = False
         self.runner = runner
         on_cpu = runner_is_engine and self.device.type == "cpu"
         super().__init__(config, limits, share_rows=config.tp_info.size > 1, on_grammar=runner.use_grammar, on_cpu=on_cpu)

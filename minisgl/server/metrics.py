@@ -86,6 +86,12 @@ class ServerMetrics:
             "minisgl_new_token_ratio", "Admission estimate: share of max_tokens a running request still generates", registry=r
         )
         self.aborted = Counter("minisgl_aborted_requests", "Requests aborted in the scheduler", registry=r)
+        self.spec_proposed = Counter("minisgl_spec_proposed_tokens", "Speculative draft tokens verified", registry=r)
+        self.spec_accepted = Counter("minisgl_spec_accepted_tokens", "Speculative draft tokens accepted", registry=r)
+        self.spec_acceptance = Gauge("minisgl_spec_acceptance_rate", "Accepted / proposed draft tokens since start", registry=r)
+        self.spec_accept_length = Gauge(
+            "minisgl_spec_mean_accepted_length", "Tokens per speculating row and step since start (accepted drafts + 1)", registry=r
+        )
         self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.in_flight = Gauge("minisgl_http_requests_in_flight", "Generation requests the API server is waiting on", registry=r)
         self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS, registry=r)
@@ -113,6 +119,10 @@ class ServerMetrics:
         self.generation_tokens.inc(max(0, s.generated_tokens - (last.generated_tokens if last else 0)))
         self.aborted.inc(max(0, s.aborted_requests - (last.aborted_requests if last else 0)))
         self.retractions.inc(max(0, s.retractions - (last.retractions if last else 0)))
+        self.spec_proposed.inc(max(0, s.spec_proposed_tokens - (last.spec_proposed_tokens if last else 0)))
+        self.spec_accepted.inc(max(0, s.spec_accepted_tokens - (last.spec_accepted_tokens if last else 0)))
+        self.spec_acceptance.set(s.spec_acceptance_rate)
+        self.spec_accept_length.set(s.spec_mean_accepted_length)
         self._last = s
 
     def render(self) -> bytes:
