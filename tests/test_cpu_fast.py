@@ -502,10 +502,9 @@ def _hf_greedy(model, ids: List[int], n: int):
 
 def test_embedded_fp32_gguf_int4_is_exact(embedded_model_dir, embedded_oracle, embedded_tokenizer):
     """fp32 activations on the GGUF's own int4 codes compute with exactly the weights HF
-    dequantized: greedy decoding stays token-exact (tie-aware) against HF fp32. The codes are
-    the default for a GGUF (`quantization` auto): no option asks for them here."""
+    dequantized: greedy decoding stays token-exact (tie-aware) against HF fp32."""
     ids = _chat_ids(embedded_tokenizer, QUESTIONS[0])
-    with running_engine(embedded_model_dir, max_running_req=1, max_seq_len=96) as engine:
+    with running_engine(embedded_model_dir, max_running_req=1, max_seq_len=96, quantization="gguf") as engine:
         assert any(g.quant is not None for g in bound_gemms(engine.model))
         ours = _generate(engine, [ids], 10)[0]
     ref, ref_logits = embedded_oracle.greedy(ids, 10)
@@ -537,9 +536,9 @@ def test_embedded_bf16_agrees_with_hf_bf16(embedded_model_dir, embedded_tokenize
     assert "Paris" in embedded_tokenizer.decode(outs[0])
 
 
-@pytest.mark.parametrize("method,kv", [("gguf", "auto"), ("int8", "auto"), ("none", "int8")])
+@pytest.mark.parametrize("method,kv", [("auto", "auto"), ("int8", "auto"), ("none", "int8")])
 def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, method, kv):
-    """Quantized decode (gguf: the file's own Q4_1 codes; int8: its weights rounded to Q8_0 blocks;
+    """Quantized decode (auto: the file's own Q4_1 codes, a GGUF's default in bf16; int8: its weights rounded to Q8_0 blocks;
     or bf16 weights over the int8 KV cache) vs HF bf16 on the dequantized weights, teacher-forced
     on our own tokens: each of our tokens is in HF's top 5 at its position (until EOS)."""
     hf = _hf(embedded_model_dir, torch.bfloat16)
@@ -547,6 +546,11 @@ def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, me
     n = 32
     with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128, dtype=torch.bfloat16,
                         quantization=method, kv_cache_dtype=kv) as engine:  # fmt: skip
+        from minisgl.layers.quant import Int4Weight
+
+        quantized = any(g.quant is not None for g in bound_gemms(engine.model))
+        # auto on a GGUF in bf16: its own codes, where the C int4 kernel runs them
+        assert quantized == (method == "int8" or (method == "auto" and Int4Weight.c_kernel_available())), method
         outs = _generate(engine, prompts, n)
     differ = total = 0
     for ids, ours in zip(prompts, outs):

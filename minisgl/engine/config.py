@@ -96,7 +96,7 @@ class EngineConfig:
     # CUDA: "fp8" runs the linear layers on the FP8 GEMM (layers/fp8.py): an FP8 checkpoint's own
     # weights and scales, a dense one's quantized per channel at load (opt-in until run on a GPU).
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
-    # GEMMs ("auto" (None too): a GGUF's own codes (as "gguf"), a 4-bit AWQ/GPTQ/compressed-tensors
+    # GEMMs ("auto" (None too): a GGUF's own codes (as "gguf", in bf16 with the C kernel), a 4-bit AWQ/GPTQ/compressed-tensors
     # checkpoint's own codes, else none; "none"; "gguf": the GGUF's own Q4_1/Q8_0 codes; "int4", "int8": rounded), and the C
     # GEMMs, attention and decode loop (False: the module path on torch ops and the torch
     # attention backend; deterministic mode sets it). A quantized checkpoint loads (dequantized)

@@ -247,6 +247,16 @@ class CpuDecodeLoop:
         return self.lm_head(h)
 
 
+def _gguf_codes_pay(config: Any) -> bool:
+    """`auto` on a GGUF: its own codes where the C int4 kernel runs them (bf16 activations, a CPU
+    with the kernel built), which is the 2x faster batch-1 step. Elsewhere (float32: the exact
+    path; CPUs without AVX512-BF16) torch's int4 fallback would be slower than the dense weights,
+    which hold the same values."""
+    from minisgl.layers.quant import Int4Weight
+
+    return config.dtype == torch.bfloat16 and gguf_source(config.model_path) is not None and Int4Weight.c_kernel_available()
+
+
 def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.device, config: Any) -> CpuDecodeLoop | None:
     """Bind the CPU implementations of the model's GEMMs and build the C loop (None where it
     cannot run: then the module path takes every step). Nothing on CUDA, at tp > 1 or with
@@ -268,7 +278,7 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
         return None
     hugepage_pool(kv_cache)
     quant = None
-    if method == "auto" and not config.use_dummy_weight and gguf_source(config.model_path) is not None:
+    if method == "auto" and not config.use_dummy_weight and _gguf_codes_pay(config):
         method = "gguf"  # a GGUF runs on its own codes (what a GGUF user expects; none: dequantized)
     if method == "auto":  # (dummy weights: no checkpoint to read codes from)
         quant = None if config.use_dummy_weight else checkpoint_int4(model, config.model_path) or None

@@ -97,6 +97,10 @@ class _Records:
         """The C kernel for bf16 activations over these records (gemv.c's signature), if built."""
         return _qgemv(self.KERNEL)
 
+    @classmethod
+    def c_kernel_available(cls) -> bool:
+        return _qgemv(cls.KERNEL) is not None
+
     def mm(self, x: torch.Tensor, nthreads: int = 1) -> torch.Tensor:
         """x W^T: the C kernel for bf16 activations, `torch_mm` where it is missing or declines."""
         if x.dtype == torch.bfloat16 and (fn := self.c_kernel()) is not None:
