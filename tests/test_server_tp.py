@@ -41,21 +41,31 @@ def servers(tiny_chat_model: str, chat_server: ServerProcess, tmp_path_factory: 
     own = {
         "tp2": ServerProcess(tiny_chat_model, *EXTRA, "--tp", "2", log_path=logs / "tp2.log"),
         "tp2_kill": ServerProcess(tiny_chat_model, *EXTRA, "--tp", "2", log_path=logs / "tp2_kill.log"),
-        # node 0 of two whose node 1 never comes: started now, so that its wait overlaps the
-        # other tests (test_node_that_never_joins_times_out reads how it ended)
+        # node 0 of two whose node 1 never comes (test_node_that_never_joins_times_out reads how
+        # it ended). Every launcher of the module starts here, so that their start-ups overlap.
+        **_node_pair(tiny_chat_model, logs, "pair"),  # test_two_nodes_serve_and_stop_together's
+        **_node_pair(tiny_chat_model, logs, "dead"),  # test_dead_rank_on_another_node_stops_node_0's
         "lonely": ServerProcess(
             tiny_chat_model, *EXTRA, "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr",
             f"127.0.0.1:{free_port()}", "--dist-timeout", "3", log_path=logs / "lonely.log",
         ),
     }  # fmt: skip
     try:
-        for name, s in own.items():
-            if name != "lonely":
-                s.wait_ready()
+        for name in ("tp2", "tp2_kill"):
+            own[name].wait_ready()
         yield {"tp1": chat_server, **own}
     finally:
         for s in own.values():
             s.stop()
+
+
+def _node_pair(model: str, logs: Any, name: str) -> Dict[str, ServerProcess]:
+    """Two launchers, `--nnodes 2`, one TP rank each, on a rendezvous address of their own."""
+    common = (*EXTRA, "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}")
+    return {
+        f"{name}1": ServerProcess(model, *common, "--node-rank", "1", log_path=logs / f"{name}_node1.log"),
+        f"{name}0": ServerProcess(model, *common, "--node-rank", "0", log_path=logs / f"{name}_node0.log"),
+    }
 
 
 def _answers(srv: ServerProcess) -> Dict[str, Any]:
@@ -134,11 +144,8 @@ def test_sigkill_of_a_rank_stops_the_server(servers: Dict[str, ServerProcess]) -
     assert "resp" in results and results["resp"].status_code in (500, 503), results
 
 
-def test_two_nodes_serve_and_stop_together(servers: Dict[str, ServerProcess], tiny_chat_model: str, tmp_path) -> None:
-    addr = f"127.0.0.1:{free_port()}"
-    common = (*EXTRA, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
-    node1 = ServerProcess(tiny_chat_model, *common, "--node-rank", "1", log_path=tmp_path / "node1.log")
-    node0 = ServerProcess(tiny_chat_model, *common, "--node-rank", "0", log_path=tmp_path / "node0.log")
+def test_two_nodes_serve_and_stop_together(servers: Dict[str, ServerProcess]) -> None:
+    node0, node1 = servers["pair0"], servers["pair1"]
     try:
         node0.wait_ready()
         client = node0.openai()
@@ -189,11 +196,8 @@ def _child_named(srv: ServerProcess, name: str) -> int:
     raise AssertionError(f"no child process named {name}")
 
 
-def test_dead_rank_on_another_node_stops_node_0(tiny_chat_model: str, tmp_path) -> None:
-    addr = f"127.0.0.1:{free_port()}"
-    common = (*EXTRA, "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr)
-    node1 = ServerProcess(tiny_chat_model, *common, "--node-rank", "1", log_path=tmp_path / "node1.log")
-    node0 = ServerProcess(tiny_chat_model, *common, "--node-rank", "0", log_path=tmp_path / "node0.log")
+def test_dead_rank_on_another_node_stops_node_0(servers: Dict[str, ServerProcess]) -> None:
+    node0, node1 = servers["dead0"], servers["dead1"]
     try:
         node0.wait_ready()
         rank1 = _child_named(node1, "minisgl-sched1")
