@@ -146,3 +146,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     keys = [key for name in files for key in CHECKS.get(name, [])]
     if keys:
         prefetch(keys)
+
+
+@pytest.fixture(scope="session")
+def quant_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Any]:
+    """quant_checkpoint(name) -> the tiny model quantized in format `name` (tests/quant_helpers.py:
+    its dense folder and the quantized one), built on first use."""
+    from quant_helpers import build_checkpoint
+
+    return functools.cache(lambda name: build_checkpoint(name, tmp_path_factory.mktemp(name)))
+
+
+@pytest.fixture(scope="session")
+def path_oracle() -> Callable[[Path], HFOracle]:
+    """path_oracle(folder) -> the HF float32 oracle of that checkpoint, built once per folder."""
+    return functools.cache(HFOracle)

@@ -16,15 +16,12 @@ online:  --quantization fp8 on a bf16 checkpoint: per-channel FP8 weights, the s
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, List
 
 import pytest
 import torch
 from helpers import TEST_DEVICE, HFOracle, allocated_reqs, prefill_logits, random_prompts, run_generation, running_engine
 from kernel_checks.fp8 import run_checks
-from quant_helpers import Checkpoint, build_checkpoint
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the FP8 GEMM on the GPU (MINISGL_TEST_DEVICE=cuda)")
 
@@ -65,23 +62,6 @@ def test_fp8_linear_replays_from_a_cuda_graph() -> None:
         assert torch.equal(y, fp8_linear(new, w_q, w_s, 128)), f"M={m}: the replay differs from eager"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
-    cache: Dict[str, Checkpoint] = {}
-
-    def get(name: str) -> Checkpoint:
-        if name not in cache:
-            cache[name] = build_checkpoint(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def oracle() -> Callable[[Path], HFOracle]:
-    return functools.cache(HFOracle)
-
-
 def _fp8_linears(engine: Any) -> List[str]:
     from minisgl.layers.linear import _Linear
 
@@ -103,8 +83,8 @@ def _top5_and_max_diff(engine: Any, hf: HFOracle, outs: List[List[int]], label: 
     return diff
 
 
-def test_fp8_block_checkpoint_keeps_fp8_weights_on_cuda(checkpoint, oracle) -> None:
-    ck = checkpoint("fp8_block")
+def test_fp8_block_checkpoint_keeps_fp8_weights_on_cuda(quant_checkpoint, path_oracle) -> None:
+    ck = quant_checkpoint("fp8_block")
     kw = dict(dtype=torch.bfloat16, max_running_req=4, attention_backend="triton", quantization="fp8")
     with running_engine(ck.quantized, **kw) as engine:
         kept = _fp8_linears(engine)
@@ -114,8 +94,8 @@ def test_fp8_block_checkpoint_keeps_fp8_weights_on_cuda(checkpoint, oracle) -> N
                    if n in kept)  # fmt: skip
         assert engine.graph_runner.batch_sizes, "no decode graphs captured"
         graphs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
-        diff = _top5_and_max_diff(engine, oracle(ck.dense), graphs, "fp8_block (graphs)")
-        assert diff < 0.5 * oracle(ck.dense).logits(PROMPTS[0]).abs().max().item()
+        diff = _top5_and_max_diff(engine, path_oracle(ck.dense), graphs, "fp8_block (graphs)")
+        assert diff < 0.5 * path_oracle(ck.dense).logits(PROMPTS[0]).abs().max().item()
     with running_engine(ck.quantized, cuda_graph_bs=[], cuda_graph_max_tokens=0, **kw) as engine:
         assert len(_fp8_linears(engine)) == len(kept)
         eager = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
@@ -123,19 +103,19 @@ def test_fp8_block_checkpoint_keeps_fp8_weights_on_cuda(checkpoint, oracle) -> N
 
 
 @pytest.mark.parametrize("name", ["ct_fp8_channel", "fp8_tensor_static"])
-def test_fp8_channel_and_tensor_checkpoints_keep_fp8_weights_on_cuda(name, checkpoint, oracle) -> None:
-    ck = checkpoint(name)
+def test_fp8_channel_and_tensor_checkpoints_keep_fp8_weights_on_cuda(name, quant_checkpoint, path_oracle) -> None:
+    ck = quant_checkpoint(name)
     with running_engine(ck.quantized, dtype=torch.bfloat16, attention_backend="triton", quantization="fp8") as engine:
         assert len(_fp8_linears(engine)) == 4 * len(engine.model.model.layers)
         outs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
-        _top5_and_max_diff(engine, oracle(ck.dense), outs, name)
+        _top5_and_max_diff(engine, path_oracle(ck.dense), outs, name)
 
 
-def test_online_fp8_quantization(checkpoint, oracle) -> None:
-    ck = checkpoint("fp8_block")  # its dense checkpoint: a plain float32 HF model
+def test_online_fp8_quantization(quant_checkpoint, path_oracle) -> None:
+    ck = quant_checkpoint("fp8_block")  # its dense quant_checkpoint: a plain float32 HF model
     with running_engine(ck.dense, dtype=torch.bfloat16, attention_backend="triton", quantization="fp8") as engine:
         kept = _fp8_linears(engine)
         assert len(kept) == 4 * len(engine.model.model.layers), kept
         assert all(m.weight_block_n == 1 for n, m in engine.model.named_modules() if n in kept)
         outs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
-        _top5_and_max_diff(engine, oracle(ck.dense), outs, "--quantization fp8")
+        _top5_and_max_diff(engine, path_oracle(ck.dense), outs, "--quantization fp8")

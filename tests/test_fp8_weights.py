@@ -13,27 +13,12 @@ sharding and merging (the forward runs on CUDA only: tests/test_fp8_cuda.py).
 
 from __future__ import annotations
 
-from typing import Callable, Dict
-
 import pytest
 import torch
-from quant_helpers import Checkpoint, build_checkpoint
 
 from minisgl.layers.fp8 import FP8_E4M3, Fp8Unaligned, Fp8Weight, quantize_per_row
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
-    cache: Dict[str, Checkpoint] = {}
-
-    def get(name: str) -> Checkpoint:
-        if name not in cache:
-            cache[name] = build_checkpoint(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
 
 
 def _random_blocks(n: int, k: int, seed: int) -> Fp8Weight:
@@ -70,7 +55,7 @@ def test_narrow_and_cat_restate_the_dense_weight():
 
 
 @pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel", "fp8_tensor_static", "fp8_block_ragged"])
-def test_tp2_fp8_shards_are_the_dense_checkpoints_shards(name, checkpoint):
+def test_tp2_fp8_shards_are_the_dense_checkpoints_shards(name, quant_checkpoint):
     from transformers import AutoConfig
 
     from minisgl.distributed import set_tp_info
@@ -81,7 +66,7 @@ def test_tp2_fp8_shards_are_the_dense_checkpoints_shards(name, checkpoint):
     from minisgl.models.weight import load_weights
     from minisgl.utils.torch_utils import torch_dtype
 
-    ck = checkpoint(name)
+    ck = quant_checkpoint(name)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(ck.dense))
     try:
         for rank in range(2):
@@ -132,7 +117,7 @@ def test_online_fp8_is_refused_on_the_cpu(tiny_dir):
 
 
 @pytest.mark.parametrize("name", ["fp8_block", "ct_fp8_channel", "fp8_tensor_static", "fp8_block_moe"])
-def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
+def test_kept_fp8_weights_run_the_fp8_op(name, quant_checkpoint, monkeypatch):
     """The kept-FP8 path end to end on the CPU, the op's torch implementation standing in for the
     CUDA kernels (the same arithmetic, tests/test_fp8_kernels_interpret.py): every projection
     holds float8_e4m3fn weights and runs the FP8 op (activations quantized per 128 columns), and
@@ -145,7 +130,7 @@ def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
     from minisgl.layers import fp8
     from minisgl.layers.linear import _Linear
 
-    ck = checkpoint(name)
+    ck = quant_checkpoint(name)
     calls = []
     op = fp8.fp8_linear
     monkeypatch.setattr(engine_mod, "keeps_fp8", lambda device, deterministic, quantization: True)
@@ -172,7 +157,7 @@ def test_kept_fp8_weights_run_the_fp8_op(name, checkpoint, monkeypatch):
                 break
 
 
-def test_online_fp8_layers_run_the_fp8_op(checkpoint):
+def test_online_fp8_layers_run_the_fp8_op(quant_checkpoint):
     """`--quantization fp8`'s conversion (models/weight.quantize_linears_fp8) on a dense model, run
     on the CPU through the op's torch implementation: every linear layer per-row FP8, each greedy
     token in HF float32's top 5 until the first divergence (the CUDA run: tests/test_fp8_cuda.py)."""
@@ -181,7 +166,7 @@ def test_online_fp8_layers_run_the_fp8_op(checkpoint):
     from minisgl.layers.linear import _Linear
     from minisgl.models.weight import quantize_linears_fp8
 
-    ck = checkpoint("fp8_block")
+    ck = quant_checkpoint("fp8_block")
     prompts = [[3, 17, 99, 4, 250, 8, 61]]
     steps = 6
     with running_engine(ck.dense, device="cpu", cpu_fast_decode=False) as engine:

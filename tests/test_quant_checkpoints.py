@@ -20,11 +20,10 @@ shows up as a mismatch:
 
 from __future__ import annotations
 
-import functools
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -39,28 +38,11 @@ from helpers import (
     run_generation,
     running_engine,
 )
-from quant_helpers import FORMATS, MERGED, PROMPTS, STEPS, Checkpoint, build_checkpoint, ct_config, ct_int
+from quant_helpers import FORMATS, MERGED, PROMPTS, STEPS, Checkpoint, ct_config, ct_int
 from safetensors.torch import load_file, save_file
 
 from minisgl.layers.quant import Int4Weight, QuantLinear
 from minisgl.models.checkpoint_quant import quant_format
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Checkpoint]:
-    cache: Dict[str, Checkpoint] = {}
-
-    def get(name: str) -> Checkpoint:
-        if name not in cache:
-            cache[name] = build_checkpoint(name, tmp_path_factory.mktemp(name))
-        return cache[name]
-
-    return get
-
-
-@pytest.fixture(scope="module")
-def oracle() -> Callable[[Path], HFOracle]:
-    return functools.cache(HFOracle)
 
 
 def _check_against(engine: Any, hf: HFOracle, label: str) -> None:
@@ -77,15 +59,15 @@ def _check_against(engine: Any, hf: HFOracle, label: str) -> None:
 
 # ---- (a) every format, dequantized ------------------------------------------------------------
 @pytest.mark.parametrize("name", sorted(FORMATS))
-def test_dequantized_checkpoint_matches_hf(name, checkpoint, oracle, monkeypatch):
+def test_dequantized_checkpoint_matches_hf(name, quant_checkpoint, path_oracle, monkeypatch):
     from minisgl.models import weight
 
-    ck = checkpoint(name)
+    ck = quant_checkpoint(name)
     said: List[str] = []
     monkeypatch.setattr(weight.logger, "info_rank0", lambda msg, *args: said.append(msg))
     with running_engine(ck.quantized, quantization="none") as engine:
         assert all(g is None or g.quant is None for g in _gemms(engine))
-        _check_against(engine, oracle(ck.dense), name)
+        _check_against(engine, path_oracle(ck.dense), name)
     assert any(msg.endswith("weights dequantized to float32 at load") for msg in said), said
 
 
@@ -96,8 +78,8 @@ def _gemms(engine: Any) -> List[QuantLinear | None]:
 # ---- (c) the 4-bit formats' own codes on the CPU int4 decode GEMM -----------------------------
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the int4 decode GEMM is the CPU's")
 @pytest.mark.parametrize("name", sorted(n for n, f in FORMATS.items() if f.int4))
-def test_int4_codes_run_the_cpu_int4_gemm(name, checkpoint, oracle, monkeypatch):
-    ck = checkpoint(name)
+def test_int4_codes_run_the_cpu_int4_gemm(name, quant_checkpoint, path_oracle, monkeypatch):
+    ck = quant_checkpoint(name)
     calls = []
     torch_mm = Int4Weight.torch_mm
     monkeypatch.setattr(Int4Weight, "torch_mm", lambda self, x: calls.append(x.shape[0]) or torch_mm(self, x))
@@ -114,12 +96,12 @@ def test_int4_codes_run_the_cpu_int4_gemm(name, checkpoint, oracle, monkeypatch)
                 assert torch.equal(m, want_m.half().float())
             assert isinstance(layer.self_attn.o_proj.cpu_gemm.quant, Int4Weight)
             assert isinstance(layer.mlp.down_proj.cpu_gemm.quant, Int4Weight)
-        _check_against(engine, oracle(ck.q4_1 or ck.dense), f"{name} (int4 GEMM)")
+        _check_against(engine, path_oracle(ck.q4_1 or ck.dense), f"{name} (int4 GEMM)")
     assert calls and max(calls) <= len(PROMPTS), "the decode steps did not run the int4 GEMM"
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the int4 decode GEMM is the CPU's")
-def test_bf16_awq_decodes_on_the_c_int4_kernel(checkpoint, oracle):
+def test_bf16_awq_decodes_on_the_c_int4_kernel(quant_checkpoint, path_oracle):
     """bf16 on a CPU with the C kernels: the AWQ codes' records are what the C decode loop
     streams (qgemv.c), and every token it picks is in the top 5 of HF float32 on the Q4_1 values
     (fed our tokens) until a first divergence from HF's own argmax."""
@@ -129,7 +111,7 @@ def test_bf16_awq_decodes_on_the_c_int4_kernel(checkpoint, oracle):
     kern = cpu_kernels()
     if kern is None or not kern.has_qgemv:
         pytest.skip("no C compiler or no AVX512-BF16 here")
-    ck = checkpoint("awq")
+    ck = quant_checkpoint("awq")
     with running_engine(ck.quantized, dtype=torch.bfloat16) as engine:
         assert isinstance(engine.cpu_runner, CpuDecodeLoop), "the C decode loop was not built"
         gemm = engine.model.model.layers[0].mlp.down_proj.cpu_gemm
@@ -137,7 +119,7 @@ def test_bf16_awq_decodes_on_the_c_int4_kernel(checkpoint, oracle):
         log = record_runners(engine)
         outs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
     assert ("CpuDecodeLoop", "decode") in log
-    hf = oracle(ck.q4_1)
+    hf = path_oracle(ck.q4_1)
     for ids, out in zip(PROMPTS, outs):
         logits = hf.logits(list(ids) + out[:-1])[len(ids) - 1 :]
         for j, tok in enumerate(out):
@@ -148,7 +130,7 @@ def test_bf16_awq_decodes_on_the_c_int4_kernel(checkpoint, oracle):
 
 # ---- tensor parallelism: dequantize, then shard -----------------------------------------------
 @pytest.mark.parametrize("name", ["awq", "fp8_block_ragged"])
-def test_tp2_shards_are_the_dense_checkpoints_shards(name, checkpoint):
+def test_tp2_shards_are_the_dense_checkpoints_shards(name, quant_checkpoint):
     from transformers import AutoConfig
 
     from minisgl.distributed import set_tp_info
@@ -158,7 +140,7 @@ def test_tp2_shards_are_the_dense_checkpoints_shards(name, checkpoint):
     from minisgl.models.weight import load_weights
     from minisgl.utils.torch_utils import torch_dtype
 
-    ck = checkpoint(name)
+    ck = quant_checkpoint(name)
     cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(ck.dense))
     cpu = torch.device("cpu")
     try:
@@ -220,8 +202,8 @@ def test_unsupported_schemes_are_refused_by_name(config, match, tmp_path):
         quant_format(tmp_path)
 
 
-def test_act_order_gptq_is_refused(checkpoint, tmp_path):
-    ck = checkpoint("gptq_sym_v1")
+def test_act_order_gptq_is_refused(quant_checkpoint, tmp_path):
+    ck = quant_checkpoint("gptq_sym_v1")
     prefix = next(iter(ck.layers))
     k = ck.layers[prefix].codes.shape[1]  # type: ignore[union-attr]
     g_idx = (torch.randperm(k, generator=torch.Generator().manual_seed(0)) // 64).to(torch.int32)
@@ -232,8 +214,8 @@ def test_act_order_gptq_is_refused(checkpoint, tmp_path):
             pass
 
 
-def test_broken_checkpoints_are_refused(checkpoint, tmp_path):
-    ck = checkpoint("awq")
+def test_broken_checkpoints_are_refused(quant_checkpoint, tmp_path):
+    ck = quant_checkpoint("awq")
     prefix = next(iter(ck.layers))
     (tmp_path / "a").mkdir()
     missing = _with_config(ck, tmp_path / "a", FORMATS["awq"].config, drop=(f"{prefix}.qzeros",))
@@ -247,10 +229,10 @@ def test_broken_checkpoints_are_refused(checkpoint, tmp_path):
             pass
 
 
-def test_dummy_weights_need_no_quantized_tensors(checkpoint, tmp_path):
+def test_dummy_weights_need_no_quantized_tensors(quant_checkpoint, tmp_path):
     """--load-format dummy on a quantized checkpoint's config alone: random dense weights, no
     codes to read (the CPU int4 path is skipped)."""
-    shutil.copy(checkpoint("awq").quantized / "config.json", tmp_path / "config.json")
+    shutil.copy(quant_checkpoint("awq").quantized / "config.json", tmp_path / "config.json")
     with running_engine(tmp_path, use_dummy_weight=True) as engine:
         assert all(g is None or g.quant is None for g in _gemms(engine))
         assert len(run_generation(engine, allocated_reqs(engine, PROMPTS[:1], 2), 2)[0]) == 2
