@@ -30,8 +30,11 @@ def propose(tokens: Sequence[int], num_tokens: int, ngram_min: int, ngram_max: i
 def _continue(tokens: Sequence[int], start: int, num_tokens: int) -> List[int]:
     """The `num_tokens` that follow position `start` when the text from there is copied on past
     the end (an overlapping copy, as LZ77's): a match close to the end, inside a repeating
-    cycle, still proposes a whole draft, continuing the cycle."""
-    seq = list(tokens)
+    cycle, still proposes a whole draft, continuing the cycle. Only the draft is built (this
+    runs per speculating row per step: no copy of the request's tokens)."""
+    size = len(tokens)
+    draft: List[int] = []
     for i in range(num_tokens):
-        seq.append(seq[start + i])  # start + i < len(seq): start < len(tokens)
-    return seq[len(tokens) :]
+        j = start + i  # < size + i: start < size
+        draft.append(tokens[j] if j < size else draft[j - size])
+    return draft
