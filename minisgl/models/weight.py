@@ -329,18 +329,15 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
                 local = piece.to(device=device, dtype=target_dtype)
             del piece
             parts = module.parts(param_name) if isinstance(module, ShardedModule) else None
+            bucket = _whole(pending, name, part, parts, local)
+            if bucket is None:
+                continue  # other parts of this parameter are still to come
             if part is None or parts is None:
                 merged = local
+            elif any(isinstance(t, Fp8Weight) for t in bucket.values()):
+                merged = _merge_fp8(module, name, bucket, dtype)
             else:
-                bucket = pending.setdefault(name, {})
-                bucket[part] = local
-                if len(bucket) < len(parts):
-                    continue
-                bucket = pending.pop(name)
-                if any(isinstance(t, Fp8Weight) for t in bucket.values()):
-                    merged = _merge_fp8(module, name, bucket, dtype)
-                else:
-                    merged = module.merge(param_name, bucket)
+                merged = module.merge(param_name, bucket)
             if isinstance(merged, Fp8Weight):
                 merged.install(module)
                 merged = merged.weight
@@ -352,6 +349,16 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             f"need {len(cast(Any, model.get_submodule(name.rpartition('.')[0])).parts(name.rpartition('.')[2]))} parts"
         )
     return out
+
+
+def _whole(pending: Dict[str, Dict[Any, Any]], name: str, part: Any, parts: Any, value: Any) -> Dict[Any, Any] | None:
+    """The parts of parameter `name` once the last of them arrived ({part: value}), else None
+    (kept in `pending` meanwhile); a value that is a whole parameter (no part) comes back at once."""
+    if part is None or parts is None:
+        return {part: value}
+    bucket = pending.setdefault(name, {})
+    bucket[part] = value
+    return pending.pop(name) if len(bucket) == len(parts) else None
 
 
 def load_int4_codes(model: nn.Module, model_dir: str) -> Tuple[str, Dict[str, Int4Weight]]:
@@ -376,14 +383,10 @@ def load_int4_codes(model: nn.Module, model_dir: str) -> Tuple[str, Dict[str, In
         k = blocks[0].shape[1]
         for part, rows in pieces:  # rows: [codes | d | m] of this part's output rows
             parts = module.parts("weight")
-            if part is None or parts is None:
-                merged = rows
-            else:
-                bucket = pending.setdefault(name, {})
-                bucket[part] = rows
-                if len(bucket) < len(parts):
-                    continue
-                merged = module.merge("weight", pending.pop(name))
+            bucket = _whole(pending, name, part, parts, rows)
+            if bucket is None:
+                continue
+            merged = rows if part is None or parts is None else module.merge("weight", bucket)
             codes, d, m = merged[:, :k], merged[:, k : k + k // 32], merged[:, k + k // 32 :]
             out[name.rpartition(".")[0]] = Int4Weight.from_q4_1(codes.to(torch.uint8), d, m)
     return fmt.label, out
