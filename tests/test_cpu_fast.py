@@ -385,7 +385,8 @@ def test_decode_loop_equals_the_module_path(tiny_model_dir, name, quant, kv):
     `CpuDecodeLoop` step runner): the same kernels in the same order as the module path's ops
     on the CPU, so logits and the K/V written are bitwise equal (llama: q/k/v/o biases; qwen3:
     q/k norms, a tied head; int4/int8 codes for up to 4 rows, the dense weight past them). Each
-    batch size the loop takes is compared; on a CPU without AMX that is one row."""
+    batch size the loop takes is compared (on a CPU without AMX up to 4 rows), and prefills of
+    a few tokens per request, which the loop runs as decode rows with their own key counts."""
     from minisgl.engine.cpu_decode import CpuDecodeLoop
     from minisgl.kernel.cpu import cpu_kernels
 
@@ -404,26 +405,34 @@ def test_decode_loop_equals_the_module_path(tiny_model_dir, name, quant, kv):
         results = {}
         pool = pool_state()
         compared = []
-        for size in sizes:
-            reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 2) for row, (p, o) in
-                    enumerate(zip(prompts[:size], outs))]  # fmt: skip
-            batch = prepare_batch(engine, reqs, "decode")
+        # decode batches of each size; and prefills of a few tokens per request (a verify step's
+        # shape: each row's last token and its drafts), their every row's hidden state too
+        cases = [(size, (1,) * size) for size in sizes] + [(-1, (1, 3)), (-2, (2, 1, 1))]
+        for size, extends in cases:
+            reqs = [make_req(p + o[:-1], row, output_len=2, cached_len=len(p) + 3 - e) for row, (p, o, e) in
+                    enumerate(zip(prompts, outs, extends))]  # fmt: skip
+            batch = prepare_batch(engine, reqs, "decode" if size > 0 else "prefill")
+            if size < 0:
+                batch.prompt_logprob_rows = torch.arange(sum(extends))
             if not loop.can_run(batch):
                 continue
             compared.append(size)
             for fused in (True, False):
                 with torch.inference_mode(), engine.ctx.forward_batch(batch):
                     got = loop.run(batch) if fused else engine.model.forward()
-                results[fused, size] = (got.clone(), *pool_state())
+                    hidden = batch.prompt_hidden.clone() if size < 0 else None
+                results[fused, size] = (got.clone(), *pool_state(), hidden)
                 engine.kv_cache.buffer.copy_(pool[0])
                 if pool[1] is not None:
                     engine.kv_cache.scales.copy_(pool[1])
-    assert 1 in compared
+    assert 1 in compared and (loop.rows < 4 or -1 in compared)
     for size in compared:
         assert torch.equal(results[True, size][0], results[False, size][0]), f"logits, {size} rows"
         assert torch.equal(results[True, size][1], results[False, size][1]), f"K/V, {size} rows"
         if kv != "auto":
             assert torch.equal(results[True, size][2], results[False, size][2]), f"K/V scales, {size} rows"
+        if size < 0:
+            assert torch.equal(results[True, size][3], results[False, size][3]), f"every fed row's hidden state, case {size}"
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

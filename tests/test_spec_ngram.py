@@ -19,7 +19,7 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.sampling_params import GrammarSpec
 from minisgl.scheduler import Scheduler, UserRequest
-from minisgl.scheduler.spec_ngram import propose
+from minisgl.scheduler.spec_ngram import MAX_BACKOFF_STEPS, DraftLength, NgramIndex, propose
 
 # ---- the proposer -------------------------------------------------------------------------
 
@@ -59,6 +59,42 @@ def test_propose_matches_reference() -> None:
         k, lo = rng.randint(1, 5), rng.randint(1, 3)
         hi = rng.randint(lo, 5)
         assert propose(tokens, k, lo, hi) == _propose_reference(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_incremental_index_equals_the_scan() -> None:
+    """NgramIndex (a table of each n-gram's latest start, grown with the tokens) proposes what
+    the whole-sequence scan proposes, at every length as tokens arrive one or several at a time."""
+    rng = random.Random(7)
+    for _ in range(150):
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        index = NgramIndex(lo, hi)
+        tokens = [rng.randrange(5) for _ in range(rng.randint(0, 4))]
+        while len(tokens) < 60:
+            k = rng.randint(1, 5)
+            assert index.propose(tokens, k) == propose(tokens, k, lo, hi), (tokens, k, lo, hi)
+            tokens += [rng.randrange(5) for _ in range(rng.randint(1, 5))]  # an accepted run
+
+
+def test_draft_length_follows_acceptance_and_backs_off() -> None:
+    d = DraftLength(4)
+    assert d.want() == 4
+    d.observe(4, 4)  # all accepted: stays at the limit
+    assert d.want() == 4
+    d.observe(4, 1)  # one accepted: draft one more than that next
+    assert d.want() == 2
+    d.observe(2, 2)  # a full run grows by one
+    assert d.want() == 3
+    skipped = []
+    for failures in range(1, 9):  # nothing accepted: 2, 4, 8, ... steps without drafts, capped
+        d.observe(d.want() or 1, 0)
+        n = 0
+        while d.want() == 0:
+            n += 1
+        skipped.append(n)
+    assert skipped == [min(MAX_BACKOFF_STEPS, 2**f) for f in range(1, 9)]
+    d.observe(1, 1)  # an accepted draft ends the back-off
+    assert d.want() == 2
 
 
 def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> None:
@@ -217,7 +253,11 @@ class _OracleProposer:
         self.known = list(zip(prompts, outputs))
         self.wrong_at = wrong_at
 
-    def __call__(self, tokens: List[int], k: int, lo: int, hi: int) -> List[int]:
+    def index(self, ngram_min: int, ngram_max: int) -> "_OracleProposer":
+        """Stands in for the policy's NgramIndex factory: every request asks this oracle."""
+        return self
+
+    def propose(self, tokens: List[int], k: int) -> List[int]:
         for prompt, out in self.known:
             n = len(prompt)
             if tokens[:n] == prompt and tokens[n:] == out[: len(tokens) - n]:
@@ -234,6 +274,23 @@ def _first_inside_run(out: List[int], k: int) -> int:
     return next(j for j in range(1, len(out)) if out[j] not in out[:j] and (j - 1) % (k + 1) != k)
 
 
+def test_drafts_that_never_match_back_off(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request whose every draft is wrong (its first token always rejected) stops drafting for
+    2, 4, 8, ... steps: over 80 tokens it pays for a handful of verify steps, not 80; its output
+    equals speculation off."""
+    import minisgl.scheduler.policy as policy
+
+    prompts = _copy_heavy_prompts(1, seed=9)
+    sched = llm.scheduler
+    with _spec_off(sched):
+        ref, _, _ = _run(sched, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
+    monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [ref[0]], wrong_at=0).index)
+    off, on, (proposed, accepted, rows) = _both(llm, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
+    assert on[0] == off[0] == ref and accepted == 0
+    # verifies at steps 0, 3, 8, 17, 34, 67 (2**f steps skipped after the f-th failure)
+    assert 0 < rows <= 6, rows
+
+
 @pytest.mark.parametrize("wrong_at", [None, 2])
 def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.MonkeyPatch, wrong_at: int | None) -> None:
     import minisgl.scheduler.policy as policy
@@ -243,7 +300,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch:
     with _spec_off(sched):
         ref, _, _ = _run(sched, [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts])
     outputs = [ref[i] for i in range(len(prompts))]
-    monkeypatch.setattr(policy, "propose", _OracleProposer(prompts, outputs, wrong_at))
+    monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, outputs, wrong_at).index)
     k = sched.config.speculative_num_tokens
     cuts = [_first_inside_run(out, k if wrong_at is None else wrong_at) for out in outputs]
     stop_reqs = [(p, SamplingParams(temperature=0.0, max_tokens=60, stop_token_ids=[out[j]])) for p, out, j in zip(prompts, outputs, cuts)]
@@ -282,7 +339,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.Monkey
     with _spec_off(sched):
         ref, _, _ = _run(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=60))])
     out = ref[0]
-    monkeypatch.setattr(policy, "propose", _OracleProposer([prompt], [out]))
+    monkeypatch.setattr(policy, "NgramIndex", _OracleProposer([prompt], [out]).index)
     j = _first_inside_run(out, sched.config.speculative_num_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=60, stop=[llm.tokenizer.decode([out[j]])])
     results = {}
@@ -393,3 +450,4 @@ def test_sampled_rows_speculate(llm: LLM) -> None:
     assert_idle_and_clean(llm.scheduler)
     assert llm.scheduler.stats().spec_verify_rows > before
     assert all(len(tokens[i]) == 30 and reasons[i] == "length" for i in range(len(prompts)))
+

@@ -6,7 +6,7 @@ of the weights, not by FLOPs (docs/PERFORMANCE.md, "CPU forward"). The model's o
 kernels (kernel/cpu/ops.py), attention and the K/V store on the paged C kernels (the "cpu"
 attention backend, kernel/cpu/attention.py), and every projection on the C GEMM this module
 binds to it (`_Linear.cpu_gemm`: a `QuantLinear` over the module's own weight: a VDPBF16PS GEMV
-for one row, AMX tiles above, optionally the weight-only int4/int8 records for small batches).
+for one row (up to 4 on a CPU without AMX), AMX tiles above, optionally the weight-only int4/int8 records for small batches).
 
 A decode batch whose layers the C loop can describe runs them all in one C call instead
 (`CpuDecodeLoop`, kernel/cpu/decode_loop.c): the same kernels in the same order on the same
@@ -31,7 +31,7 @@ from minisgl.kvcache.pool import KVCachePool
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import _Linear
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight
+from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, DEFAULT_GEMV_MAX_ROWS, NO_AMX_GEMV_MAX_ROWS, QuantLinear, QuantWeight
 from minisgl.models.base import DecoderLayer, DecoderModel, GatedMLP, SelfAttention
 from minisgl.models.gguf_quant import gguf_source
 from minisgl.utils.logger import init_logger
@@ -112,6 +112,7 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None) -> Li
     if ck is None and not quant:
         return []  # F.linear is what a QuantLinear would call
     nt = torch.get_num_threads()
+    gemv_rows = DEFAULT_GEMV_MAX_ROWS if amx is not None else NO_AMX_GEMV_MAX_ROWS
     bound: List[QuantLinear] = []
     for name, mod in mods:
         w, bias, q = mod.weight, getattr(mod, "bias", None), quant.get(name)
@@ -121,7 +122,7 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None) -> Li
             ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, ck.lib.gemv_vnni_bf16, nthreads=nt,
                              amx=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu)  # fmt: skip
         else:
-            ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, gemv, nthreads=nt, amx=amx)
+            ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, gemv, gemv_rows, nthreads=nt, amx=amx)
         mod.cpu_gemm = ql
         bound.append(ql)
     return bound
@@ -186,7 +187,8 @@ def _describe(model: nn.Module, backend: Any, rows: int) -> Tuple[Any, str]:
 class CpuDecodeLoop:
     """A bf16 decode step's layer stack in one C call (kernel/cpu/decode_loop.c), as a step runner:
     the embedding, layer 0's input norm and the LM head are the model's own modules around it.
-    Prompt-logprob steps (every prompt row's logits) and prefills take the module path."""
+    Up to `rows` fed tokens: decode batches, and prefills whose every request feeds a few tokens
+    (speculative verify steps, small mixed steps); larger prefills take the module path."""
 
     def __init__(self, model: nn.Module, backend: CpuAttnBackend, page_table: torch.Tensor, table: Any,
                  rows: int) -> None:  # fmt: skip
@@ -221,10 +223,16 @@ class CpuDecodeLoop:
         return None
 
     def can_run(self, batch: Batch) -> bool:
-        return (
-            batch.is_decode and not batch.return_hidden and batch.prompt_logprob_rows is None and batch.padded_size <= self.rows
-            and isinstance(batch.attn_metadata, CpuAttnMetadata)
-        )  # fmt: skip
+        meta = batch.attn_metadata
+        if batch.return_hidden or not isinstance(meta, CpuAttnMetadata):
+            return False
+        if batch.is_decode:
+            return batch.prompt_logprob_rows is None and batch.padded_size <= self.rows
+        # A prefill of short extends (a verify step: each row's last token and its drafts; a
+        # mixed step's decode rows and small chunks): every fed token attends through the paged
+        # kernel with its own key count, as a decode row does, so the loop computes it exactly
+        # as the module path would. A large request's SDPA / AMX attention is the module path's.
+        return meta.table_row.numel() <= self.rows and all(seg.plan is None for seg in meta.segments)
 
     def run(self, batch: Batch) -> torch.Tensor:
         meta = batch.attn_metadata
@@ -244,6 +252,10 @@ class CpuDecodeLoop:
         st.pt_stride, st.rows = self.page_table.stride(0), b
         if not self._decode_layers(self.table, self.nlayers, ctypes.byref(st)):
             raise RuntimeError("decode_layers_bf16 refused its layer table")
+        if batch.is_prefill:  # (as DecoderForCausalLM.forward: h is the final-normed hidden state)
+            if batch.prompt_logprob_rows is not None:  # prompt logprobs or a verify step's rows
+                batch.prompt_hidden = h[batch.prompt_logprob_rows]
+            h = h[meta.last_indices]
         return self.lm_head(h)
 
 

@@ -367,6 +367,12 @@ class Engine:
             plan.bind(self.model)
         return plan
 
+    @property
+    def fast_step_tokens(self) -> int | None:
+        """The most tokens a step may feed and run on the CPU decode loop (None: no loop, or a
+        CUDA engine, whose eager and graph steps take any size)."""
+        return self.cpu_runner.rows if self.cpu_runner is not None else None
+
     def _build_cpu_runner(self, config: EngineConfig) -> Any:
         """CPU: bind the model's GEMMs to the C kernels; the whole-step C loop where it applies."""
         from minisgl.engine.cpu_decode import build_cpu_runner

@@ -33,6 +33,12 @@ DEFAULT_DENSE_ABOVE = 4
 # reads the weight in place for few rows), the same measurement; at one row the skinny GEMM's
 # pure weight stream.
 DEFAULT_GEMV_MAX_ROWS = 1
+# Without AMX the larger calls would take torch's GEMM (oneDNN re-packs a plain weight on every
+# call): there the skinny GEMM wins up to 4 rows (the 4 projections of the embedded model's layer,
+# AVX512-BF16 EPYC without AMX: 1.94x / 1.47x / 1.34x / 1.13x torch at 1 / 2 / 3 / 4 rows, 0.94x
+# at 5; docs/PERFORMANCE.md), which also lets the C decode loop take batches and verify steps of
+# up to 4 rows there.
+NO_AMX_GEMV_MAX_ROWS = 4
 # The AMX GEMM declines above this many rows (kernel/cpu/amx.c: oneDNN is faster there).
 AMX_MAX_ROWS = 640
 

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, FrozenSet, List
+from typing import Any, Callable, Deque, Dict, FrozenSet, List, Tuple
 
 from minisgl.kvcache import PageAllocator, create_cache_manager
 from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
@@ -26,7 +26,7 @@ from minisgl.scheduler.grammar_compile import CompileJob, CompilePool
 from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
 from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
-from minisgl.scheduler.spec_ngram import propose
+from minisgl.scheduler.spec_ngram import DraftLength, NgramIndex
 from minisgl.scheduler.step_budget import StepBudget
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
@@ -91,6 +91,9 @@ class Limits:
     # the embed task's pooling method (engine/pooling.py), None for the generate task: every
     # request is then prefilled once, its vector returned, and it finishes (no decode)
     pooling: str | None = None
+    # the most tokens a step may feed and still run on the engine's fast runner (the CPU decode
+    # loop's rows, engine/cpu_decode.py); None: no such bound. Verify steps stay within it.
+    fast_step_tokens: int | None = None
 
 
 class Policy:
@@ -118,6 +121,7 @@ class Policy:
         self.vocab_size = limits.vocab_size
         self.eos_ids = set(limits.eos_ids)
         self.pooling = limits.pooling
+        self.fast_step_tokens = limits.fast_step_tokens
         self.allocator = PageAllocator(limits.num_pages)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
@@ -349,13 +353,21 @@ class Policy:
         ps = self.page_size
         optimistic = cfg.admission == "optimistic"
         spare = self.available_pages() - self._decode_need  # (worst case: reservations cover max_tokens)
+        # the fast runner's capacity (the CPU decode loop's rows): a verify step past it would
+        # run on the module path and cost more than the drafts save; every row feeds one token
+        room = None if self.fast_step_tokens is None else self.fast_step_tokens - len(reqs)
         drafts: List[List[int]] = []
         for req in reqs:
             draft: List[int] = []
+            spec = self._spec_state(req)
             # room for the drafts and the token after them within max_tokens
-            k = min(cfg.speculative_num_tokens, req.max_device_len - req.device_len - 1)
+            k = min(spec[1].want(), req.max_device_len - req.device_len - 1)
+            if room is not None:
+                k = min(k, room)
             if k > 0 and _can_speculate(req) and len(req.token_ids) == req.device_len:
-                draft = propose(req.token_ids, k, cfg.speculative_ngram_min, cfg.speculative_ngram_max)
+                draft = spec[0].propose(req.token_ids, k)
+                if room is not None:
+                    room -= len(draft)
             if draft and optimistic:
                 have = max(len(req.pages), div_ceil(req.device_len, ps))
                 extra = max(0, div_ceil(req.device_len + len(draft), ps) - have)
@@ -368,6 +380,13 @@ class Policy:
         if not any(drafts):
             return _Pick(reqs, "decode")
         return _Pick(reqs, "prefill", drafts=drafts)
+
+    def _spec_state(self, req: SchedReq) -> Tuple[NgramIndex, DraftLength]:
+        """A speculating request's proposer index and draft length, made on first use."""
+        if req.spec is None:
+            cfg = self.config
+            req.spec = (NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max), DraftLength(cfg.speculative_num_tokens))
+        return req.spec
 
     # ---- admission and retraction ------------------------------------------------------------
     def available_pages(self) -> int:
@@ -693,6 +712,7 @@ class Policy:
         self._spec_rows += 1
         self._spec_proposed += len(drafts)
         self._spec_accepted += accepted
+        self._spec_state(req)[1].observe(len(drafts), accepted)
         # KV is sound for the fed last token and the accepted drafts; the rejected drafts'
         # slots are rewritten by the next steps (the pages stay the request's)
         req.cached_len = start + 1 + accepted

@@ -74,7 +74,8 @@ class Scheduler(Policy):
             eos = set(model_config.eos_token_ids) | _generation_eos(config.model_path)
             spec = self.engine.pooling_spec
             pooling = spec.method if spec is not None else None
-            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos), pooling)
+            limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos), pooling,
+                            fast_step_tokens=self.engine.fast_step_tokens)  # fmt: skip
             runner = self._make_runner(self.engine)
             # On a CPU the forward runs to completion inside the launch: there is nothing for
             # the host to overlap, and reading results a step late only delays every token by a
