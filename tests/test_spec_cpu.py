@@ -16,7 +16,6 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 
 
-
 @pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU decode loop")
 def test_bf16_verify_steps_run_on_the_decode_loop(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
     """bf16 on the CPU: a verify step (each row's last token and its drafts) runs on the C decode

@@ -86,7 +86,7 @@ def test_draft_length_follows_acceptance_and_backs_off() -> None:
     d.observe(2, 2)  # a full run grows by one
     assert d.want() == 3
     skipped = []
-    for failures in range(1, 9):  # nothing accepted: 2, 4, 8, ... steps without drafts, capped
+    for _ in range(8):  # nothing accepted: 2, 4, 8, ... steps without drafts, capped
         d.observe(d.want() or 1, 0)
         n = 0
         while d.want() == 0:
@@ -450,4 +450,3 @@ def test_sampled_rows_speculate(llm: LLM) -> None:
     assert_idle_and_clean(llm.scheduler)
     assert llm.scheduler.stats().spec_verify_rows > before
     assert all(len(tokens[i]) == 30 and reasons[i] == "length" for i in range(len(prompts)))
-
