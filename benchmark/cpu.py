@@ -27,12 +27,13 @@ quiet (docs/PERFORMANCE.md compares only runs of one process).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -250,51 +251,81 @@ PASSAGE = (
 )
 
 
+_SPEC_UIDS = itertools.count(3 * 10**9)  # (apart from the LLM's own request ids)
+
+
+def _decode_timed(sched: Any, prompt: List[int], params: SamplingParams) -> Tuple[List[int], float]:
+    """One request stepped on the scheduler: its tokens, and the seconds from its first token to
+    its last (output tok/s is decode speed: the prompt's prefill is the same either way)."""
+    from minisgl.scheduler import UserRequest
+
+    uid = next(_SPEC_UIDS)
+    sched.add_request(UserRequest(uid, list(prompt), params))
+    tokens: List[int] = []
+    first = last = 0.0
+    while sched.has_work():
+        for out in sched.step():
+            if out.uid == uid and out.token_id is not None:
+                last = time.perf_counter()
+                first = first or last
+                tokens.append(out.token_id)
+    return tokens, last - first
+
+
 def part_spec(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
-    """Batch-1 output tok/s with n-gram speculation off vs on, one process: a copy-heavy chat (repeat
-    a passage) and a random-id prompt; acceptance and mean accepted length of the "on" runs."""
+    """Batch-1 output tok/s (first to last token) with n-gram speculation off vs on, one process, one engine (the
+    scheduler's speculation toggled, as tests/test_spec_ngram.py does), off and on interleaved
+    `--reps` times (a shared machine's load drifts; the medians and the median ratio are
+    reported): a copy-heavy chat (repeat a passage) and a random-id prompt; acceptance and mean
+    accepted length of the "on" runs."""
+    import statistics
+
     from minisgl.llm import LLM
 
-    results: Dict[str, Any] = {}
-    for spec in (None, "ngram"):
-        llm = LLM(None, dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, max_running_req=4,
-                  max_seq_len_override=1024, cpu_kv_cache_bytes=1 << 30, speculative_algorithm=spec)  # fmt: skip
-        tok = llm.tokenizer
-        chat = tok.apply_chat_template([{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}],
-                                       add_generation_prompt=True, tokenize=False)  # fmt: skip
-        prompts = {"copy": [int(t) for t in tok.encode(chat, add_special_tokens=False)], "random": random_prompts(1, 200, 200, seed=3)[0]}
-        params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, ignore_eos=True)
-        # warm-up at the measured lengths (the first long prefill and decode pay one-time costs)
-        llm.generate(list(prompts.values()), SamplingParams(max_tokens=16, ignore_eos=True))
-        for name, prompt in prompts.items():
-            llm.scheduler.reset_prefix_cache()
-            before = llm.scheduler.stats()
-            t0 = time.perf_counter()
-            res = llm.generate([prompt], params)[0]
-            wall = time.perf_counter() - t0
-            s = llm.scheduler.stats()
-            rows, acc = s.spec_verify_rows - before.spec_verify_rows, s.spec_accepted_tokens - before.spec_accepted_tokens
-            prop = s.spec_proposed_tokens - before.spec_proposed_tokens
-            assert res.completion_tokens == a.gen_len
-            results[f"{name}_{spec or 'off'}"] = {
-                "tok_s": res.completion_tokens / wall, "tokens": res.token_ids, "prompt": prompt, "acceptance": acc / prop if prop else 0.0,
-                "mean_accepted_length": (acc + rows) / rows if rows else 0.0,
-            }  # fmt: skip
-        llm.shutdown()
+    llm = LLM(None, dtype=a.dtype, quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype, max_running_req=4,
+              max_seq_len_override=1024, cpu_kv_cache_bytes=1 << 30, speculative_algorithm="ngram")  # fmt: skip
+    sched = llm.scheduler
+    tok = llm.tokenizer
+    chat = tok.apply_chat_template([{"role": "user", "content": f"Repeat this passage word for word:\n\n{PASSAGE}"}],
+                                   add_generation_prompt=True, tokenize=False)  # fmt: skip
+    prompts = {"copy": [int(t) for t in tok.encode(chat, add_special_tokens=False)], "random": random_prompts(1, 200, 200, seed=3)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=a.gen_len, ignore_eos=True)
+    # warm-up at the measured lengths (the first long prefill and decode pay one-time costs)
+    llm.generate(list(prompts.values()), SamplingParams(max_tokens=16, ignore_eos=True))
+    runs: Dict[str, List[Dict[str, Any]]] = {}
+    for _ in range(a.reps):
+        for spec in (None, "ngram"):
+            sched.speculative = spec
+            for name, prompt in prompts.items():
+                sched.reset_prefix_cache()
+                before = sched.stats()
+                tokens, decode_s = _decode_timed(sched, prompt, params)
+                s = sched.stats()
+                rows, acc = s.spec_verify_rows - before.spec_verify_rows, s.spec_accepted_tokens - before.spec_accepted_tokens
+                prop = s.spec_proposed_tokens - before.spec_proposed_tokens
+                assert len(tokens) == a.gen_len
+                runs.setdefault(f"{name}_{spec or 'off'}", []).append({
+                    "tok_s": (len(tokens) - 1) / decode_s, "tokens": tokens, "acceptance": acc / prop if prop else 0.0,
+                    "mean_accepted_length": (acc + rows) / rows if rows else 0.0, "verify_rows": rows,
+                })  # fmt: skip
+    llm.shutdown()
     from minisgl.utils.hf import load_tokenizer
 
     llm_text = load_tokenizer(resolve_model_path(None)).decode
     out["spec"] = {}
     for name in ("copy", "random"):
-        off, on = results[f"{name}_off"], results[f"{name}_ngram"]
+        off, on = runs[f"{name}_off"], runs[f"{name}_ngram"]
         if name == "copy":
-            print("copy output (off):", repr(llm_text(off["tokens"])))
-        same = off["tokens"] == on["tokens"]
-        out["spec"][name] = {"off_tok_s": off["tok_s"], "on_tok_s": on["tok_s"], "ratio": on["tok_s"] / off["tok_s"],
-                             "acceptance": on["acceptance"], "mean_accepted_length": on["mean_accepted_length"], "same_tokens": same}  # fmt: skip
-        print(f"speculation ({name} prompt of {len(off['prompt'])} tokens, batch 1, {a.gen_len} tokens): off {off['tok_s']:.1f} tok/s, ngram {on['tok_s']:.1f} tok/s "
-              f"({on['tok_s'] / off['tok_s']:.2f}x), acceptance {on['acceptance']:.2f}, mean accepted length "
-              f"{on['mean_accepted_length']:.2f}, same tokens: {same}")  # fmt: skip
+            print("copy output (off):", repr(llm_text(off[0]["tokens"])))
+        same = all(r["tokens"] == off[0]["tokens"] for r in off + on)
+        ratio = statistics.median(b["tok_s"] / x["tok_s"] for x, b in zip(off, on))
+        off_s, on_s = statistics.median(r["tok_s"] for r in off), statistics.median(r["tok_s"] for r in on)
+        out["spec"][name] = {"off_tok_s": off_s, "on_tok_s": on_s, "ratio": ratio, "acceptance": on[-1]["acceptance"],
+                             "mean_accepted_length": on[-1]["mean_accepted_length"], "verify_rows": on[-1]["verify_rows"],
+                             "same_tokens": same}  # fmt: skip
+        print(f"speculation ({name} prompt of {len(prompts[name])} tokens, batch 1, {a.gen_len} tokens, {a.reps} interleaved runs): "
+              f"off {off_s:.1f} tok/s, ngram {on_s:.1f} tok/s (median ratio {ratio:.2f}x), acceptance {on[-1]['acceptance']:.2f}, "
+              f"mean accepted length {on[-1]['mean_accepted_length']:.2f}, verify rows {on[-1]['verify_rows']}, same tokens: {same}")  # fmt: skip
 
 
 def part_sweep(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
