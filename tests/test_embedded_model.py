@@ -107,3 +107,36 @@ def test_a_copy_of_the_gguf_elsewhere_reuses_the_converted_folder(embedded_model
     finally:
         resolve_model_path(default_model_path())  # the marker back on the installed file
     assert gguf_source(folder) == str(Path(default_model_path()).resolve())
+
+
+def test_a_conversion_parses_the_gguf_once(tmp_path):
+    """Within a conversion the gguf package hands transformers one reader of the file being
+    converted (it asked for three: config, weights, tokenizer) and one tensor-name table per
+    (architecture, blocks); any other file still gets its own reader, and both names are
+    restored afterwards."""
+    import gguf
+    import numpy as np
+
+    from minisgl.utils.hf import _one_gguf_parse
+
+    files = []
+    for name in ("a.gguf", "b.gguf"):
+        w = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        w.add_block_count(2)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        files.append(tmp_path / name)
+    make_reader, make_names = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _one_gguf_parse(files[0].resolve()):
+        first = gguf.GGUFReader(str(files[0]))
+        assert gguf.GGUFReader(files[0]) is first
+        other = gguf.GGUFReader(str(files[1]))
+        assert other is not first and gguf.GGUFReader(str(files[1])) is not other
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2).get_name("model.layers.1.self_attn.q_proj") == "blk.1.attn_q"
+    assert gguf.GGUFReader is make_reader and gguf.get_tensor_name_map is make_names
+    assert [t.name for t in first.tensors] == ["token_embd.weight"]

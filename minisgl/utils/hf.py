@@ -13,9 +13,10 @@ import importlib.metadata
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Dict, Iterator
 
 from minisgl.utils.env import read_env
 from minisgl.utils.logger import init_logger
@@ -51,6 +52,35 @@ def _cache_root() -> Path:
     return read_env().cache_dir
 
 
+@contextmanager
+def _one_gguf_parse(src: Path) -> Iterator[None]:
+    """Most of a conversion is transformers redoing pure work: it parses the GGUF anew for the
+    config, the model and the tokenizer (gguf's reader slices the file once per vocabulary
+    string: the embedded model's 49,152 tokens and merges, ~5-10 s a parse), and it builds gguf's
+    tensor-name table once per module of the model (397 times for the embedded model, ~15 s).
+    Within this block the gguf package (whose names transformers' loader imports at each call)
+    hands out one reader of `src`, parsed once, and one name table per (architecture, blocks):
+    the loader only reads from both."""
+    import gguf
+
+    make_reader, make_names = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: Dict[str, Any] = {}
+
+    def shared_reader(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(Path(path).resolve()) != str(src) or args or kwargs:
+            return make_reader(path, *args, **kwargs)
+        if "src" not in readers:
+            readers["src"] = make_reader(path)
+        return readers["src"]
+
+    gguf.GGUFReader = shared_reader  # type: ignore[assignment,misc]
+    gguf.get_tensor_name_map = lru_cache(maxsize=None)(make_names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_names  # type: ignore[misc]
+
+
 def convert_gguf(gguf_file: str) -> str:
     """Dequantize a GGUF checkpoint into a cached HF folder and return the folder's path."""
     import torch
@@ -75,8 +105,9 @@ def convert_gguf(gguf_file: str) -> str:
         return str(out)
 
     logger.warning("converting %s to a cached HF folder at %s (once per file)", src.name, out)
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    with _one_gguf_parse(src):
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
