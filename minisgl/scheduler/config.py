@@ -126,10 +126,6 @@ class SchedulerConfig(EngineConfig):
                 "speculative n-gram lengths must satisfy 1 <= speculative_ngram_min <= speculative_ngram_max, got "
                 f"{self.speculative_ngram_min} and {self.speculative_ngram_max}"
             )
-        if self.speculative_algorithm is not None and self.tp_info.size > 1:
-            raise ValueError(
-                f"speculative_algorithm={self.speculative_algorithm!r} is not supported with tensor parallelism (tp={self.tp_info.size})"
-            )
 
     @property
     def overlap(self) -> bool:

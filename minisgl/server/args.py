@@ -198,9 +198,6 @@ class ServerArgs:
             host, sep, port = self.dist_init_addr.rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 return f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}"
-        spec = self.engine_value("speculative_algorithm")
-        if spec is not None and self.tp > 1:
-            return f"--speculative-algorithm {spec} is not supported with --tp {self.tp} (tensor parallelism)"
         return None
 
     def engine_value(self, name: str) -> Any:
