@@ -5,6 +5,7 @@ or max_tokens landing inside an accepted run, a stop string, and aborts; no page
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from contextlib import contextmanager, nullcontext
@@ -222,8 +223,9 @@ def test_greedy_identical_with_accepted_drafts(llm: LLM) -> None:
 
 
 def test_mixed_batch_some_rows_cannot_speculate(llm: LLM) -> None:
-    """Greedy rows speculate beside sampled (seeded), penalized, logit_bias, min_tokens,
-    logprobs and grammar rows in the same steps; every row's output equals speculation off."""
+    """Plain, penalized, logit_bias and min_tokens greedy rows speculate (verification applies
+    those per position) beside seeded, logprobs and grammar rows, which do not, in the same
+    steps; every row's output equals speculation off."""
     prompts = _copy_heavy_prompts(7, seed=2)
     params = [
         SamplingParams(temperature=0.0, max_tokens=60),
@@ -241,6 +243,37 @@ def test_mixed_batch_some_rows_cannot_speculate(llm: LLM) -> None:
     assert on[0] == off[0] and on[1] == off[1]
     assert rows > 0
     assert any(len(step) > 1 and max(step.values()) > 1 for step in on[2]), "no step mixed a verify row with others"
+    ran = {i for step in on[2] for i, n in step.items() if n > 1}  # rows that had an accepted run
+    assert not ran & {1, 5, 7}, f"a seeded, logprobs or grammar row speculated: {ran}"
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_penalty_bias_and_min_tokens_rows_speculate(llm: LLM, monkeypatch: pytest.MonkeyPatch, wrong_at: int | None) -> None:
+    """Rows with penalties, logit_bias or min_tokens (greedy and sampled) verify drafts with the
+    sampler's adjustments per position: with an oracle proposer (each row's true continuation,
+    or one with a wrong token at `wrong_at`) every greedy row has accepted runs and its output
+    equals speculation off; the sampled ones run to their length."""
+    import minisgl.scheduler.policy as policy
+
+    prompts = _copy_heavy_prompts(4, seed=6)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, logit_bias={7: 3.0, 9: -2.0}, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, min_tokens=30, stop_token_ids=[33]),
+        SamplingParams(temperature=0.0, max_tokens=40, presence_penalty=0.8, logit_bias={5: 1.5}, min_tokens=10, stop_token_ids=[5]),
+    ]
+    sched = llm.scheduler
+    with _spec_off(sched):
+        ref, _, _ = _run(sched, list(zip(prompts, params)))
+    monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [ref[i] for i in range(4)], wrong_at).index)
+    off, on, (proposed, accepted, rows) = _both(llm, list(zip(prompts, params)))
+    assert on[0] == off[0] == ref and on[1] == off[1]
+    ran = {i for step in on[2] for i, n in step.items() if n > 1}
+    assert ran == {0, 1, 2, 3} and accepted > 0 and (wrong_at is None) == (accepted == proposed)
+    sampled = [dataclasses.replace(p, temperature=0.9, max_tokens=30, ignore_eos=True, stop_token_ids=[]) for p in params]
+    got, _, _ = _run(sched, list(zip(prompts, sampled)))
+    assert all(len(got[i]) == 30 for i in range(4))
+    assert_idle_and_clean(sched)
 
 
 class _OracleProposer:
@@ -405,6 +438,54 @@ def _chi2(tokens: torch.Tensor, p: torch.Tensor) -> float:
     return float(((counts[keep] - expected) ** 2 / expected).sum())
 
 
+class _VerifyRow:
+    """What make_verify_args reads of a request: its params, prompt + accepted output, and
+    device_len (the drafts counted), stop ids."""
+
+    def __init__(self, params: SamplingParams, prompt: List[int], output: List[int], num_drafts: int, stops: Any = ()) -> None:
+        self.sampling_params, self.token_ids, self.prompt_len = params, prompt + output, len(prompt)
+        self.device_len = len(self.token_ids) + num_drafts
+        self.stop_ids = set(stops)
+
+
+def test_verify_positions_get_the_samplers_adjustments() -> None:
+    """Penalties, logit_bias and the min_tokens ban at each verify position equal what the
+    non-speculative sampler (the oracle: sample.Sampler) applies to a request whose output is
+    the accepted output plus the drafts before that position."""
+    from minisgl.core import Batch, Req
+    from minisgl.engine.sample import Sampler
+    from minisgl.engine.spec_verify import adjusted_logits, make_verify_args
+
+    vocab, dev = 40, torch.device("cpu")
+    prompt, output, drafts = [3, 5, 7, 5], [9, 3, 9], [3, 11, 9, 33]
+    cases = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25),
+        SamplingParams(temperature=0.7, logit_bias={11: 2.5, 4: -3.0}),
+        SamplingParams(temperature=0.0, min_tokens=6, stop_token_ids=[33, 2], frequency_penalty=0.5, logit_bias={2: 1.0}),
+    ]
+    torch.manual_seed(3)
+    logits = torch.randn(len(drafts) + 1, vocab)
+    for params in cases:
+        stops = {33, 2}
+        args = make_verify_args([_VerifyRow(params, prompt, output, len(drafts), stops)], [drafts], vocab, dev)
+        ours = adjusted_logits(logits, args)
+        sampler = Sampler(dev, vocab)
+        for j in range(len(drafts) + 1):
+            req = Req(input_ids=torch.tensor(prompt), table_idx=0, cached_len=0, output_len=64, uid=j, sampling_params=params,
+                      cache_handle=None)  # fmt: skip
+            req.append_host(torch.tensor(output + drafts[:j]))
+            req.device_len = len(prompt) + len(output) + j
+            req.stop_ids = stops  # type: ignore[attr-defined]
+            ref = sampler._prepare(Batch(reqs=[req], phase="decode"), [params])
+            row = logits[j : j + 1]
+            if ref.penalties is not None:
+                row = ref.penalties.apply(row)
+            if ref.bias is not None:
+                row = ref.bias.apply(row)
+            assert torch.equal(ours[j].float(), row[0].float()), (params, j)
+        assert not torch.equal(ours.float(), logits), "the case adjusts nothing"
+
+
 def test_rejection_sampling_keeps_the_target_distribution() -> None:
     """Verify positions of 200k sampled rows on a 6-token vocabulary: the first emitted token
     is distributed as the target's p (temperature and top-k applied), and the token after an
@@ -425,7 +506,8 @@ def test_rejection_sampling_keeps_the_target_distribution() -> None:
 
     p0, p1 = target(logits[0]), target(logits[1])
     draft = int(p0.argmax())  # the likeliest token: accepted often, rejected often enough
-    args = make_verify_args([params] * n, [[draft]] * n, vocab, torch.device("cpu"))
+    row = _VerifyRow(params, [1, 2, 3], [], 1)
+    args = make_verify_args([row] * n, [[draft]] * n, vocab, torch.device("cpu"))
     rows = logits.repeat(n, 1)  # row 2i: the position fed the last token, 2i + 1: the draft's
     out = verify_tokens(rows, args).view(n, 2)
     first, after = out[:, 0], out[:, 1]

@@ -462,13 +462,19 @@ def test_tp_works_after_a_failed_rendezvous_in_the_same_process(qwen3_dir):
 
 def test_speculative_verify_steps_keep_ranks_in_step(llm2):
     """N-gram speculation at tp=2 (rank 0's policy drafts; every rank runs the verify step of
-    the plan): greedy outputs equal speculation off, drafts are accepted, unseeded sampled rows
-    speculate beside them, and the ranks' token pools and page tables stay identical."""
+    the plan): greedy outputs, plain and with penalties, logit_bias or min_tokens, equal
+    speculation off, drafts are accepted, unseeded sampled rows speculate beside them, and the
+    ranks' token pools and page tables stay identical."""
     from test_spec_ngram import _copy_heavy_prompts
 
     sched = llm2.scheduler
     prompts = _copy_heavy_prompts(6, seed=2)
-    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in prompts]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in prompts[:3]]
+    greedy += [  # verified with the penalties (followers count from the plans' history), bias and min_tokens ban
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={7: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[9, 11]),
+    ]
     off = llm2.generate(prompts, greedy)
     before = sched.stats()
     sched.speculative = "ngram"

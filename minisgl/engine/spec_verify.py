@@ -7,16 +7,22 @@ draft) keeps d with probability p(d) and otherwise draws from p with d removed, 
 standard speculative sampling with q = onehot(d), whose output is distributed exactly as p. The
 last position of a row (no draft after it) draws from p. p is the sampler's own distribution:
 softmax(logits / T) with min-p, top-k and top-p (`sample.filtered_probs`).
+
+Before either, each position's logits get what the sampler would apply to that token (sample.py,
+in its order): penalties counted over the output so far plus the drafts before the position,
+logit_bias, and the stop tokens' ban while the position's output number is below min_tokens.
+Position j only decides a token when drafts 0..j-1 were accepted, and then that history is
+exactly the one the non-speculative sampler would see.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Any, Dict, List
 
 import torch
 
-from minisgl.engine.sample import MIN_P, MIN_T, filtered_probs, greedy_tokens
+from minisgl.engine.sample import MIN_P, MIN_T, LogitBias, Penalties, filtered_probs, greedy_tokens
 from minisgl.sampling_params import SamplingParams
 from minisgl.utils.device import make_device_tensor
 
@@ -33,10 +39,16 @@ class VerifyArgs:
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
+    penalties: Penalties | None = None  # per position: the output so far + the drafts before it
+    bias: LogitBias | None = None  # per position: logit_bias, the min_tokens ban
 
 
-def make_verify_args(params: List[SamplingParams], drafts: List[List[int]], vocab_size: int, device: torch.device) -> VerifyArgs:
-    """Host side: `params` and `drafts` of the rows with drafts, in batch order."""
+def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device) -> VerifyArgs:
+    """Host side: the requests with drafts and their drafts, in batch order. A request's
+    `token_ids` are its prompt and accepted output (the drafts are not among them; a TP follower
+    keeps them for the rows with penalties, from the plans' history), its `device_len` counts
+    the drafts."""
+    params: List[SamplingParams] = [r.sampling_params for r in reqs]
     flat: List[int] = []
     sampled: List[int] = []
     ts: List[float] = []
@@ -62,11 +74,90 @@ def make_verify_args(params: List[SamplingParams], drafts: List[List[int]], voca
             args.top_p = make_device_tensor(ps, torch.float32, device)
         if any(m > 0.0 for m in mins):
             args.min_p = make_device_tensor(mins, torch.float32, device)
+    if any(p.has_penalties for p in params):
+        args.penalties = _position_penalties(reqs, drafts, device)
+    if any(p.logit_bias or p.min_tokens for p in params):
+        args.bias = _position_bias(reqs, drafts, device)
     return args
+
+
+def _position_penalties(reqs: List[Any], drafts: List[List[int]], device: torch.device) -> Penalties:
+    """The sampler's Penalties (sample.Sampler._prepare_penalties) with one row per verify
+    position: a row's counts at position j are its output's plus those of drafts[:j]."""
+    rows: List[int] = []
+    tokens: List[int] = []
+    counts: List[float] = []
+    presence: List[float] = []
+    frequency: List[float] = []
+    repetition: List[float] = []
+    pos = 0
+    for req, d in zip(reqs, drafts):
+        p = req.sampling_params
+        seen: Dict[int, int] = {}
+        if p.has_penalties:
+            for t in req.token_ids[req.prompt_len :]:
+                seen[t] = seen.get(t, 0) + 1
+            if p.repetition_penalty != 1.0:
+                for t in set(req.token_ids[: req.prompt_len]):
+                    seen.setdefault(t, 0)
+        for j in range(len(d) + 1):
+            if p.has_penalties:
+                if j > 0:
+                    seen[d[j - 1]] = seen.get(d[j - 1], 0) + 1
+                rows += [pos] * len(seen)
+                tokens += list(seen.keys())
+                counts += [float(c) for c in seen.values()]
+            presence.append(p.presence_penalty)
+            frequency.append(p.frequency_penalty)
+            repetition.append(p.repetition_penalty)
+            pos += 1
+    return Penalties(
+        rows=make_device_tensor(rows, torch.int64, device),
+        tokens=make_device_tensor(tokens, torch.int64, device),
+        output_counts=make_device_tensor(counts, torch.float32, device),
+        presence=make_device_tensor(presence, torch.float32, device),
+        frequency=make_device_tensor(frequency, torch.float32, device),
+        repetition=make_device_tensor(repetition, torch.float32, device),
+    )
+
+
+def _position_bias(reqs: List[Any], drafts: List[List[int]], device: torch.device) -> LogitBias | None:
+    """The sampler's LogitBias (sample.Sampler._prepare_bias) per verify position: logit_bias at
+    every position, -inf on the stop tokens at a position whose output number is below
+    min_tokens (grammar rows do not speculate, so the grammar's exception does not arise)."""
+    rows: List[int] = []
+    tokens: List[int] = []
+    values: List[float] = []
+    pos = 0
+    for req, d in zip(reqs, drafts):
+        p = req.sampling_params
+        # position 0 samples output number device_len - prompt_len of the step before the
+        # drafts (device_len includes them here; on a TP follower token_ids may lag, this not)
+        produced = req.device_len - len(d) - req.prompt_len
+        for j in range(len(d) + 1):
+            if p.logit_bias:
+                rows += [pos] * len(p.logit_bias)
+                tokens += list(p.logit_bias.keys())
+                values += [float(v) for v in p.logit_bias.values()]
+            if p.min_tokens and produced + j < p.min_tokens:
+                stops = sorted(req.stop_ids)
+                rows += [pos] * len(stops)
+                tokens += stops
+                values += [float("-inf")] * len(stops)
+            pos += 1
+    if not rows:
+        return None
+    return LogitBias(
+        rows=make_device_tensor(rows, torch.int64, device),
+        tokens=make_device_tensor(tokens, torch.int64, device),
+        values=make_device_tensor(values, torch.float32, device),
+        depends_on_step=True,
+    )
 
 
 def verify_tokens(logits: torch.Tensor, args: VerifyArgs) -> torch.Tensor:
     """The target's token at each verify position ([N] int64)."""
+    logits = adjusted_logits(logits, args)
     tokens = greedy_tokens(logits).to(torch.int64)
     if args.sampled is None:
         return tokens
@@ -75,6 +166,16 @@ def verify_tokens(logits: torch.Tensor, args: VerifyArgs) -> torch.Tensor:
     probs = filtered_probs(logits.index_select(0, rows).float(), args.temperatures, args.top_k, args.top_p, args.min_p)
     tokens[rows] = accept_or_resample(probs, args.drafts.index_select(0, rows))
     return tokens
+
+
+def adjusted_logits(logits: torch.Tensor, args: VerifyArgs) -> torch.Tensor:
+    """Each position's logits as the sampler would adjust them for that token (its order:
+    penalties, then logit_bias and the min_tokens ban); `logits` itself is left intact."""
+    if args.penalties is not None:
+        logits = args.penalties.apply(logits)
+    if args.bias is not None:
+        logits = args.bias.apply(logits)
+    return logits
 
 
 def accept_or_resample(probs: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:

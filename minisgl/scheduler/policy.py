@@ -884,20 +884,12 @@ class Policy:
 
 
 def _can_speculate(req: SchedReq) -> bool:
-    """Verification (engine/spec_verify.py) applies temperature, top-k, top-p and min-p: a row
-    whose sampler applies more (penalties, logit_bias, min_tokens' ban, a grammar mask), whose
-    draw is seeded (its tokens would differ from the non-speculative ones) or that returns
-    logprobs decodes without drafts."""
+    """Verification (engine/spec_verify.py) applies penalties, logit_bias and min_tokens' ban per
+    position, then temperature, top-k, top-p and min-p: a row whose sampler applies more (a
+    grammar mask), whose draw is seeded (its tokens would differ from the non-speculative ones)
+    or that returns logprobs decodes without drafts."""
     p = req.sampling_params
-    return (
-        (p.is_greedy or p.seed is None)
-        and not p.has_penalties
-        and not p.logit_bias
-        and p.logprobs is None
-        and p.prompt_logprobs is None
-        and req.grammar_matcher is None
-        and req.num_output >= p.min_tokens
-    )
+    return (p.is_greedy or p.seed is None) and p.logprobs is None and p.prompt_logprobs is None and req.grammar_matcher is None
 
 
 def _wants_prompt_logprobs(req: SchedReq) -> bool:

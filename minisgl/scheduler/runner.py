@@ -164,14 +164,20 @@ class Runner:
             if draft:
                 rows += range(offset, offset + end - start)
             offset += end - start
-        with_drafts = [(req.sampling_params, d) for req, d in zip(plan.reqs, plan.drafts) if d]
-        params, drafts = [p for p, _ in with_drafts], [d for _, d in with_drafts]
+        with_drafts = [(req, d) for req, d in zip(plan.reqs, plan.drafts) if d]
+        reqs, drafts = [r for r, _ in with_drafts], [d for _, d in with_drafts]
         with stream_context(self.stream):
-            batch.verify_args = make_verify_args(params, drafts, self.engine.sampler.vocab_size, self.device)
+            batch.verify_args = make_verify_args(reqs, drafts, self.engine.sampler.vocab_size, self.device)
             batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
         record_stream(batch.prompt_logprob_rows, self.engine.stream)
         args = batch.verify_args
-        for t in (args.drafts, args.sampled, args.temperatures, args.top_k, args.top_p, args.min_p):
+        tensors = [args.drafts, args.sampled, args.temperatures, args.top_k, args.top_p, args.min_p]
+        if args.penalties is not None:
+            pen = args.penalties
+            tensors += [pen.rows, pen.tokens, pen.output_counts, pen.presence, pen.frequency, pen.repetition]
+        if args.bias is not None:
+            tensors += [args.bias.rows, args.bias.tokens, args.bias.values]
+        for t in tensors:
             if t is not None:
                 record_stream(t, self.engine.stream)
 
