@@ -87,8 +87,7 @@ def missing_packages() -> str | None:
 
 
 class _Throttle(logging.Filter):
-    """One record per `period_s` from the SDK's exporter loggers: a dead collector is reported, not
-    repeated for every batch (or every dropped span) while it stays dead."""
+    """One record per message (its format string) and `period_s`."""
 
     def __init__(self, period_s: float = 60.0) -> None:
         super().__init__()
@@ -123,9 +122,14 @@ class Tracing:
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("minisgl")
         self.propagator = TraceContextTextMapPropagator()
-        throttle = _Throttle()
-        for name in ("opentelemetry.exporter.otlp", "opentelemetry.sdk", "opentelemetry.exporter.otlp.common"):
-            logging.getLogger(name).addFilter(throttle)
+        # the SDK's own warnings (a collector that refuses, a full queue) in our log format, each
+        # message once a minute: a dead collector is reported, not repeated for every batch
+        handler = logging.StreamHandler()
+        handler.setFormatter(next((h.formatter for h in logging.getLogger("minisgl").handlers if h.formatter), None))
+        handler.addFilter(_Throttle())
+        sdk_logger = logging.getLogger("opentelemetry")
+        sdk_logger.addHandler(handler)
+        sdk_logger.propagate = False
 
     def start(self, scope: Scope, operation: str) -> "RequestSpan":
         from opentelemetry.trace import SpanKind

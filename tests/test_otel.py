@@ -1,0 +1,249 @@
+"""--otlp-traces-endpoint: a real server on the tiny chat model sends its spans to an OTLP/HTTP
+receiver run by the test (a thread that decodes POST /v1/traces with opentelemetry-proto), and a
+second server, pointed at a port where nothing listens, keeps serving."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Iterator, List, Tuple
+
+import httpx
+import pytest
+from server_helpers import MAX_SEQ_LEN, REPO, ServerProcess, free_port
+
+SPAN_WAIT_S = 60.0  # the SDK sends every 100 ms here (OTEL_BSP_SCHEDULE_DELAY); bounded, generous
+
+
+class Receiver:
+    """An OTLP/HTTP trace receiver: every span of every POST /v1/traces, with its resource."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+
+        self.spans: List[Tuple[Dict[str, Any], Any]] = []  # (resource attributes, Span message)
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                request = ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                with receiver.lock:
+                    for rs in request.resource_spans:
+                        resource = attributes(rs.resource.attributes)
+                        for ss in rs.scope_spans:
+                            receiver.spans.extend((resource, span) for span in ss.spans)
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200 if self.path == "/v1/traces" else 404)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def wait_span(self, trace_id: str) -> Tuple[Dict[str, Any], Any]:
+        """The one span of trace `trace_id` (hex), once it has arrived."""
+        deadline = time.monotonic() + SPAN_WAIT_S
+        while time.monotonic() < deadline:
+            with self.lock:
+                found = [(r, s) for r, s in self.spans if s.trace_id.hex() == trace_id]
+            if found:
+                assert len(found) == 1, f"{len(found)} spans in trace {trace_id}"
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no span of trace {trace_id} after {SPAN_WAIT_S:.0f} s ({len(self.spans)} spans received)")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind is not None else None
+
+
+def attributes(kvs: Any) -> Dict[str, Any]:
+    return {kv.key: value(kv.value) for kv in kvs}
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    r = Receiver()
+    try:
+        yield r
+    finally:
+        r.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_chat_model: str, receiver: Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Dict[str, ServerProcess]]:
+    """The traced server and one whose collector is a dead port, started side by side."""
+    flags = ("--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "2048", "--max-running-requests", "8")
+    log_dir = tmp_path_factory.mktemp("otel")
+    with pytest.MonkeyPatch.context() as mp:  # the servers copy the environment when they start
+        mp.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        mp.delenv("OTEL_SERVICE_NAME", raising=False)
+        traced = ServerProcess(tiny_chat_model, *flags, "--otlp-traces-endpoint", receiver.url, log_path=log_dir / "traced.log")
+        dead = ServerProcess(
+            tiny_chat_model, *flags, "--otlp-traces-endpoint", f"http://127.0.0.1:{free_port()}", log_path=log_dir / "dead.log"
+        )
+    try:
+        yield {"traced": traced.wait_ready(), "dead": dead.wait_ready()}
+    finally:
+        traced.stop()
+        dead.stop()
+
+
+def traceparent(n: int) -> Tuple[str, str, str]:
+    """(header, trace id, parent span id) of a caller's trace (a router's)."""
+    trace_id, span_id = f"{0x4BF92F3577B34DA6A3CE929D0E0E4736 + n:032x}", f"{0x00F067AA0BA902B7 + n:016x}"
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def events(span: Any) -> List[str]:
+    return [e.name for e in span.events]
+
+
+def test_a_chat_is_one_server_span_in_the_callers_trace(servers: Dict[str, ServerProcess], receiver: Receiver) -> None:
+    from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+
+    srv = servers["traced"]
+    header, trace_id, parent_id = traceparent(1)
+    body = {
+        "model": "tiny_chat_llama",
+        "messages": [{"role": "user", "content": "Tell me about tracing."}],
+        "max_tokens": 8,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "seed": 7,
+    }
+    resp = httpx.post(
+        srv.base_url + "/v1/chat/completions", json=body, headers={"traceparent": header, "X-Request-Id": "otel-chat-1"}, timeout=120
+    )
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    resource, span = receiver.wait_span(trace_id)
+    assert resource["service.name"] == "minisgl"
+    assert span.name == "chat tiny_chat_llama" and span.kind == Span.SPAN_KIND_SERVER
+    assert span.parent_span_id.hex() == parent_id
+    a = attributes(span.attributes)
+    usage = out["usage"]
+    assert a["gen_ai.operation.name"] == "chat"
+    assert a["gen_ai.request.model"] == "tiny_chat_llama" and a["gen_ai.response.model"] == "tiny_chat_llama"
+    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"], a["gen_ai.request.top_p"]) == (8, 0.5, 0.9)
+    assert a["gen_ai.request.seed"] == 7 and a["gen_ai.request.choice.count"] == 1 and a["gen_ai.request.stream"] is False
+    assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > 0
+    assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
+    assert a["gen_ai.usage.cache_read.input_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert a["gen_ai.response.finish_reasons"] == [out["choices"][0]["finish_reason"]]
+    assert a["gen_ai.request.id"] == "otel-chat-1" == resp.headers["x-request-id"]
+    assert a["http.response.status_code"] == 200 and a["http.route"] == "/v1/chat/completions"
+    assert a["gen_ai.response.time_to_first_chunk"] > 0
+    assert events(span) == ["submitted", "first_token", "finished"]
+    assert span.status.code == Status.STATUS_CODE_UNSET
+    assert span.end_time_unix_nano >= span.events[-1].time_unix_nano >= span.events[0].time_unix_nano >= span.start_time_unix_nano
+
+
+def test_a_streamed_completion_counts_tokens_as_its_usage_does(servers: Dict[str, ServerProcess], receiver: Receiver) -> None:
+    srv = servers["traced"]
+    header, trace_id, _ = traceparent(2)
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    usage, reasons = None, []
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, headers={"traceparent": header}, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            usage = chunk.get("usage") or usage
+            reasons += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
+    assert usage is not None and len(reasons) == 2
+    _, span = receiver.wait_span(trace_id)
+    a = attributes(span.attributes)
+    assert span.name == "text_completion tiny_chat_llama" and a["gen_ai.operation.name"] == "text_completion"
+    assert a["gen_ai.request.stream"] is True and a["gen_ai.request.choice.count"] == 2
+    # the prompt is counted once for its two choices, as `usage` counts it
+    assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] > 0
+    assert a["gen_ai.usage.output_tokens"] == usage["completion_tokens"] > 0
+    assert sorted(a["gen_ai.response.finish_reasons"]) == sorted(reasons)
+    assert a["gen_ai.request.max_tokens"] == 6
+    assert events(span) == ["submitted", "first_token", "finished"]
+
+
+def test_a_refused_request_is_an_error_span(servers: Dict[str, ServerProcess], receiver: Receiver) -> None:
+    from opentelemetry.proto.trace.v1.trace_pb2 import Status
+
+    srv = servers["traced"]
+    header, trace_id, _ = traceparent(3)
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}
+    resp = httpx.post(srv.base_url + "/v1/chat/completions", json=body, headers={"traceparent": header}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    _, span = receiver.wait_span(trace_id)
+    a = attributes(span.attributes)
+    assert span.status.code == Status.STATUS_CODE_ERROR and span.status.message == err["message"]
+    assert a["http.response.status_code"] == 400 and a["error.type"] == (err["code"] or "400")
+    assert "submitted" not in events(span)  # refused before anything reached the workers
+
+
+def test_a_dead_collector_does_not_stop_serving(servers: Dict[str, ServerProcess]) -> None:
+    srv = servers["dead"]
+    for i in range(3):  # spans pile up for a collector that never answers; requests do not care
+        resp = httpx.post(
+            srv.base_url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 4},
+            headers={"traceparent": traceparent(10 + i)[0]},
+            timeout=120,
+        )
+        assert resp.status_code == 200, resp.text
+    with httpx.stream("POST", srv.base_url + "/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.read().decode().rstrip().endswith("data: [DONE]")
+    assert httpx.get(srv.base_url + "/health", timeout=10).status_code == 200
+
+
+def test_the_endpoint_is_an_otlp_http_url() -> None:
+    import argparse
+
+    from minisgl.server.tracing import otlp_endpoint
+
+    assert otlp_endpoint("http://collector:4318") == "http://collector:4318/v1/traces"
+    assert otlp_endpoint("https://c.example/otlp/v1/traces") == "https://c.example/otlp/v1/traces"
+    for bad in ("localhost:4317", "grpc://collector:4317", "collector"):
+        with pytest.raises(argparse.ArgumentTypeError, match="OTLP/HTTP"):
+            otlp_endpoint(bad)
+
+
+def test_without_the_otel_extra_the_flag_is_refused_and_off_nothing_loads() -> None:
+    """The SDK hidden (as if `minisgl[otel]` were not installed): the flag stops the start with the
+    extra named, before anything starts; without the flag no OpenTelemetry SDK is imported."""
+    code = (
+        "import sys\n"
+        "import minisgl\n"
+        "assert not any(m.startswith('opentelemetry') for m in sys.modules), 'import minisgl loaded opentelemetry'\n"
+        "from minisgl.server.args import parse_args\n"
+        "import minisgl.server.api_server, minisgl.server.launch\n"
+        "parse_args([])\n"
+        "assert not any(m.startswith(('opentelemetry.sdk', 'opentelemetry.exporter')) for m in sys.modules), 'the SDK loaded'\n"
+        "sys.modules['opentelemetry.sdk'] = None  # import opentelemetry.sdk... now raises ImportError\n"
+        "from minisgl.server.launch import launch\n"
+        "sys.exit(launch(parse_args(['--otlp-traces-endpoint', 'http://127.0.0.1:9/v1/traces', '--port', '0'])))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "pip install 'minisgl[otel]'" in proc.stdout + proc.stderr
