@@ -218,6 +218,71 @@ def test_the_collector_going_away_does_not_stop_serving(server: ServerProcess, r
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
 
 
+def _traced_canned_app(text: str) -> Tuple[Any, Any, Any]:
+    """test_server_units' canned frontend (no workers) behind a traced app, spans kept in memory."""
+    from fastapi.testclient import TestClient
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from test_server_units import _CannedFrontend
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.args import parse_args
+    from minisgl.server.metrics import ServerMetrics
+    from minisgl.server.tracing import Tracing
+
+    args = parse_args([])
+    args.model_path = "/models/x"
+    exporter = InMemorySpanExporter()
+    tracing = Tracing("http://unused:4318/v1/traces", args.model_name, exporter=exporter)
+    frontend = _CannedFrontend(text)
+    info = {"max_seq_len": 512, "vocab_size": 100, "max_running_req": 4}
+    app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info={"chat_template": "{{ messages }}"}, tracing=tracing)  # type: ignore[arg-type]
+    return TestClient(app), frontend, (tracing, exporter)
+
+
+def _finished_spans(traced: Any) -> List[Any]:
+    tracing, exporter = traced
+    tracing.provider.force_flush()
+    return list(exporter.get_finished_spans())
+
+
+def test_n_choices_count_their_prompt_once() -> None:
+    client, _, traced = _traced_canned_app("Hello there")
+    resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2, "max_tokens": 9})
+    assert resp.status_code == 200, resp.text
+    (span,) = _finished_spans(traced)
+    a, usage = span.attributes, resp.json()["usage"]
+    assert a["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] and a["gen_ai.usage.output_tokens"] == usage["completion_tokens"]
+    assert tuple(a["gen_ai.response.finish_reasons"]) == ("stop", "stop")
+
+
+def test_an_error_chunk_after_the_stream_started_fails_the_span() -> None:
+    import asyncio
+
+    from opentelemetry.trace import StatusCode
+
+    from minisgl.message import ErrorMsg, ReplyMsg
+    from minisgl.server.frontend import RequestStream
+
+    client, frontend, traced = _traced_canned_app("unused")
+
+    def failing_submit(msgs: List[Any], label: str = "", choices: int = 1) -> RequestStream:
+        stream = RequestStream(frontend, [m.uid for m in msgs], label, choices)
+        uid, loop = stream.uids[0], asyncio.get_running_loop()
+        loop.call_soon(stream._deliver, uid, ReplyMsg(uid, "Hel", 1, False, None, 5, 1, 0, None, None, [7]))
+        loop.call_soon(stream._deliver, uid, ErrorMsg(uid, "the scheduler step failed", 500))
+        return stream
+
+    frontend.submit = failing_submit
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert "the scheduler step failed" in resp.read().decode()
+    (span,) = _finished_spans(traced)
+    assert span.attributes["http.response.status_code"] == 200 and span.attributes["error.type"] == "500"
+    assert span.status.status_code == StatusCode.ERROR and span.status.description == "the scheduler step failed"
+    assert [e.name for e in span.events] == ["first_token", "finished"]  # (the canned frontend sends no "submitted")
+
+
 def test_the_endpoint_is_an_otlp_http_url() -> None:
     import argparse
 

@@ -106,7 +106,7 @@ class _Throttle(logging.Filter):
 class Tracing:
     """The tracer provider with its batched OTLP/HTTP exporter, for one server process."""
 
-    def __init__(self, endpoint: str, model_name: str) -> None:
+    def __init__(self, endpoint: str, model_name: str, exporter: Any = None) -> None:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -119,7 +119,8 @@ class Tracing:
         # Resource.create also reads OTEL_RESOURCE_ATTRIBUTES
         self.provider = TracerProvider(resource=Resource.create({"service.name": service}))
         # delays, batch and queue sizes: the SDK's OTEL_BSP_* variables (5 s, 512, 2048 by default)
-        self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        # (`exporter`: a test's in-memory one instead of OTLP/HTTP)
+        self.provider.add_span_processor(BatchSpanProcessor(exporter or OTLPSpanExporter(endpoint=endpoint)))
         self.tracer = self.provider.get_tracer("minisgl")
         self.propagator = TraceContextTextMapPropagator()
         # the SDK's own warnings (a collector that refuses, a full queue) in our log format, each
