@@ -255,6 +255,24 @@ def test_n_choices_count_their_prompt_once() -> None:
     assert tuple(a["gen_ai.response.finish_reasons"]) == ("stop", "stop")
 
 
+def test_every_generation_route_is_traced_and_nothing_else() -> None:
+    client, _, traced = _traced_canned_app("Hi!")
+    calls = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "chat"),
+        ("/v1/responses", {"input": "hi"}, "chat"),
+        ("/v1/completions", {"prompt": "hi"}, "text_completion"),
+        ("/generate", {"text": "hi"}, "text_completion"),
+    ]
+    for path, body, _ in calls:
+        assert client.post(path, json=body).status_code == 200, path
+    assert client.get("/v1/models").status_code == 200 and client.post("/v1/nothing", json={}).status_code == 404
+    spans = _finished_spans(traced)
+    model = client.get("/v1/models").json()["data"][0]["id"]
+    assert [(s.name, s.attributes["gen_ai.operation.name"], s.attributes["http.route"]) for s in spans] == [
+        (f"{op} {model}", op, path) for path, _, op in calls
+    ]
+
+
 def test_an_error_chunk_after_the_stream_started_fails_the_span() -> None:
     import asyncio
 
