@@ -385,8 +385,8 @@ def test_an_error_after_the_stream_started_is_an_error_event() -> None:
 
     client, frontend = _canned_app("unused")
 
-    def failing_submit(msgs: List[Any], label: str = "") -> RequestStream:
-        stream = RequestStream(frontend, [m.uid for m in msgs], label)  # type: ignore[arg-type]
+    def failing_submit(msgs: List[Any], label: str = "", choices: int = 1) -> RequestStream:
+        stream = RequestStream(frontend, [m.uid for m in msgs], label, choices)  # type: ignore[arg-type]
         uid, loop = stream.uids[0], asyncio.get_running_loop()
         loop.call_soon(stream._deliver, uid, ReplyMsg(uid, "Hel", 1, False, None, 5, 1, 0, None, None, [7]))
         loop.call_soon(stream._deliver, uid, ErrorMsg(uid, "the scheduler step failed", 500))

@@ -493,14 +493,14 @@ class _CannedFrontend:
     def _send(self, msg: Any) -> None:
         pass
 
-    def submit(self, msgs: List[Any], label: str = "") -> Any:
+    def submit(self, msgs: List[Any], label: str = "", choices: int = 1) -> Any:
         import asyncio
 
         from minisgl.message import ReplyMsg
         from minisgl.server.frontend import RequestStream
 
         self.sent += msgs
-        stream = RequestStream(self, [m.uid for m in msgs], label)  # type: ignore[arg-type]
+        stream = RequestStream(self, [m.uid for m in msgs], label, choices)  # type: ignore[arg-type]
         pieces = [self.text[i : i + 3] for i in range(0, len(self.text), 3)]
         loop = asyncio.get_running_loop()
         for uid in stream.uids:

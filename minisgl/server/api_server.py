@@ -32,6 +32,7 @@ from minisgl.server.routes.common import (
     internal_error_response,
     validation_error,
 )
+from minisgl.server.tracing import Tracing, TracingMiddleware
 
 # re-exported for callers that build error bodies (the shell, tests)
 __all__ = ["APIError", "ServerState", "create_app", "error_body"]
@@ -44,6 +45,7 @@ def create_app(
     metrics: ServerMetrics,
     lifespan: Any = None,
     tokenizer_info: Dict[str, Any] | None = None,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     app = FastAPI(title="minisgl", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.minisgl = ServerState(args, info, frontend, metrics, tokenizer_info or {})
@@ -77,6 +79,8 @@ def create_app(
             allow_headers=["Authorization", "Content-Type"],
             max_age=600,
         )
+    if tracing is not None:  # --otlp-traces-endpoint: inside the id's middleware, so the span names the id
+        app.add_middleware(TracingMiddleware, tracing=tracing)
     # outermost (added last): the id is on every response, CORS preflights and 500s included
     app.add_middleware(RequestIdMiddleware)
     for module in (admin, chat, completions, native, responses, embeddings):

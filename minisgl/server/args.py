@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List
 
 from minisgl.scheduler.config import SchedulerConfig  # torch-free: only its fields are read here
+from minisgl.server.tracing import otlp_endpoint  # opentelemetry-free: it is imported only with the flag
 from minisgl.utils.cli import (
     GROUPS,
     MODEL,
@@ -145,6 +146,14 @@ class ServerArgs:
         None,
         "with --kv-events-endpoint: a ZeroMQ ROUTER endpoint (bound) that resends recent KV-event batches on request",
         group=SERVER,
+        default_text="off",
+    )
+    otlp_traces_endpoint: str | None = knob(
+        None,
+        "send an OpenTelemetry span per generation request to this OTLP/HTTP collector URL "
+        "(http://HOST:4318/v1/traces; needs pip install 'minisgl[otel]'; service name: env OTEL_SERVICE_NAME)",
+        group=SERVER,
+        type=otlp_endpoint,
         default_text="off",
     )
     nnodes: int = knob(1, "machines the --tp ranks are spread over", group=MULTI_NODE, type=positive_int)

@@ -36,6 +36,7 @@ from minisgl.message import (
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.process_utils import IpcAddrs
 from minisgl.server.request_id import current_request_id
+from minisgl.server.tracing import current_span
 from minisgl.utils.logger import init_logger
 
 logger = init_logger(__name__)
@@ -59,13 +60,18 @@ Event = Tuple[int, Any]  # (choice index, ReplyMsg | ErrorMsg)
 
 
 class RequestStream:
-    """The replies of one client request: `n` scheduler requests (choices) sharing one queue."""
+    """The replies of one client request: `n` scheduler requests (choices) sharing one queue.
 
-    def __init__(self, frontend: "Frontend", uids: List[int], label: str = "") -> None:
+    `choices` scheduler requests in a row share one prompt (a request's `n`): its tokens are
+    counted once, as the response's `usage` counts them."""
+
+    def __init__(self, frontend: "Frontend", uids: List[int], label: str = "", choices: int = 1) -> None:
         self.frontend = frontend
         self.uids = uids
         self.label = label  # what the request log line calls it (the endpoint)
+        self.choices = choices
         self.request_id = current_request_id.get()  # X-Request-Id of the HTTP request (None in the shell)
+        self.span = current_span.get()  # its OpenTelemetry span (server/tracing.py), None when not traced
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -92,9 +98,12 @@ class RequestStream:
         if isinstance(msg, ReplyMsg):
             if msg.num_tokens and self.ttft is None:
                 self.ttft = now - self.start
+                if self.span is not None:
+                    self.span.first_token(self.ttft)
             if msg.finished:
-                self.prompt_tokens += msg.prompt_tokens
-                self.cached_tokens += msg.cached_tokens
+                if self.index[uid] % self.choices == 0:  # the first choice of its prompt
+                    self.prompt_tokens += msg.prompt_tokens
+                    self.cached_tokens += msg.cached_tokens
                 self.completion_tokens += msg.completion_tokens
                 self.outcomes.append(msg.finish_reason or "unknown")
             if msg.num_tokens and metrics is not None:
@@ -115,9 +124,14 @@ class RequestStream:
             self.outcomes.append(f"error {msg.status}")
             if metrics is not None:
                 metrics.requests.labels("error").inc()
+            if self.span is not None:
+                self.span.error(msg.status, msg.message, msg.code)
         if self.done:
             self.frontend._forget(self)
             self._log()
+            if self.span is not None:
+                reasons = [o for o in self.outcomes if not o.startswith("error")]
+                self.span.finished(self.prompt_tokens, self.cached_tokens, self.completion_tokens, reasons)
         self.queue.put_nowait((self.index[uid], msg))
 
     def _log(self) -> None:
@@ -140,6 +154,8 @@ class RequestStream:
         self.unfinished.clear()
         self.frontend._forget(self)
         self._log()
+        if self.span is not None:
+            self.span.aborted()
 
 
 class Frontend:
@@ -187,7 +203,8 @@ class Frontend:
     def new_uid(self) -> int:
         return next(self._uids)
 
-    def submit(self, msgs: List[TokenizeMsg], label: str = "") -> RequestStream:
+    def submit(self, msgs: List[TokenizeMsg], label: str = "", choices: int = 1) -> RequestStream:
+        """Send a client request's scheduler requests (`choices` per prompt, prompt by prompt)."""
         if self.failure is not None:
             raise Unavailable(self.failure)
         if self.draining:
@@ -201,7 +218,7 @@ class Frontend:
             for m in msgs:
                 m.group = msgs[0].uid
         frames = [encode_msg(m) for m in msgs]  # before registering: a failure leaves nothing behind
-        stream = RequestStream(self, [m.uid for m in msgs], label)
+        stream = RequestStream(self, [m.uid for m in msgs], label, choices)
         for uid in stream.uids:
             self._streams[uid] = stream
         try:
@@ -210,6 +227,8 @@ class Frontend:
         except zmq.Again:
             stream.abort()
             raise Overloaded("the tokenizer worker is not keeping up; retry later") from None
+        if stream.span is not None:
+            stream.span.submitted(msgs, choices)
         if self.metrics is not None:
             self.metrics.in_flight.set(self.num_in_flight)
         return stream

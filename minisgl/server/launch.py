@@ -97,6 +97,12 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], li
     from minisgl.server.metrics import ServerMetrics
 
     metrics = ServerMetrics(args.model_name)
+    tracing = None
+    if args.otlp_traces_endpoint is not None:
+        from minisgl.server.tracing import Tracing
+
+        tracing = Tracing(args.otlp_traces_endpoint, args.model_name)
+        logger.info("tracing: a span per generation request goes to %s (OTLP/HTTP, batched)", args.otlp_traces_endpoint)
     sched = info.get("scheduler", {})
     max_pending = int(sched.get("max_running_req") or 0) + args.max_queued_requests
     frontend = Frontend(IpcAddrs.in_dir(args.ipc_dir), metrics, max_pending=max_pending)
@@ -123,7 +129,9 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], li
             watchdog.stop()
             await frontend.close()
 
-    app = create_app(args, info.get("scheduler", {}), frontend, metrics, lifespan=lifespan, tokenizer_info=info.get("tokenizer"))
+    app = create_app(
+        args, info.get("scheduler", {}), frontend, metrics, lifespan=lifespan, tokenizer_info=info.get("tokenizer"), tracing=tracing
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -136,7 +144,11 @@ def serve_http(args: ServerArgs, info: Dict[str, Any], children: List[Child], li
     )
     server = DrainingServer(config, frontend, args.shutdown_timeout)
     holder["server"] = server
-    server.run(sockets=[listener])
+    try:
+        server.run(sockets=[listener])
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # the spans of the drained requests, a few seconds at most
     if watchdog.failure is not None:
         logger.error("exiting with status 1: %s", watchdog.failure)
         return EXIT_FAILURE
@@ -224,6 +236,10 @@ def launch(args: ServerArgs) -> int:
     (EXIT_OK, EXIT_FAILURE or EXIT_USAGE; argparse also exits 2 for a bad command line)."""
     configure_logging(args.log_level)
     problem = args.check_tp_layout()
+    if problem is None and args.otlp_traces_endpoint is not None and args.node_rank == 0:
+        from minisgl.server.tracing import missing_packages
+
+        problem = missing_packages()
     if problem is not None:
         logger.error("%s", problem)
         return EXIT_USAGE

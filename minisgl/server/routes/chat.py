@@ -116,6 +116,7 @@ async def _respond_chat(
             rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call, want_ids, continuous_usage
         ),
         lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call, want_ids),
+        choices=len(msgs),  # n choices of one conversation
     )
 
 

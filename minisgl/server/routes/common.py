@@ -28,6 +28,7 @@ from minisgl.server.frontend import Frontend, Overloaded, RequestStream, Unavail
 from minisgl.server.limits import RequestLimits, parse_json
 from minisgl.server.metrics import ServerMetrics
 from minisgl.server.protocol import is_unset
+from minisgl.server.tracing import current_span
 from minisgl.utils.logger import init_logger
 
 logger = init_logger("minisgl.server.api")
@@ -319,6 +320,9 @@ async def read_body(request: Request, model: type[BaseModel], unsupported: Seque
         raise APIError.from_invalid(exc) from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    span = current_span.get()
+    if span is not None and isinstance(data.get("model"), str):
+        span.set_model(data["model"])
     for name in unsupported:
         if name in data:
             if not is_unset(data[name]):
@@ -384,9 +388,9 @@ def prompt_messages(
 # ---- from messages to a response ----------------------------------------------------------------
 
 
-def submit(frontend: Frontend, msgs: List[TokenizeMsg], label: str = "") -> RequestStream:
+def submit(frontend: Frontend, msgs: List[TokenizeMsg], label: str = "", choices: int = 1) -> RequestStream:
     try:
-        return frontend.submit(msgs, label)
+        return frontend.submit(msgs, label, choices)
     except Overloaded as exc:
         raise APIError(503, str(exc), code="server_overloaded", headers={"Retry-After": str(exc.retry_after_s)}) from None
     except Unavailable as exc:
@@ -399,10 +403,12 @@ async def respond(
     stream: bool,
     sse_body: Callable[[RequestStream, Event], AsyncIterator[str]],
     render: Callable[[List["Result"]], Any],
+    choices: int = 1,
 ) -> Response:
-    """Submit `msgs` (one per choice) and answer with an SSE stream or one JSON body. Whatever
-    happens before the response is handed over, nothing stays registered or running."""
-    rs = submit(get_state(request).frontend, msgs, f"{request.method} {request.url.path}")
+    """Submit `msgs` (one per choice, `choices` per prompt) and answer with an SSE stream or one
+    JSON body. Whatever happens before the response is handed over, nothing stays registered or
+    running."""
+    rs = submit(get_state(request).frontend, msgs, f"{request.method} {request.url.path}", choices)
     try:
         if stream:
             first = await first_event(request, rs)

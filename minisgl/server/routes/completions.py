@@ -83,6 +83,7 @@ async def completions(request: Request) -> Response:
             rs, first, rid, state.model_name, include_usage, body.n, want_lp, echo, score_only, want_ids, continuous_usage
         ),
         lambda results: _completion_response(results, rid, state.model_name, body.n, want_lp, echo, score_only, want_ids),
+        choices=body.n,
     )
 
 

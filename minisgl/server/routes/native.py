@@ -90,7 +90,9 @@ async def generate(request: Request) -> Response:
         out = [_generate_item(r, f"{rid}-{i}", want_lp, start) for i, r in enumerate(results)]
         return out if batched or len(out) > 1 else out[0]
 
-    return await respond(request, msgs, body.stream, lambda rs, first: _generate_stream(rs, first, rid, want_lp, start), render)
+    return await respond(
+        request, msgs, body.stream, lambda rs, first: _generate_stream(rs, first, rid, want_lp, start), render, choices=sp.n
+    )
 
 
 def _finish_info(r: Result) -> Dict[str, Any] | None:
