@@ -25,6 +25,7 @@ from helpers import TEST_DEVICE, build_tiny_model
 from sched_helpers import assert_idle_and_clean, llm_kwargs
 
 from minisgl.core import SamplingParams
+from minisgl.sampling_params import GrammarSpec
 from minisgl.distributed import DistributedInfo, DistributedInitError
 from minisgl.llm import LLM
 from minisgl.scheduler import UserRequest
@@ -462,7 +463,7 @@ def test_tp_works_after_a_failed_rendezvous_in_the_same_process(qwen3_dir):
 
 def test_speculative_verify_steps_keep_ranks_in_step(llm2):
     """N-gram speculation at tp=2 (rank 0's policy drafts; every rank runs the verify step of
-    the plan): greedy outputs, plain and with penalties, logit_bias or min_tokens, equal
+    the plan): greedy outputs, plain and with penalties, logit_bias, min_tokens or a grammar, equal
     speculation off, drafts are accepted, unseeded sampled rows speculate beside them, and the
     ranks' token pools and page tables stay identical."""
     from test_spec_ngram import _copy_heavy_prompts
@@ -474,7 +475,9 @@ def test_speculative_verify_steps_keep_ranks_in_step(llm2):
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3),
         SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={7: 2.0}),
         SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[9, 11]),
+        SamplingParams(temperature=0.0, max_tokens=12, grammar=GrammarSpec("json_object")),
     ]
+    prompts.append(prompts[0])
     off = llm2.generate(prompts, greedy)
     before = sched.stats()
     sched.speculative = "ngram"

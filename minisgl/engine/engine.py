@@ -457,7 +457,7 @@ class Engine:
             if batch.verify_args is not None and batch.prompt_hidden is not None:
                 # the same LM head as every row's, at every position of the rows with drafts
                 lm_head: Any = self.model.lm_head
-                verify = verify_tokens(lm_head(batch.prompt_hidden), batch.verify_args)
+                verify = verify_tokens(lm_head(batch.prompt_hidden), batch.verify_args, self.sampler.grammar)
                 verify_cpu = verify.to(torch.int32).to("cpu", non_blocking=True)
                 batch.prompt_hidden = None
             elif batch.prompt_hidden is not None:

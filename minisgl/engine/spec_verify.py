@@ -10,7 +10,10 @@ softmax(logits / T) with min-p, top-k and top-p (`sample.filtered_probs`).
 
 Before either, each position's logits get what the sampler would apply to that token (sample.py,
 in its order): penalties counted over the output so far plus the drafts before the position,
-logit_bias, and the stop tokens' ban while the position's output number is below min_tokens.
+logit_bias, the stop tokens' ban while the position's output number is below min_tokens, and a
+structured-output row's grammar mask in the state after the drafts before the position (its
+matcher advanced through them and rolled back; the policy cut the draft where the grammar would
+reject it).
 Position j only decides a token when drafts 0..j-1 were accepted, and then that history is
 exactly the one the non-speculative sampler would see.
 """
@@ -18,11 +21,11 @@ exactly the one the non-speculative sampler would see.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 
-from minisgl.engine.sample import MIN_P, MIN_T, LogitBias, Penalties, filtered_probs, greedy_tokens
+from minisgl.engine.sample import MIN_P, MIN_T, LogitBias, Penalties, _allows_other_than, filtered_probs, greedy_tokens
 from minisgl.sampling_params import SamplingParams
 from minisgl.utils.device import make_device_tensor
 
@@ -41,13 +44,17 @@ class VerifyArgs:
     min_p: torch.Tensor | None = None
     penalties: Penalties | None = None  # per position: the output so far + the drafts before it
     bias: LogitBias | None = None  # per position: logit_bias, the min_tokens ban
+    # per position of the grammar rows: (host bitmask [N, words], the positions it constrains)
+    grammar_mask: Tuple[torch.Tensor, List[int]] | None = None
 
 
-def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device) -> VerifyArgs:
+def make_verify_args(
+    reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device, grammar: Any = None
+) -> VerifyArgs:
     """Host side: the requests with drafts and their drafts, in batch order. A request's
     `token_ids` are its prompt and accepted output (the drafts are not among them; a TP follower
     keeps them for the rows with penalties, from the plans' history), its `device_len` counts
-    the drafts."""
+    the drafts; `grammar` (scheduler/grammar.py's backend) masks the rows with a matcher."""
     params: List[SamplingParams] = [r.sampling_params for r in reqs]
     flat: List[int] = []
     sampled: List[int] = []
@@ -76,9 +83,38 @@ def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, 
             args.min_p = make_device_tensor(mins, torch.float32, device)
     if any(p.has_penalties for p in params):
         args.penalties = _position_penalties(reqs, drafts, device)
+    if any(getattr(r, "grammar_matcher", None) is not None for r in reqs):
+        assert grammar is not None, "a grammar row speculates without the grammar backend"
+        args.grammar_mask = _position_masks(reqs, drafts, grammar)
     if any(p.logit_bias or p.min_tokens for p in params):
-        args.bias = _position_bias(reqs, drafts, device)
+        args.bias = _position_bias(reqs, drafts, device, args.grammar_mask)
     return args
+
+
+def _position_masks(reqs: List[Any], drafts: List[List[int]], grammar: Any) -> Tuple[torch.Tensor, List[int]]:
+    """Each grammar row's bitmask at each of its positions: the matcher's state after the drafts
+    before it (advanced, then rolled back: the matcher ends where it began)."""
+    total = sum(len(d) + 1 for d in drafts)
+    mask = grammar.xgr.allocate_token_bitmask(total, grammar.vocab_size)
+    rows: List[int] = []
+    pos = 0
+    for req, d in zip(reqs, drafts):
+        matcher = getattr(req, "grammar_matcher", None)
+        if matcher is None:
+            pos += len(d) + 1
+            continue
+        advanced = 0
+        for j in range(len(d) + 1):
+            matcher.fill_next_token_bitmask(mask, pos + j)
+            rows.append(pos + j)
+            if j < len(d):
+                ok = matcher.accept_token(d[j])
+                assert ok, "a draft the grammar rejects (the policy cuts drafts to the grammar)"
+                advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
+        pos += len(d) + 1
+    return mask, rows
 
 
 def _position_penalties(reqs: List[Any], drafts: List[List[int]], device: torch.device) -> Penalties:
@@ -121,10 +157,13 @@ def _position_penalties(reqs: List[Any], drafts: List[List[int]], device: torch.
     )
 
 
-def _position_bias(reqs: List[Any], drafts: List[List[int]], device: torch.device) -> LogitBias | None:
+def _position_bias(
+    reqs: List[Any], drafts: List[List[int]], device: torch.device, grammar_mask: Tuple[torch.Tensor, List[int]] | None
+) -> LogitBias | None:
     """The sampler's LogitBias (sample.Sampler._prepare_bias) per verify position: logit_bias at
     every position, -inf on the stop tokens at a position whose output number is below
-    min_tokens (grammar rows do not speculate, so the grammar's exception does not arise)."""
+    min_tokens, except where the grammar allows nothing but stop tokens (as the sampler)."""
+    constrained = set(grammar_mask[1]) if grammar_mask is not None else set()
     rows: List[int] = []
     tokens: List[int] = []
     values: List[float] = []
@@ -141,6 +180,9 @@ def _position_bias(reqs: List[Any], drafts: List[List[int]], device: torch.devic
                 values += [float(v) for v in p.logit_bias.values()]
             if p.min_tokens and produced + j < p.min_tokens:
                 stops = sorted(req.stop_ids)
+                if pos in constrained and grammar_mask is not None and not _allows_other_than(grammar_mask[0][pos], stops):
+                    pos += 1
+                    continue
                 rows += [pos] * len(stops)
                 tokens += stops
                 values += [float("-inf")] * len(stops)
@@ -155,9 +197,9 @@ def _position_bias(reqs: List[Any], drafts: List[List[int]], device: torch.devic
     )
 
 
-def verify_tokens(logits: torch.Tensor, args: VerifyArgs) -> torch.Tensor:
+def verify_tokens(logits: torch.Tensor, args: VerifyArgs, grammar: Any = None) -> torch.Tensor:
     """The target's token at each verify position ([N] int64)."""
-    logits = adjusted_logits(logits, args)
+    logits = adjusted_logits(logits, args, grammar)
     tokens = greedy_tokens(logits).to(torch.int64)
     if args.sampled is None:
         return tokens
@@ -168,13 +210,17 @@ def verify_tokens(logits: torch.Tensor, args: VerifyArgs) -> torch.Tensor:
     return tokens
 
 
-def adjusted_logits(logits: torch.Tensor, args: VerifyArgs) -> torch.Tensor:
+def adjusted_logits(logits: torch.Tensor, args: VerifyArgs, grammar: Any = None) -> torch.Tensor:
     """Each position's logits as the sampler would adjust them for that token (its order:
-    penalties, then logit_bias and the min_tokens ban); `logits` itself is left intact."""
+    penalties, then logit_bias and the min_tokens ban, then the grammar mask); `logits` itself
+    is left intact."""
     if args.penalties is not None:
         logits = args.penalties.apply(logits)
     if args.bias is not None:
         logits = args.bias.apply(logits)
+    if args.grammar_mask is not None:
+        logits = logits.to(torch.float32, copy=True)  # never mask the model's own buffer
+        grammar.apply(logits, *args.grammar_mask)
     return logits
 
 

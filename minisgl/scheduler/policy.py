@@ -366,6 +366,8 @@ class Policy:
                 k = min(k, room)
             if k > 0 and _can_speculate(req) and len(req.token_ids) == req.device_len:
                 draft = spec[0].propose(req.token_ids, k)
+                if req.grammar_matcher is not None:
+                    draft = _within_grammar(req.grammar_matcher, draft)
                 if room is not None:
                     room -= len(draft)
             if draft and optimistic:
@@ -884,12 +886,25 @@ class Policy:
 
 
 def _can_speculate(req: SchedReq) -> bool:
-    """Verification (engine/spec_verify.py) applies penalties, logit_bias and min_tokens' ban per
-    position, then temperature, top-k, top-p and min-p: a row whose sampler applies more (a
-    grammar mask), whose draw is seeded (its tokens would differ from the non-speculative ones)
-    or that returns logprobs decodes without drafts."""
+    """Verification (engine/spec_verify.py) applies penalties, logit_bias, min_tokens' ban and
+    the grammar mask per position, then temperature, top-k, top-p and min-p: a row whose draw
+    is seeded (its tokens would differ from the non-speculative ones) or that returns logprobs
+    decodes without drafts."""
     p = req.sampling_params
-    return (p.is_greedy or p.seed is None) and p.logprobs is None and p.prompt_logprobs is None and req.grammar_matcher is None
+    return (p.is_greedy or p.seed is None) and p.logprobs is None and p.prompt_logprobs is None
+
+
+def _within_grammar(matcher: Any, draft: List[int]) -> List[int]:
+    """The longest prefix of `draft` the grammar accepts (a token past a rejected one, or past
+    the grammar's end, could never be emitted); the matcher is left where it was."""
+    accepted = 0
+    for token in draft:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        accepted += 1
+    if accepted:
+        matcher.rollback(accepted)
+    return draft[:accepted]
 
 
 def _wants_prompt_logprobs(req: SchedReq) -> bool:

@@ -167,7 +167,8 @@ class Runner:
         with_drafts = [(req, d) for req, d in zip(plan.reqs, plan.drafts) if d]
         reqs, drafts = [r for r, _ in with_drafts], [d for _, d in with_drafts]
         with stream_context(self.stream):
-            batch.verify_args = make_verify_args(reqs, drafts, self.engine.sampler.vocab_size, self.device)
+            sampler = self.engine.sampler
+            batch.verify_args = make_verify_args(reqs, drafts, sampler.vocab_size, self.device, sampler.grammar)
             batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
         record_stream(batch.prompt_logprob_rows, self.engine.stream)
         args = batch.verify_args
