@@ -25,9 +25,9 @@ from helpers import TEST_DEVICE, build_tiny_model
 from sched_helpers import assert_idle_and_clean, llm_kwargs
 
 from minisgl.core import SamplingParams
-from minisgl.sampling_params import GrammarSpec
 from minisgl.distributed import DistributedInfo, DistributedInitError
 from minisgl.llm import LLM
+from minisgl.sampling_params import GrammarSpec
 from minisgl.scheduler import UserRequest
 
 if TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2:

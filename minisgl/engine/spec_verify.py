@@ -48,9 +48,7 @@ class VerifyArgs:
     grammar_mask: Tuple[torch.Tensor, List[int]] | None = None
 
 
-def make_verify_args(
-    reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device, grammar: Any = None
-) -> VerifyArgs:
+def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device, grammar: Any = None) -> VerifyArgs:
     """Host side: the requests with drafts and their drafts, in batch order. A request's
     `token_ids` are its prompt and accepted output (the drafts are not among them; a TP follower
     keeps them for the rows with penalties, from the plans' history), its `device_len` counts
