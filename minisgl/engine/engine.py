@@ -58,6 +58,8 @@ class ForwardOutput(NamedTuple):
     embeddings: torch.Tensor | None = None
     # a verify step: the target's token at each of batch.prompt_logprob_rows (engine/spec_verify.py), on the host
     verify_tokens: torch.Tensor | None = None
+    # ... and where a row with drafts returns logprobs, `_token_logprobs` at each of those positions
+    verify_logprobs: Tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _align_up_32(x: int) -> int:
@@ -453,12 +455,15 @@ class Engine:
             if args.logprobs_k is not None:
                 logprobs = _token_logprobs(logits, next_tokens_gpu, args.logprobs_k)
             prompt_logprobs = None
-            verify_cpu = None
+            verify_cpu = verify_lp = None
             if batch.verify_args is not None and batch.prompt_hidden is not None:
                 # the same LM head as every row's, at every position of the rows with drafts
                 lm_head: Any = self.model.lm_head
-                verify = verify_tokens(lm_head(batch.prompt_hidden), batch.verify_args, self.sampler.grammar)
+                verify_logits = lm_head(batch.prompt_hidden)
+                verify = verify_tokens(verify_logits, batch.verify_args, self.sampler.grammar)
                 verify_cpu = verify.to(torch.int32).to("cpu", non_blocking=True)
+                if batch.verify_args.logprobs_k is not None:  # (of the raw distribution, as a decode step's)
+                    verify_lp = _token_logprobs(verify_logits, verify, batch.verify_args.logprobs_k)
                 batch.prompt_hidden = None
             elif batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
@@ -467,7 +472,8 @@ class Engine:
                 batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
-        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs, verify_tokens=verify_cpu)
+        return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs, verify_tokens=verify_cpu,
+                             verify_logprobs=verify_lp)  # fmt: skip
 
     def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
         """The embed task's step: a prefill whose hidden rows are pooled; nothing is sampled."""

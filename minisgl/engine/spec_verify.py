@@ -46,6 +46,7 @@ class VerifyArgs:
     bias: LogitBias | None = None  # per position: logit_bias, the min_tokens ban
     # per position of the grammar rows: (host bitmask [N, words], the positions it constrains)
     grammar_mask: Tuple[torch.Tensor, List[int]] | None = None
+    logprobs_k: int | None = None  # some row returns logprobs: at every position, with this many top ones
 
 
 def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device, grammar: Any = None) -> VerifyArgs:
@@ -79,6 +80,8 @@ def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, 
             args.top_p = make_device_tensor(ps, torch.float32, device)
         if any(m > 0.0 for m in mins):
             args.min_p = make_device_tensor(mins, torch.float32, device)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    args.logprobs_k = max(wanted) if wanted else None
     if any(p.has_penalties for p in params):
         args.penalties = _position_penalties(reqs, drafts, device)
     if any(getattr(r, "grammar_matcher", None) is not None for r in reqs):

@@ -699,12 +699,15 @@ class Policy:
             if not real or req.status is _FINISHED:
                 continue
             if verify is not None and plan.drafts[i]:
-                outputs += self._accept_drafts(req, plan.starts[i], plan.drafts[i], verify[i])
+                row_lps = result.verify_logprobs[i] if result.verify_logprobs is not None else None
+                outputs += self._accept_drafts(req, plan.starts[i], plan.drafts[i], verify[i], row_lps)
                 continue
             outputs.append(self._emit(req, tokens[i], lps[i] if lps is not None else None))
         return outputs
 
-    def _accept_drafts(self, req: SchedReq, start: int, drafts: List[int], targets: List[int]) -> List[TokenOutput]:
+    def _accept_drafts(
+        self, req: SchedReq, start: int, drafts: List[int], targets: List[int], lps: List[Any] | None = None
+    ) -> List[TokenOutput]:
         """Greedy acceptance of a verify row: the drafts the target agrees with, then the
         target's own token (at the first mismatch, or after every draft). Emitted one by one
         as a decode step would, so a stop condition cuts the run where it would have stopped."""
@@ -723,8 +726,8 @@ class Policy:
         # token is the verify draw, not the sampler's)
         self._tp_writes.append((req.table_idx, req.cached_len, [targets[accepted]]))
         outputs: List[TokenOutput] = []
-        for token in targets[: accepted + 1]:
-            outputs.append(self._emit(req, token, None))
+        for j, token in enumerate(targets[: accepted + 1]):
+            outputs.append(self._emit(req, token, lps[j] if lps is not None else None))
             if req.finished:
                 break
         return outputs
@@ -887,11 +890,12 @@ class Policy:
 
 def _can_speculate(req: SchedReq) -> bool:
     """Verification (engine/spec_verify.py) applies penalties, logit_bias, min_tokens' ban and
-    the grammar mask per position, then temperature, top-k, top-p and min-p: a row whose draw
-    is seeded (its tokens would differ from the non-speculative ones) or that returns logprobs
-    decodes without drafts."""
+    the grammar mask per position, then temperature, top-k, top-p and min-p, and returns each
+    position's logprobs (a decoding row's prompt logprobs were sent with its first token): a row
+    whose draw is seeded (its tokens would differ from the non-speculative ones) decodes without
+    drafts."""
     p = req.sampling_params
-    return (p.is_greedy or p.seed is None) and p.logprobs is None and p.prompt_logprobs is None
+    return p.is_greedy or p.seed is None
 
 
 def _within_grammar(matcher: Any, draft: List[int]) -> List[int]:

@@ -38,6 +38,8 @@ class StepResult:
     # a verify step: per row the target's token after each fed token ([] for a row
     # without drafts); None for any other step
     verify: List[List[int]] | None = None
+    # ... and their logprobs, per row per fed token, for the rows that asked (else None)
+    verify_logprobs: List[List[RowLogprobs] | None] | None = None
 
 
 @dataclass
@@ -202,12 +204,22 @@ class Runner:
             result.embeddings = [vectors[i].tobytes() if emits else None for i, emits in enumerate(flight.plan.emits)]
         if out.verify_tokens is not None:
             flat = out.verify_tokens.tolist()
+            vlp = out.verify_logprobs
+            chosen, top_vals, top_ids = (t.tolist() for t in vlp) if vlp is not None else ([], [], [])
             verify: List[List[int]] = []
-            for drafts in flight.plan.drafts:
+            verify_lps: List[List[RowLogprobs] | None] = []
+            at = 0
+            for req, drafts in zip(flight.batch.reqs, flight.plan.drafts):
                 n = len(drafts) + 1 if drafts else 0
-                verify.append(flat[:n])
-                flat = flat[n:]
+                verify.append(flat[at : at + n])
+                k = req.sampling_params.logprobs
+                verify_lps.append(
+                    None if k is None or vlp is None
+                    else [(chosen[j], list(zip(top_ids[j][:k], top_vals[j][:k]))) for j in range(at, at + n)]
+                )  # fmt: skip
+                at += n
             result.verify = verify
+            result.verify_logprobs = verify_lps if vlp is not None else None
         if out.prompt_logprobs is not None:
             # to host lists once per step, not a tensor op per prompt token
             values, top_values, top_ids = (t.tolist() for t in out.prompt_logprobs)
