@@ -337,10 +337,10 @@ def test_items_become_the_chat_messages_they_mean() -> None:
 
 
 def test_reasoning_message_and_call_items_streamed_and_not() -> None:
-    from test_server_units import _canned_app
+    from server_helpers import canned_app
 
     text = '<think>Need the weather.</think>\nLet me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    client, frontend = _canned_app(text, "--reasoning-parser", "think")
+    client, frontend = canned_app(text, "--reasoning-parser", "think")
     body = {"input": [{"role": "user", "content": "weather?"}], "tools": [{"type": "function", "name": "get_weather"}]}
     plain = client.post("/v1/responses", json=body).json()
     assert [item["type"] for item in plain["output"]] == ["reasoning", "message", "function_call"]
@@ -378,12 +378,12 @@ def test_reasoning_message_and_call_items_streamed_and_not() -> None:
 def test_an_error_after_the_stream_started_is_an_error_event() -> None:
     import asyncio
 
-    from test_server_units import _canned_app
+    from server_helpers import canned_app
 
     from minisgl.message import ErrorMsg, ReplyMsg
     from minisgl.server.frontend import RequestStream
 
-    client, frontend = _canned_app("unused")
+    client, frontend = canned_app("unused")
 
     def failing_submit(msgs: List[Any], label: str = "") -> RequestStream:
         stream = RequestStream(frontend, [m.uid for m in msgs], label)  # type: ignore[arg-type]

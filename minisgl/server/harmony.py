@@ -141,6 +141,7 @@ class HarmonyStream:
         self.started = {"reasoning": False, "content": False}  # text of that kind already sent
         self.fresh = True  # the message being read has sent nothing yet (a separator goes first)
         self.saw_reasoning = False
+        self.saw_marker = False  # past the first header: what reads as a header now is one
         self.calls: List[ToolCall] = []
 
     def feed(self, text: str) -> HarmonyDelta:
@@ -170,19 +171,28 @@ class HarmonyStream:
             cut, marker = min(breaks)
             self._stray(self.buf[:cut], out)
             self.buf = self.buf[cut + len(marker) :]
+            self.saw_marker = True
             return True
         if at != -1:
             self.header = parse_header(head)
             self.buf = self.buf[at + len(MESSAGE) :]
-            self.fresh = True
+            self.fresh = self.saw_marker = True
             return True
-        if "<|" not in self.buf and (final or len(self.buf) > MAX_HEADER_CHARS):  # plain text, not a header
+        if self._plain_text(final):
             self.header = _Header("content")
             self.fresh = True
             return True
         if final:  # cut off inside a header: nothing of it is the reply
             self.buf = ""
         return False
+
+    def _plain_text(self, final: bool) -> bool:
+        """Whether the output, markerless so far, is plain text (a model answering outside the
+        format, or an output a grammar constrained) rather than a header still arriving."""
+        head = self.buf.lstrip()
+        if self.saw_marker or "<|" in self.buf or head.startswith("to=") or (head and "to=".startswith(head)):
+            return False  # (a header that starts with its recipient: ` to=functions.f<|channel|>...`)
+        return final or len(self.buf) > MAX_HEADER_CHARS
 
     def _stray(self, text: str, out: HarmonyDelta) -> None:
         """Text outside any message (before a <|start|>): kept as content unless it is header text."""
