@@ -186,6 +186,87 @@ def test_an_output_cut_off_anywhere_leaks_no_marker(conversation: List[Tuple[str
     assert (streamed[0], streamed[1], _calls(streamed[2])) == (reasoning, content, _calls(calls))
 
 
+# ---- openai-harmony, OpenAI's own renderer and parser, as the oracle -----------------------------
+
+
+@pytest.fixture(scope="module")
+def encoding() -> Any:
+    """openai-harmony's GPT-OSS encoding. It needs the o200k_base vocabulary: fetched from the
+    network, or (offline) a folder named by TIKTOKEN_ENCODINGS_BASE; without either, these skip."""
+    oh = pytest.importorskip("openai_harmony")
+    try:
+        return oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
+    except Exception as exc:  # openai_harmony.HarmonyError: no vocabulary file here
+        pytest.skip(f"openai-harmony cannot load the o200k_base vocabulary: {exc}")
+
+
+class _Decoder:
+    """openai-harmony's decoder behind the interface IncrementalDetokenizer calls."""
+
+    def __init__(self, encoding: Any) -> None:
+        self.encoding = encoding
+
+    def decode(self, ids: List[int], skip_special_tokens: bool = False) -> str:
+        return self.encoding.decode(list(ids))
+
+
+ORACLE_BODY = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=16).filter(lambda t: "<|" not in t)
+ORACLE_MESSAGE = st.one_of(
+    st.tuples(st.sampled_from(["analysis", "final", "commentary"]), ORACLE_BODY),
+    st.tuples(st.just("call"), st.tuples(NAME, st.dictionaries(ORACLE_BODY, st.integers() | ORACLE_BODY, max_size=3))),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(conversation=st.lists(ORACLE_MESSAGE, min_size=1, max_size=4), cuts=st.lists(st.integers(0, 300), max_size=8))
+def test_conversations_openai_harmony_renders_read_back(encoding: Any, conversation: List[Tuple[str, Any]], cuts: List[int]) -> None:
+    """openai-harmony renders drawn assistant messages to tokens and parses them back itself; our
+    reading of the text (whole, in random pieces, and as the detokenizer releases it token by
+    token) is what its parse means."""
+    import openai_harmony as oh
+
+    from minisgl.tokenizer.detokenize import IncrementalDetokenizer
+
+    messages = []
+    for channel, value in conversation:
+        if channel == "call":
+            name, args = value
+            msg = oh.Message.from_role_and_content(oh.Role.ASSISTANT, json.dumps(args, ensure_ascii=False))
+            messages.append(msg.with_channel("commentary").with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))
+        else:
+            messages.append(oh.Message.from_role_and_content(oh.Role.ASSISTANT, value).with_channel(channel))
+    tokens = [t for m in messages for t in encoding.render(m)]
+    prompt = encoding.render_conversation_for_completion(oh.Conversation.from_messages([]), oh.Role.ASSISTANT)
+    assert tokens[: len(prompt)] == prompt  # `<|start|>assistant`: the prompt's, not the output's
+    tokens = tokens[len(prompt) :]
+    thoughts, content, calls = [], [], []
+    for m in encoding.parse_messages_from_completion_tokens(tokens, oh.Role.ASSISTANT):
+        text = "".join(part.text for part in m.content)
+        if m.recipient:
+            calls.append((m.recipient.removeprefix("functions."), json.loads(text)))
+        elif m.channel == "analysis":
+            thoughts.append(text)
+        elif text:
+            content.append(text)
+    want = ("\n\n".join(t for t in thoughts if t) if thoughts else None), "\n\n".join(content), calls
+    text = encoding.decode(tokens)
+    got = parse(text)
+    assert (got[0], got[1], _calls(got[2])) == want
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    detok = IncrementalDetokenizer(_Decoder(encoding), skip_special_tokens=False)
+    by_token = [detok.add([t], final=i == len(tokens) - 1) for i, t in enumerate(tokens)]
+    for pieces in ([text[a:b] for a, b in zip(bounds, bounds[1:])], by_token):
+        streamed = _stream(text, pieces)
+        assert (streamed[0], streamed[1], _calls(streamed[2])) == want
+
+
+def test_the_stop_tokens_are_return_and_call(encoding: Any) -> None:
+    """openai-harmony's stop tokens of an assistant turn are the ids GPT-OSS's generation_config
+    lists (200002, 200012): <|return|> and <|call|>, the end markers the parser reads."""
+    stops = encoding.stop_tokens_for_assistant_actions()
+    assert sorted(stops) == [200002, 200012] and {encoding.decode([t]) for t in stops} == {harmony.RETURN, harmony.CALL}
+
+
 # ---- parser selection ----------------------------------------------------------------------------
 
 

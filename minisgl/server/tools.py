@@ -65,6 +65,7 @@ class ToolParser:
     name = ""
     markers: Tuple[str, ...] = ()  # text that starts a call (streams hold text from here on)
     skip_special_tokens = True
+    forces_calls = True  # tool_choice required / named can constrain the output to its calls (tool_turn_grammar)
     args_key = "arguments"
     # How the format writes calls: prefix, then each call's JSON between begin and end, calls
     # separated by separator, then suffix (the grammar of forced calls is built from these).
@@ -180,16 +181,13 @@ class HarmonyParser(ToolParser):
     name = "harmony"
     markers = ("<|start|>",)
     skip_special_tokens = False  # the channel markers are special tokens
+    forces_calls = False  # the function's name is in the message header, outside any call JSON
 
     def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
         from minisgl.server import harmony
 
         _, content, calls = harmony.parse(text)
         return content, calls
-
-    def call_schema(self, tool: Dict[str, Any]) -> Dict[str, Any]:
-        # the name is in the message's header, not in the JSON: no grammar forces a harmony call
-        raise ValueError("a harmony tool call cannot be forced by a grammar (the function's name is in the header)")
 
     def format_hint(self) -> str:
         return (

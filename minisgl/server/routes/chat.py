@@ -73,12 +73,12 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
     k = body.logprobs_k()
     max_tokens = body.effective_max_tokens()
     params = body.sampling_params(max_tokens, k)
-    if parser is not None and (body.must_call() or params.grammar is not None) and state.harmony:
+    if parser is not None and (body.must_call() or params.grammar is not None) and not parser.forces_calls:
         param = "tool_choice" if body.must_call() else "response_format"
         raise APIError(
             400,
-            f"{param} beside tools is not supported with the harmony format (GPT-OSS): a grammar cannot force its calls, "
-            "whose function name is in the message header; use tool_choice auto without an output format",
+            f"{param} beside tools is not supported with the {parser.name} tool-call format: a grammar cannot force its calls "
+            "(harmony's function name is in the message header); use tool_choice auto without an output format",
             param=param,
             code="unsupported_parameter",
         )
