@@ -376,9 +376,11 @@ def test_a_reply_cut_off_mid_analysis(harmony_tokenizer: Any) -> None:
 
 
 def test_responses_api_items_from_the_channels(harmony_tokenizer: Any) -> None:
-    client, _ = _harmony_app(harmony_tokenizer, REPLY)
-    body = {"input": ASK, "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]}
+    client, frontend = _harmony_app(harmony_tokenizer, REPLY)
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]
+    body = {"input": ASK, "tools": tools, "reasoning": {"effort": "low"}}
     plain = client.post("/v1/responses", json=body).json()
+    assert frontend.sent[0].chat_template_kwargs == {"reasoning_effort": "low"} and plain["reasoning"]["effort"] == "low"
     assert [item["type"] for item in plain["output"]] == ["reasoning", "message", "function_call"]
     thought, message, call = plain["output"]
     assert thought["content"] == [{"type": "reasoning_text", "text": "The user wants Oslo's weather."}]

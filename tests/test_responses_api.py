@@ -258,7 +258,8 @@ def test_refused_requests_name_the_field(server: ServerProcess) -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", None),
         ({"frobnicate": True}, "frobnicate", "unknown_parameter"),
         ({"n": 2}, "n", "unknown_parameter"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported_parameter"),  # the template takes none
+        ({"reasoning": {"summary": "auto"}}, "reasoning", "unsupported_parameter"),
         ({"truncation": "auto"}, "truncation", None),
         ({"max_output_tokens": 0}, "max_output_tokens", None),
         ({"max_output_tokens": -5}, "max_output_tokens", None),

@@ -47,7 +47,7 @@ from minisgl.server.protocol import (
 # Responses fields minisgl does not implement: refused (400 unsupported_parameter) when they ask
 # for something, accepted when null/false/empty.
 UNSUPPORTED_RESPONSES_FIELDS = (
-    "conversation", "prompt", "include", "reasoning", "max_tool_calls", "top_logprobs", "context_management",
+    "conversation", "prompt", "include", "max_tool_calls", "top_logprobs", "context_management",
 )  # fmt: skip
 
 NOT_STORED = "responses are not stored on this server; send the whole conversation in input"
@@ -199,6 +199,14 @@ def _text_of(parts: Union[str, List[Dict[str, Any]]], where: str) -> str:
 # ---- the request ----------------------------------------------------------------------------------
 
 
+class ReasoningConfig(_Base):
+    """`reasoning`: the effort goes to the chat template as chat's reasoning_effort; summaries are
+    not written here (refused when asked for)."""
+
+    effort: Optional[Literal["low", "medium", "high"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
 class ResponsesRequest(_Base):
     model: Optional[ShortStr] = None
     input: Union[Annotated[str, Field(min_length=1, max_length=MAX_ITEM_CHARS)], List[InputItem]]
@@ -210,6 +218,7 @@ class ResponsesRequest(_Base):
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # refused by name in the route (the message says why): nothing is stored, nothing runs detached
@@ -283,6 +292,12 @@ class ResponsesRequest(_Base):
             )
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        if self.reasoning is not None and self.reasoning.summary is not None:
+            raise InvalidRequest(
+                "reasoning.summary: reasoning summaries are not written by this server (the reasoning item holds the text itself)",
+                param="reasoning",
+                code="unsupported_parameter",
+            )
 
     def ignored_fields(self) -> List[str]:
         """The accepted fields that change nothing, as set by this request (for log_ignored)."""
@@ -339,6 +354,8 @@ class ResponsesRequest(_Base):
             fields["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:
             fields["response_format"] = self.text.format.to_response_format()
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            fields["reasoning_effort"] = self.reasoning.effort
         return ChatCompletionRequest.model_validate(fields)
 
     def text_format(self) -> Dict[str, Any]:

@@ -48,7 +48,13 @@ from minisgl.server.tools import ToolCall, ToolParser, ToolStream
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
 
 # chat's field names, as a Responses client sent them
-RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text"}
+RENAMED = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 @router.post("/v1/responses")
@@ -110,7 +116,7 @@ class ResponseShell:
             "model": model,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
             "store": False,  # nothing is stored, whatever the request said
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": body.text_format()},
