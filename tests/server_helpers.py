@@ -280,7 +280,9 @@ class CannedFrontend:
         return stream
 
 
-def canned_app(text: str, *flags: str, chat_template: str = "{{ messages }}", **canned: Any) -> Any:
+def canned_app(
+    text: str, *flags: str, chat_template: str = "{{ messages }}", tokenizer_description: Dict[str, Any] | None = None, **canned: Any
+) -> Any:
     """(a TestClient of the API over a CannedFrontend, that frontend): the routes in-process."""
     from fastapi.testclient import TestClient
 
@@ -292,7 +294,8 @@ def canned_app(text: str, *flags: str, chat_template: str = "{{ messages }}", **
     args.model_path = "/models/x"
     frontend = CannedFrontend(text, **canned)
     info = {"max_seq_len": 512, "vocab_size": 100, "max_running_req": 4}
-    app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info={"chat_template": chat_template})  # type: ignore[arg-type]
+    tokenizer_info = {"chat_template": chat_template, "info": tokenizer_description}
+    app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info=tokenizer_info)  # type: ignore[arg-type]
     return TestClient(app), frontend
 
 

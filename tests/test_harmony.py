@@ -330,7 +330,12 @@ REPLY = (
 
 
 def _harmony_app(tokenizer: Any, text: str, *flags: str, **canned: Any) -> Any:
-    return canned_app(text, *flags, chat_template=TEMPLATE, pieces=_detokenized(tokenizer, text), **canned)
+    from minisgl.tokenizer.worker import describe_tokenizer
+
+    description = describe_tokenizer(tokenizer, TEMPLATE)
+    return canned_app(
+        text, *flags, chat_template=TEMPLATE, tokenizer_description=description, pieces=_detokenized(tokenizer, text), **canned
+    )
 
 
 def test_chat_completions_read_the_channels(harmony_tokenizer: Any) -> None:
@@ -344,7 +349,11 @@ def test_chat_completions_read_the_channels(harmony_tokenizer: Any) -> None:
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == json.loads(WEATHER)
     sent = frontend.sent[0]
     assert sent.skip_special_tokens is False  # the markers must reach the parser
-    assert sent.tools == TOOLS and sent.messages == ASK  # the template renders the tools itself
+    # <|return|> and <|call|> end the turn whatever the checkpoint's generation_config says
+    ends = harmony_tokenizer.convert_tokens_to_ids([harmony.RETURN, harmony.CALL])
+    assert sent.sampling.stop_token_ids == sorted(ends)
+    # the template renders the tools itself (GPT-OSS's writes every description: a missing one is empty)
+    assert sent.tools == [{**t, "function": {**t["function"], "description": ""}} for t in TOOLS] and sent.messages == ASK
 
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
         chunks = sse_data(resp)
@@ -358,6 +367,8 @@ def test_chat_completions_read_the_channels(harmony_tokenizer: Any) -> None:
     ]
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
+    client.post("/v1/chat/completions", json={**body, "ignore_eos": True, "stop_token_ids": [5]})
+    assert frontend.sent[-1].sampling.stop_token_ids == [5]  # ignore_eos: only the client's own
     # without tools the same reply keeps its call as content; a final answer is plain content
     plain = client.post("/v1/chat/completions", json={"messages": ASK}).json()["choices"][0]
     assert plain["finish_reason"] == "stop" and plain["message"]["content"] == "Checking.\n\n" + WEATHER

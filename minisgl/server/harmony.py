@@ -76,6 +76,15 @@ def disabled_warning(reasoning_parser: str, tool_call_parser: str, chat_template
     )
 
 
+def stop_token_ids(tokenizer_description: Dict[str, Any] | None) -> List[int]:
+    """The ids of <|return|> and <|call|> among the tokenizer's added tokens: a harmony turn ends
+    on them. GPT-OSS's generation_config lists both as eos, but copies of the checkpoint with the
+    first release's config (eos 200002 and 199999 only) would not stop at a call and go on to
+    invent its result; the route adds them to each request's stop tokens."""
+    added = (tokenizer_description or {}).get("added_tokens") or {}
+    return sorted(int(i) for i, token in added.items() if token in (RETURN, CALL))
+
+
 @dataclass
 class HarmonyDelta:
     reasoning: str = ""
@@ -256,6 +265,13 @@ def parse(text: str, parse_calls: bool = True) -> Tuple[str | None, str, List[To
     out = stream.feed(text)
     out += stream.finish()
     return (out.reasoning if stream.saw_reasoning else None), out.content, out.calls
+
+
+def template_tools(tools: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Tools as GPT-OSS's template renders them: it writes each function's description as a
+    comment line without checking that there is one (a tool without a description, as OpenAI
+    allows, would make the template fail), so a missing one is empty."""
+    return [{**t, "function": {"description": "", **t["function"]}} for t in tools]
 
 
 def template_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:

@@ -66,7 +66,7 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
     template_tools = None
     if parser is not None:
         if template_renders_tools(state.chat_template):
-            template_tools = tools
+            template_tools = harmony.template_tools(tools) if state.harmony else tools
         else:  # the template would drop them: the model still has to see the definitions
             messages = [tools_system_message(tools, parser), *messages]
     state.limits.check_prompt_text(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8")) for m in messages), "messages")
@@ -94,6 +94,8 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
             after_tool_result=body.messages[-1].role == "tool",
         )
     params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
+    if state.harmony_stops and not params.ignore_eos:  # <|return|> and <|call|> end a harmony turn
+        params.stop_token_ids = sorted({*params.stop_token_ids, *state.harmony_stops})
     template_kwargs = _template_kwargs(state, body)
     msgs = [
         TokenizeMsg(

@@ -165,6 +165,7 @@ class ServerState:
         self.harmony = harmony.enabled(args.reasoning_parser, args.tool_call_parser, self.chat_template)
         self.tool_parser: ToolParser = HarmonyParser() if self.harmony else pick_parser(args.tool_call_parser, self.chat_template)
         self.reasoning = not self.harmony and wants_reasoning(args.reasoning_parser, self.chat_template)
+        self.harmony_stops = harmony.stop_token_ids(self.tokenizer_description) if self.harmony else []
         if (why := harmony.disabled_warning(args.reasoning_parser, args.tool_call_parser, self.chat_template)) is not None:
             logger.warning(why)
         self.frontend = frontend
