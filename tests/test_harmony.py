@@ -74,6 +74,8 @@ CASES: List[Tuple[str, str, str | None, str, List[Tuple[str, Dict[str, Any]]]]] 
      f"<|message|>{WEATHER}<|call|>", "The user wants Oslo's weather.", "", [("get_weather", json.loads(WEATHER))]),
     ("recipient in the role part", f" to=functions.get_weather<|channel|>commentary json<|message|>{WEATHER}<|call|>",
      None, "", [("get_weather", json.loads(WEATHER))]),
+    ("<|constrain|> right after the recipient", f"<|channel|>commentary to=functions.get_weather<|constrain|>json<|message|>{WEATHER}<|call|>",
+     None, "", [("get_weather", json.loads(WEATHER))]),
     ("two calls", f"<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{WEATHER}<|call|>"
      '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz": "CET"}<|call|>',
      None, "", [("get_weather", json.loads(WEATHER)), ("get_time", {"tz": "CET"})]),

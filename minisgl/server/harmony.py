@@ -108,9 +108,9 @@ def parse_header(text: str) -> _Header:
     """What a message is, from the text between `<|start|>` (or the output's start) and `<|message|>`:
     `assistant<|channel|>analysis`, `<|channel|>commentary to=functions.f <|constrain|>json`,
     ` to=functions.f<|channel|>commentary json`, ..."""
-    role_part, _, channel_part = text.partition(CHANNEL)
+    role_part, _, channel_part = text.replace(CONSTRAIN, " ").partition(CHANNEL)
     role_words = role_part.split()
-    channel_words = channel_part.replace(CONSTRAIN, " ").split()
+    channel_words = channel_part.split()
     role = role_words[0] if role_words and not role_words[0].startswith("to=") else "assistant"
     recipient = next((w[3:] for w in role_words + channel_words if w.startswith("to=")), "")
     channel = channel_words[0] if channel_words and not channel_words[0].startswith("to=") else ""
