@@ -23,7 +23,9 @@ header text ever reaches reasoning or content.
 
 For the prompt side, `template_messages` adapts OpenAI messages to what GPT-OSS's own chat
 template reads: an assistant's earlier reasoning as `thinking`, and one tool call per assistant
-message (the template renders only the first), each followed by its result.
+message (the template renders only the first), each followed by its result; `template_tools`
+gives every function the description the template writes. `stop_token_ids` are the ids that end
+a turn (<|return|>, <|call|>), added to each request's stop tokens.
 """
 
 from __future__ import annotations
