@@ -405,6 +405,15 @@ def test_responses_api_items_from_the_channels(harmony_tokenizer: Any) -> None:
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Checking."
     final = events[-1]["response"]
     assert final["status"] == "completed" and [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call"]
+    # passed back as input with the call's result: the thought reaches the template as `thinking`
+    # (GPT-OSS's renders it before the call), beside the call instead of the preamble
+    result = {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}
+    again = client.post("/v1/responses", json={**body, "input": [*ASK, *plain["output"], result]})
+    assert again.status_code == 200, again.text
+    turn = frontend.sent[-1].messages
+    assert [m["role"] for m in turn] == ["user", "assistant", "tool"]
+    assert turn[1]["thinking"] == "The user wants Oslo's weather." and turn[1]["content"] == ""
+    assert turn[1]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": json.loads(WEATHER)}
 
 
 def test_forced_calls_are_refused_for_harmony(harmony_tokenizer: Any) -> None:

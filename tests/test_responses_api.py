@@ -365,14 +365,15 @@ def test_reasoning_message_and_call_items_streamed_and_not() -> None:
     )
     assert _without_ids(events[-1]["response"]) == _without_ids(plain)
 
-    # the output passed back as input (the SDK's multi-turn pattern): the thought is dropped, the
-    # text and the call are one assistant message, the result a tool message
+    # the output passed back as input (the SDK's multi-turn pattern): the text and the call are one
+    # assistant message carrying the thought as reasoning_content, the result a tool message
     result = {"type": "function_call_output", "call_id": call["call_id"], "output": "-3 C"}
     again = client.post("/v1/responses", json={**body, "input": [*body["input"], *plain["output"], result]})
     assert again.status_code == 200, again.text
     rendered = frontend.sent[-1].messages[1:]  # after the tools' system message
     assert [m["role"] for m in rendered] == ["user", "assistant", "tool"]
     assert rendered[1]["content"] == "Let me look." and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert rendered[1]["reasoning_content"] == "Need the weather."
     assert rendered[1]["tool_calls"][0]["id"] == rendered[2]["tool_call_id"] == call["call_id"] and rendered[2]["content"] == "-3 C"
 
 

@@ -141,8 +141,9 @@ class FunctionCallOutputItem(_Base):
 
 
 class ReasoningItem(_Base):
-    """An earlier reasoning output passed back: accepted and not rendered (the chat templates of
-    thinking models drop earlier turns' thoughts themselves)."""
+    """An earlier reasoning output passed back: its `reasoning_text` becomes the next assistant
+    message's reasoning_content (templates that render earlier thoughts read it: GPT-OSS's before
+    a tool call; the others drop it themselves); summaries and encrypted content are not read."""
 
     type: Literal["reasoning"]
     id: Optional[ShortStr] = None
@@ -312,13 +313,19 @@ class ResponsesRequest(_Base):
     def chat_messages(self) -> List[ChatMessage]:
         """`instructions` and `input` as chat messages: consecutive function_call items (and the
         assistant text before them) are one assistant message with tool_calls, each
-        function_call_output a tool message."""
+        function_call_output a tool message, a reasoning item's text the reasoning_content of the
+        assistant message it precedes."""
         out: List[ChatMessage] = []
+        thought: str | None = None  # a reasoning item's text, for the next assistant message
         if self.instructions:
             out.append(ChatMessage(role="system", content=self.instructions))
         if isinstance(self.input, str):
             return out + [ChatMessage(role="user", content=self.input)]
         for i, item in enumerate(self.input):
+            if isinstance(item, ReasoningItem):
+                parts = [p.get("text") for p in item.content or [] if p.get("type") == "reasoning_text"]
+                thought = "".join(p for p in parts if isinstance(p, str)) or thought
+                continue
             if isinstance(item, MessageItem):
                 out.append(ChatMessage(role=item.role, content=_text_of(item.content, f"input[{i}].content")))
             elif isinstance(item, FunctionCallItem):
@@ -335,6 +342,10 @@ class ResponsesRequest(_Base):
                     out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputItem):
                 out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text_of(item.output, f"input[{i}].output")))
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and thought is not None and last.reasoning_content is None:
+                last.reasoning_content = thought
+            thought = None
         if not out:
             raise InvalidRequest("input holds no message (only reasoning items)", param="input")
         return out
