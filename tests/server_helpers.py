@@ -231,3 +231,76 @@ def serving(model: str | None, *extra: str, log_dir: Path, api_key: str | None =
 CHAT_SERVER_FLAGS = (
     "--dtype", "float32", "--max-seq-len", str(MAX_SEQ_LEN), "--num-pages", "16384", "--max-running-requests", "48",
 )  # fmt: skip
+
+
+class CannedFrontend:
+    """Answers every choice with canned text, through a real RequestStream: the text in pieces of
+    3 characters, or the given `pieces` (e.g. the detokenizer's, token by token); the last piece
+    ends the choice with `finish_reason`."""
+
+    failure: str | None = None
+    stats = None
+    metrics = None
+
+    def __init__(self, text: str, pieces: List[str] | None = None, finish_reason: str = "stop") -> None:
+        self.text = text
+        self.pieces = pieces if pieces is not None else [text[i : i + 3] for i in range(0, len(text), 3)]
+        self.finish_reason = finish_reason
+        self.sent: List[Any] = []
+        self._uid = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return 0
+
+    def new_uid(self) -> int:
+        self._uid += 1
+        return self._uid
+
+    def _forget(self, stream: Any) -> None:
+        pass
+
+    def _send(self, msg: Any) -> None:
+        pass
+
+    def submit(self, msgs: List[Any], label: str = "", choices: int = 1) -> Any:
+        import asyncio
+
+        from minisgl.message import ReplyMsg
+        from minisgl.server.frontend import RequestStream
+
+        self.sent += msgs
+        stream = RequestStream(self, [m.uid for m in msgs], label, choices)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        for uid in stream.uids:
+            for j, piece in enumerate(self.pieces):
+                last = j == len(self.pieces) - 1
+                reply = ReplyMsg(uid, piece, 1, last, self.finish_reason if last else None, 5, j + 1, 0, None, None, [7])
+                loop.call_soon(stream._deliver, uid, reply)
+        return stream
+
+
+def canned_app(
+    text: str, *flags: str, chat_template: str = "{{ messages }}", tokenizer_description: Dict[str, Any] | None = None, **canned: Any
+) -> Any:
+    """(a TestClient of the API over a CannedFrontend, that frontend): the routes in-process."""
+    from fastapi.testclient import TestClient
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.args import parse_args
+    from minisgl.server.metrics import ServerMetrics
+
+    args = parse_args(list(flags))
+    args.model_path = "/models/x"
+    frontend = CannedFrontend(text, **canned)
+    info = {"max_seq_len": 512, "vocab_size": 100, "max_running_req": 4}
+    tokenizer_info = {"chat_template": chat_template, "info": tokenizer_description}
+    app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info=tokenizer_info)  # type: ignore[arg-type]
+    return TestClient(app), frontend
+
+
+def sse_data(resp: Any) -> List[Any]:
+    """The JSON of every `data:` line of an SSE response, [DONE] left out."""
+    import json
+
+    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]

@@ -374,18 +374,6 @@ def test_triton_sinks_in_interpreter() -> None:
     assert proc.returncode == 0 and "gpt_oss kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-def test_harmony_template_is_named_not_parsed():
-    """A harmony chat template (GPT-OSS's channels) is reported at start-up as not parsed: no
-    <think> split is guessed for it, and a template without channels says nothing."""
-    from minisgl.server.reasoning import harmony_unparsed, wants_reasoning
-
-    template = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}"
-    why = harmony_unparsed(template)
-    assert why is not None and "harmony" in why and "not parsed" in why
-    assert not wants_reasoning("auto", template)
-    assert harmony_unparsed("{{ messages[0].content }}</think>") is None
-
-
 # ---- CUDA (MINISGL_TEST_DEVICE=cuda) -----------------------------------------------------------
 CUDA = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA paths (MINISGL_TEST_DEVICE=cuda)")
 

@@ -219,10 +219,10 @@ def test_the_collector_going_away_does_not_stop_serving(server: ServerProcess, r
 
 
 def _traced_canned_app(text: str) -> Tuple[Any, Any, Any]:
-    """test_server_units' canned frontend (no workers) behind a traced app, spans kept in memory."""
+    """The canned frontend (server_helpers; no workers) behind a traced app, spans kept in memory."""
     from fastapi.testclient import TestClient
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from test_server_units import _CannedFrontend
+    from server_helpers import CannedFrontend
 
     from minisgl.server.api_server import create_app
     from minisgl.server.args import parse_args
@@ -233,7 +233,7 @@ def _traced_canned_app(text: str) -> Tuple[Any, Any, Any]:
     args.model_path = "/models/x"
     exporter = InMemorySpanExporter()
     tracing = Tracing("http://unused:4318/v1/traces", args.model_name, exporter=exporter)
-    frontend = _CannedFrontend(text)
+    frontend = CannedFrontend(text)
     info = {"max_seq_len": 512, "vocab_size": 100, "max_running_req": 4}
     app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info={"chat_template": "{{ messages }}"}, tracing=tracing)  # type: ignore[arg-type]
     return TestClient(app), frontend, (tracing, exporter)

@@ -258,7 +258,8 @@ def test_refused_requests_name_the_field(server: ServerProcess) -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", None),
         ({"frobnicate": True}, "frobnicate", "unknown_parameter"),
         ({"n": 2}, "n", "unknown_parameter"),
-        ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported_parameter"),  # the template takes none
+        ({"reasoning": {"summary": "auto"}}, "reasoning", "unsupported_parameter"),
         ({"truncation": "auto"}, "truncation", None),
         ({"max_output_tokens": 0}, "max_output_tokens", None),
         ({"max_output_tokens": -5}, "max_output_tokens", None),
@@ -337,10 +338,10 @@ def test_items_become_the_chat_messages_they_mean() -> None:
 
 
 def test_reasoning_message_and_call_items_streamed_and_not() -> None:
-    from test_server_units import _canned_app
+    from server_helpers import canned_app
 
     text = '<think>Need the weather.</think>\nLet me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    client, frontend = _canned_app(text, "--reasoning-parser", "think")
+    client, frontend = canned_app(text, "--reasoning-parser", "think")
     body = {"input": [{"role": "user", "content": "weather?"}], "tools": [{"type": "function", "name": "get_weather"}]}
     plain = client.post("/v1/responses", json=body).json()
     assert [item["type"] for item in plain["output"]] == ["reasoning", "message", "function_call"]
@@ -364,26 +365,27 @@ def test_reasoning_message_and_call_items_streamed_and_not() -> None:
     )
     assert _without_ids(events[-1]["response"]) == _without_ids(plain)
 
-    # the output passed back as input (the SDK's multi-turn pattern): the thought is dropped, the
-    # text and the call are one assistant message, the result a tool message
+    # the output passed back as input (the SDK's multi-turn pattern): the text and the call are one
+    # assistant message carrying the thought as reasoning_content, the result a tool message
     result = {"type": "function_call_output", "call_id": call["call_id"], "output": "-3 C"}
     again = client.post("/v1/responses", json={**body, "input": [*body["input"], *plain["output"], result]})
     assert again.status_code == 200, again.text
     rendered = frontend.sent[-1].messages[1:]  # after the tools' system message
     assert [m["role"] for m in rendered] == ["user", "assistant", "tool"]
     assert rendered[1]["content"] == "Let me look." and rendered[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert rendered[1]["reasoning_content"] == "Need the weather."
     assert rendered[1]["tool_calls"][0]["id"] == rendered[2]["tool_call_id"] == call["call_id"] and rendered[2]["content"] == "-3 C"
 
 
 def test_an_error_after_the_stream_started_is_an_error_event() -> None:
     import asyncio
 
-    from test_server_units import _canned_app
+    from server_helpers import canned_app
 
     from minisgl.message import ErrorMsg, ReplyMsg
     from minisgl.server.frontend import RequestStream
 
-    client, frontend = _canned_app("unused")
+    client, frontend = canned_app("unused")
 
     def failing_submit(msgs: List[Any], label: str = "", choices: int = 1) -> RequestStream:
         stream = RequestStream(frontend, [m.uid for m in msgs], label, choices)  # type: ignore[arg-type]

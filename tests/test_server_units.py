@@ -10,6 +10,7 @@ from typing import Any, Dict, List
 
 import pytest
 import zmq
+from server_helpers import canned_app, sse_data
 
 from minisgl.message import (
     AbortMsg,
@@ -467,74 +468,9 @@ def test_reasoning_split_and_stream() -> None:
     assert not wants_reasoning("none", "</think>") and wants_reasoning("think", None)
 
 
-class _CannedFrontend:
-    """Answers every choice with canned text in small pieces, through a real RequestStream."""
-
-    failure: str | None = None
-    stats = None
-    metrics = None
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-        self.sent: List[Any] = []
-        self._uid = 0
-
-    @property
-    def num_in_flight(self) -> int:
-        return 0
-
-    def new_uid(self) -> int:
-        self._uid += 1
-        return self._uid
-
-    def _forget(self, stream: Any) -> None:
-        pass
-
-    def _send(self, msg: Any) -> None:
-        pass
-
-    def submit(self, msgs: List[Any], label: str = "", choices: int = 1) -> Any:
-        import asyncio
-
-        from minisgl.message import ReplyMsg
-        from minisgl.server.frontend import RequestStream
-
-        self.sent += msgs
-        stream = RequestStream(self, [m.uid for m in msgs], label, choices)  # type: ignore[arg-type]
-        pieces = [self.text[i : i + 3] for i in range(0, len(self.text), 3)]
-        loop = asyncio.get_running_loop()
-        for uid in stream.uids:
-            for j, piece in enumerate(pieces):
-                last = j == len(pieces) - 1
-                reply = ReplyMsg(uid, piece, 1, last, "stop" if last else None, 5, j + 1, 0, None, None, [7])
-                loop.call_soon(stream._deliver, uid, reply)
-        return stream
-
-
-def _canned_app(text: str, *flags: str) -> Any:
-    from fastapi.testclient import TestClient
-
-    from minisgl.server.api_server import create_app
-    from minisgl.server.args import parse_args
-    from minisgl.server.metrics import ServerMetrics
-
-    args = parse_args(list(flags))
-    args.model_path = "/models/x"
-    frontend = _CannedFrontend(text)
-    info = {"max_seq_len": 512, "vocab_size": 100, "max_running_req": 4}
-    app = create_app(args, info, frontend, ServerMetrics(), tokenizer_info={"chat_template": "{{ messages }}"})  # type: ignore[arg-type]
-    return TestClient(app), frontend
-
-
-def _sse(resp: Any) -> List[Any]:
-    import json
-
-    return [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
-
-
 def test_chat_route_returns_reasoning_and_tool_calls() -> None:
     text = '<think>Need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    client, frontend = _canned_app(text, "--reasoning-parser", "think")
+    client, frontend = canned_app(text, "--reasoning-parser", "think")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     body = {"messages": [{"role": "user", "content": "weather?"}], "tools": tools, "max_tokens": 50}
     msg = client.post("/v1/chat/completions", json=body).json()["choices"][0]
@@ -545,7 +481,7 @@ def test_chat_route_returns_reasoning_and_tool_calls() -> None:
     # the template ignores tools ({{ messages }} never mentions them): they went in as a system message
     assert frontend.sent[0].messages[0]["role"] == "system" and "get_weather" in frontend.sent[0].messages[0]["content"]
     with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
-        chunks = _sse(resp)
+        chunks = sse_data(resp)
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need the weather."
     assert "".join(d.get("content") or "" for d in deltas).strip() == ""

@@ -117,13 +117,14 @@ class ServerArgs:
         "auto",
         "how the model writes tool calls; auto: read off the chat template (hermes when it has none)",
         group=SERVER,
-        choices=("auto", "hermes", "llama3_json", "mistral"),
+        choices=("auto", "hermes", "llama3_json", "mistral", "harmony"),
     )
     reasoning_parser: str = knob(
         "auto",
-        "return <think>...</think> as reasoning_content; auto: when the chat template has the tags",
+        "return <think>...</think> (think) or harmony's analysis channel (harmony) as reasoning_content; "
+        "auto: as the chat template writes it",
         group=SERVER,
-        choices=("auto", "think", "none"),
+        choices=("auto", "think", "harmony", "none"),
     )
     shell: bool = knob(False, "chat in the terminal instead of serving HTTP", group=SERVER, switch=True)
     shell_temperature: float = knob(0.0, "sampling temperature of --shell answers (0: greedy)", group=SERVER, type=float)

@@ -68,7 +68,7 @@ StopStrings = Optional[Annotated[Union[StopStr, List[StopStr]], AfterValidator(_
 
 # OpenAI fields minisgl does not implement: refused when they ask for something.
 UNSUPPORTED_CHAT_FIELDS = (
-    "functions", "function_call", "prediction", "audio", "reasoning_effort", "web_search_options",
+    "functions", "function_call", "prediction", "audio", "web_search_options",
 )  # fmt: skip
 UNSUPPORTED_COMPLETION_FIELDS: tuple[str, ...] = ()
 
@@ -367,6 +367,18 @@ class ChatMessage(_Base):
     name: Optional[ShortStr] = None
     tool_calls: Optional[Annotated[List[MessageToolCall], Field(max_length=128)]] = None
     tool_call_id: Optional[ShortStr] = None
+    # an assistant's earlier reasoning, as this server returns it (`reasoning` is the newer name)
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check_reasoning(self) -> "ChatMessage":
+        given = [name for name in ("reasoning_content", "reasoning") if getattr(self, name) is not None]
+        if given and self.role != "assistant":
+            raise ValueError(f"{given[0]} is only for assistant messages, not {self.role!r}")
+        if len(given) == 2 and self.reasoning_content != self.reasoning:
+            raise ValueError("reasoning_content and reasoning differ: give one of them")
+        return self
 
     def to_template(self) -> Dict[str, Any]:
         content = self.content
@@ -387,6 +399,9 @@ class ChatMessage(_Base):
                 {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments_value()}}
                 for c in self.tool_calls
             ]
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:  # templates that render earlier thoughts read it (Qwen3; harmony as `thinking`)
+            msg["reasoning_content"] = thought
         return msg
 
 
@@ -403,6 +418,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[Annotated[List[ToolDef], Field(max_length=128)]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
+    # OpenAI's: handed to a chat template that takes it (GPT-OSS's), refused otherwise
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
 
     @field_validator("chat_template_kwargs")
     @classmethod

@@ -3,6 +3,8 @@ get their thoughts in `message.reasoning_content` (and `reasoning`, the newer na
 `content`, as vLLM and SGLang return them.
 
 `auto` (the default of --reasoning-parser) turns this on when the chat template knows the tags.
+OpenAI's harmony format (GPT-OSS) writes thoughts in an `analysis` channel instead: that is
+`minisgl.server.harmony`, chosen for a harmony template (`--reasoning-parser harmony`).
 The opening tag may be in the output or already in the prompt (templates that open the thought
 for the model): text before `</think>` is reasoning either way. Output without the tags (thinking
 switched off, e.g. `chat_template_kwargs: {"enable_thinking": false}`) is all content.
@@ -13,19 +15,6 @@ from __future__ import annotations
 from typing import Tuple
 
 OPEN, CLOSE = "<think>", "</think>"
-# OpenAI's harmony format (GPT-OSS): messages in channels (`<|channel|>analysis` for reasoning,
-# `final` for the answer, `commentary` for tool calls), not <think> tags
-HARMONY_MARK = "<|channel|>"
-
-
-def harmony_unparsed(chat_template: str | None) -> str | None:
-    """Why a chat template's output will not be split (a harmony template: its channels are not
-    parsed into reasoning_content / tool calls here), or None; the server logs it at start-up."""
-    if HARMONY_MARK not in (chat_template or ""):
-        return None
-    return ("the chat template is OpenAI's harmony format (GPT-OSS): its analysis / final / commentary channels are "
-            "not parsed; replies come back whole in `content` (reasoning and tool calls included, as the detokenizer "
-            "leaves them)")  # fmt: skip
 
 
 def wants_reasoning(name: str, chat_template: str | None) -> bool:

@@ -47,7 +47,7 @@ from minisgl.server.protocol import (
 # Responses fields minisgl does not implement: refused (400 unsupported_parameter) when they ask
 # for something, accepted when null/false/empty.
 UNSUPPORTED_RESPONSES_FIELDS = (
-    "conversation", "prompt", "include", "reasoning", "max_tool_calls", "top_logprobs", "context_management",
+    "conversation", "prompt", "include", "max_tool_calls", "top_logprobs", "context_management",
 )  # fmt: skip
 
 NOT_STORED = "responses are not stored on this server; send the whole conversation in input"
@@ -141,8 +141,9 @@ class FunctionCallOutputItem(_Base):
 
 
 class ReasoningItem(_Base):
-    """An earlier reasoning output passed back: accepted and not rendered (the chat templates of
-    thinking models drop earlier turns' thoughts themselves)."""
+    """An earlier reasoning output passed back: its `reasoning_text` becomes the next assistant
+    message's reasoning_content (templates that render earlier thoughts read it: GPT-OSS's before
+    a tool call; the others drop it themselves); summaries and encrypted content are not read."""
 
     type: Literal["reasoning"]
     id: Optional[ShortStr] = None
@@ -199,6 +200,14 @@ def _text_of(parts: Union[str, List[Dict[str, Any]]], where: str) -> str:
 # ---- the request ----------------------------------------------------------------------------------
 
 
+class ReasoningConfig(_Base):
+    """`reasoning`: the effort goes to the chat template as chat's reasoning_effort; summaries are
+    not written here (refused when asked for)."""
+
+    effort: Optional[Literal["low", "medium", "high"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+
 class ResponsesRequest(_Base):
     model: Optional[ShortStr] = None
     input: Union[Annotated[str, Field(min_length=1, max_length=MAX_ITEM_CHARS)], List[InputItem]]
@@ -210,6 +219,7 @@ class ResponsesRequest(_Base):
     tool_choice: Union[Literal["none", "auto", "required"], NamedFunctionChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     text: Optional[TextConfig] = None
+    reasoning: Optional[ReasoningConfig] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # refused by name in the route (the message says why): nothing is stored, nothing runs detached
@@ -283,6 +293,12 @@ class ResponsesRequest(_Base):
             )
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise InvalidRequest("tool_choice needs tools", param="tool_choice")
+        if self.reasoning is not None and self.reasoning.summary is not None:
+            raise InvalidRequest(
+                "reasoning.summary: reasoning summaries are not written by this server (the reasoning item holds the text itself)",
+                param="reasoning",
+                code="unsupported_parameter",
+            )
 
     def ignored_fields(self) -> List[str]:
         """The accepted fields that change nothing, as set by this request (for log_ignored)."""
@@ -297,13 +313,19 @@ class ResponsesRequest(_Base):
     def chat_messages(self) -> List[ChatMessage]:
         """`instructions` and `input` as chat messages: consecutive function_call items (and the
         assistant text before them) are one assistant message with tool_calls, each
-        function_call_output a tool message."""
+        function_call_output a tool message, a reasoning item's text the reasoning_content of the
+        assistant message it precedes."""
         out: List[ChatMessage] = []
+        thought: str | None = None  # a reasoning item's text, for the next assistant message
         if self.instructions:
             out.append(ChatMessage(role="system", content=self.instructions))
         if isinstance(self.input, str):
             return out + [ChatMessage(role="user", content=self.input)]
         for i, item in enumerate(self.input):
+            if isinstance(item, ReasoningItem):
+                parts = [p.get("text") for p in item.content or [] if p.get("type") == "reasoning_text"]
+                thought = "".join(p for p in parts if isinstance(p, str)) or thought
+                continue
             if isinstance(item, MessageItem):
                 out.append(ChatMessage(role=item.role, content=_text_of(item.content, f"input[{i}].content")))
             elif isinstance(item, FunctionCallItem):
@@ -320,6 +342,10 @@ class ResponsesRequest(_Base):
                     out.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
             elif isinstance(item, FunctionCallOutputItem):
                 out.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=_text_of(item.output, f"input[{i}].output")))
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant" and thought is not None and last.reasoning_content is None:
+                last.reasoning_content = thought
+            thought = None
         if not out:
             raise InvalidRequest("input holds no message (only reasoning items)", param="input")
         return out
@@ -339,6 +365,8 @@ class ResponsesRequest(_Base):
             fields["tool_choice"] = self.tool_choice
         if self.text is not None and self.text.format is not None:
             fields["response_format"] = self.text.format.to_response_format()
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            fields["reasoning_effort"] = self.reasoning.effort
         return ChatCompletionRequest.model_validate(fields)
 
     def text_format(self) -> Dict[str, Any]:

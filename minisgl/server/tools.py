@@ -7,6 +7,9 @@ A parser knows one format:
 - `llama3_json` (Llama 3.1+): the whole output is `{"name": ..., "parameters": {...}}` (optionally
   after `<|python_tag|>`), several separated by `;`.
 - `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`.
+- `harmony` (GPT-OSS): a commentary message to `functions.NAME` whose body is the arguments;
+  the whole reply is read by `minisgl.server.harmony` (its channels carry reasoning too), chosen
+  for a harmony chat template by `routes.common.ServerState`.
 
 `auto` picks by the chat template (its own call syntax), else hermes. A template that does not
 render `tools` at all (many small models' templates) gets the tool list and the expected call
@@ -62,6 +65,7 @@ class ToolParser:
     name = ""
     markers: Tuple[str, ...] = ()  # text that starts a call (streams hold text from here on)
     skip_special_tokens = True
+    forces_calls = True  # tool_choice required / named can constrain the output to its calls (tool_turn_grammar)
     args_key = "arguments"
     # How the format writes calls: prefix, then each call's JSON between begin and end, calls
     # separated by separator, then suffix (the grammar of forced calls is built from these).
@@ -173,11 +177,31 @@ class MistralParser(ToolParser):
         return 'To call functions, reply with [TOOL_CALLS][{"name": <function name>, "arguments": <arguments as a JSON object>}, ...].'
 
 
-PARSERS: Dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
+class HarmonyParser(ToolParser):
+    name = "harmony"
+    markers = ("<|start|>",)
+    skip_special_tokens = False  # the channel markers are special tokens
+    forces_calls = False  # the function's name is in the message header, outside any call JSON
+
+    def parse(self, text: str) -> Tuple[str, List[ToolCall]]:
+        from minisgl.server import harmony
+
+        _, content, calls = harmony.parse(text)
+        return content, calls
+
+    def format_hint(self) -> str:
+        return (
+            "To call a function, write a commentary message to it: <|start|>assistant<|channel|>commentary "
+            "to=functions.<function name> <|constrain|>json<|message|><arguments as a JSON object><|call|>"
+        )
+
+
+PARSERS: Dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser, HarmonyParser)}
 
 
 def pick_parser(name: str, chat_template: str | None) -> ToolParser:
-    """`name` from --tool-call-parser; `auto` reads the call syntax off the chat template."""
+    """`name` from --tool-call-parser; `auto` reads the call syntax off the chat template (a harmony
+    template is `ServerState`'s to resolve: its parser reads reasoning as well)."""
     if name != "auto":
         if name not in PARSERS:
             raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)} or auto")

@@ -11,6 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from minisgl.message import ErrorMsg, TokenizeMsg
+from minisgl.server import harmony
 from minisgl.server.frontend import RequestStream
 from minisgl.server.protocol import UNSUPPORTED_CHAT_FIELDS, ChatCompletionRequest
 from minisgl.server.reasoning import ReasoningStream, split_reasoning
@@ -58,18 +59,29 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
         messages = [m.to_template() for m in body.messages]
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
+    if state.harmony:  # GPT-OSS's template reads `thinking` and one call per assistant message
+        messages = harmony.template_messages(messages)
     tools = body.active_tools()
     parser = state.tool_parser if tools else None
     template_tools = None
     if parser is not None:
         if template_renders_tools(state.chat_template):
-            template_tools = tools
+            template_tools = harmony.template_tools(tools) if state.harmony else tools
         else:  # the template would drop them: the model still has to see the definitions
             messages = [tools_system_message(tools, parser), *messages]
     state.limits.check_prompt_text(sum(len(json.dumps(m, ensure_ascii=False).encode("utf-8")) for m in messages), "messages")
     k = body.logprobs_k()
     max_tokens = body.effective_max_tokens()
     params = body.sampling_params(max_tokens, k)
+    if parser is not None and (body.must_call() or params.grammar is not None) and not parser.forces_calls:
+        param = "tool_choice" if body.must_call() else "response_format"
+        raise APIError(
+            400,
+            f"{param} beside tools is not supported with the {parser.name} tool-call format: a grammar cannot force its calls "
+            "(harmony's function name is in the message header); use tool_choice auto without an output format",
+            param=param,
+            code="unsupported_parameter",
+        )
     if parser is not None and (body.must_call() or params.grammar is not None):
         # forced calls, or calls | the answer format (minisgl.server.tools.tool_turn_grammar)
         params.grammar = tool_turn_grammar(
@@ -82,6 +94,9 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
             after_tool_result=body.messages[-1].role == "tool",
         )
     params = validated(params, state.limits, {"max_tokens": body.max_tokens_param()})
+    if state.harmony_stops and not params.ignore_eos:  # <|return|> and <|call|> end a harmony turn
+        params.stop_token_ids = sorted({*params.stop_token_ids, *state.harmony_stops})
+    template_kwargs = _template_kwargs(state, body)
     msgs = [
         TokenizeMsg(
             uid=state.frontend.new_uid(),
@@ -89,13 +104,32 @@ def chat_tokenize_msgs(state: ServerState, body: ChatCompletionRequest) -> Tuple
             sampling=params.for_choice(i),
             max_tokens_explicit=max_tokens is not None,
             want_logprobs=k is not None,
-            skip_special_tokens=body.skip_special_tokens and (parser is None or parser.skip_special_tokens),
-            chat_template_kwargs=body.chat_template_kwargs,
+            # the harmony parser reads the channel markers, which are special tokens
+            skip_special_tokens=body.skip_special_tokens and not state.harmony and (parser is None or parser.skip_special_tokens),
+            chat_template_kwargs=template_kwargs,
             tools=template_tools,
         )
         for i in range(body.n)
     ]
     return msgs, parser
+
+
+def _template_kwargs(state: ServerState, body: ChatCompletionRequest) -> Dict[str, Any] | None:
+    """chat_template_kwargs, with reasoning_effort for a template that takes it (GPT-OSS's)."""
+    kwargs = body.chat_template_kwargs
+    effort = body.reasoning_effort
+    if effort is None:
+        return kwargs
+    if "reasoning_effort" not in (state.chat_template or ""):
+        raise APIError(
+            400,
+            "reasoning_effort: this model's chat template takes no reasoning effort",
+            param="reasoning_effort",
+            code="unsupported_parameter",
+        )
+    if kwargs and kwargs.get("reasoning_effort", effort) != effort:
+        raise APIError(400, "reasoning_effort and chat_template_kwargs.reasoning_effort differ: give one of them", param="reasoning_effort")
+    return {**(kwargs or {}), "reasoning_effort": effort}
 
 
 async def _respond_chat(
@@ -113,9 +147,20 @@ async def _respond_chat(
         msgs,
         body.stream,
         lambda rs, first: _chat_stream(
-            rs, first, rid, state.model_name, include_usage, want_lp, parser, state.reasoning, one_call, want_ids, continuous_usage
+            rs,
+            first,
+            rid,
+            state.model_name,
+            include_usage,
+            want_lp,
+            parser,
+            state.reasoning,
+            one_call,
+            want_ids,
+            continuous_usage,
+            state.harmony,
         ),
-        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call, want_ids),
+        lambda results: _chat_response(results, rid, state.model_name, want_lp, parser, state.reasoning, one_call, want_ids, state.harmony),
         choices=len(msgs),  # n choices of one conversation
     )
 
@@ -147,17 +192,20 @@ def _chat_response(
     reasoning: bool,
     one_call: bool = False,
     want_ids: bool = False,
+    harmony_format: bool = False,
 ) -> Dict[str, Any]:
     choices = []
     for i, r in enumerate(results):
         content: str | None = "".join(r.text)
         thought = None
+        calls: List[ToolCall] = []
+        if harmony_format:
+            thought, content, calls = harmony.parse(content or "", parse_calls=parser is not None)
         if reasoning:
             thought, content = split_reasoning(content or "")
-        calls: List[ToolCall] = []
-        if parser is not None:
+        if parser is not None and not harmony_format:
             content, calls = parser.parse(content or "")
-            calls = calls[:1] if one_call else calls
+        calls = calls[:1] if one_call else calls
         message: Dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
         if thought is not None:
             message["reasoning_content"] = message["reasoning"] = thought
@@ -195,15 +243,24 @@ async def _chat_stream(
     one_call: bool = False,
     want_ids: bool = False,
     continuous_usage: bool = False,
+    harmony_format: bool = False,
 ) -> AsyncIterator[str]:
     out = ChunkWriter(rid, "chat.completion.chunk", model, include_usage, continuous_usage)
     results = [Result() for _ in stream.uids]
     started = [False] * len(results)
-    tool_streams = [ToolStream(parser) for _ in results] if parser is not None else None
+    channels = [harmony.HarmonyStream(parser is not None) for _ in results] if harmony_format else None
+    tool_streams = [ToolStream(parser) for _ in results] if parser is not None and channels is None else None
     thoughts = [ReasoningStream() for _ in results] if reasoning else None
+    sent_calls: List[List[ToolCall]] = [[] for _ in results]  # harmony's, sent as each call's message ends
 
-    def split(index: int, text: str, final: bool) -> tuple[str, str]:
-        """(reasoning delta, content delta) of new text; at the end, whatever was held back."""
+    def split(index: int, text: str, final: bool) -> tuple[str, str, List[ToolCall]]:
+        """(reasoning delta, content delta, calls) of new text; at the end, whatever was held back."""
+        if channels is not None:
+            delta = channels[index].feed(text)
+            if final:
+                delta += channels[index].finish()
+            room = 1 - len(sent_calls[index]) if one_call else len(delta.calls)
+            return delta.reasoning, delta.content, delta.calls[: max(room, 0)]
         thought = ""
         if thoughts is not None:
             thought, text = thoughts[index].feed(text)
@@ -212,7 +269,7 @@ async def _chat_stream(
                 thought, text = thought + more_thought, text + more_text
         if tool_streams is not None:
             text = tool_streams[index].feed(text)
-        return thought, text
+        return thought, text, []
 
     pending_ids: List[int] = []  # return_token_ids: this reply's ids, sent with its first chunk
 
@@ -232,15 +289,19 @@ async def _chat_stream(
             started[index] = True
             yield chunk(index, {"role": "assistant", "content": ""})
         pending_ids[:] = msg.token_ids or []
-        thought, text = split(index, msg.text, msg.finished)
+        thought, text, new_calls = split(index, msg.text, msg.finished)
         if thought:
             yield chunk(index, {"reasoning_content": thought, "reasoning": thought})
         if text or (want_lp and msg.logprobs):
             yield chunk(index, {"content": text}, logprobs=_chat_logprobs(msg.logprobs or []) if want_lp else None)
-        elif pending_ids and not msg.finished:  # the text is held back: the ids still arrive now
+        elif pending_ids and not msg.finished and not new_calls:  # the text is held back: the ids still arrive now
             yield chunk(index, {})
+        if new_calls:
+            first_index = len(sent_calls[index])
+            sent_calls[index] += new_calls
+            yield chunk(index, {"tool_calls": [c.to_openai(first_index + j) for j, c in enumerate(new_calls)]})
         if msg.finished:
-            calls: List[ToolCall] = []
+            calls: List[ToolCall] = sent_calls[index]
             if tool_streams is not None:
                 rest, calls = tool_streams[index].finish()
                 calls = calls[:1] if one_call else calls

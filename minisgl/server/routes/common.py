@@ -154,16 +154,20 @@ class ServerState:
     def __init__(
         self, args: ServerArgs, info: Dict[str, Any], frontend: Frontend, metrics: ServerMetrics, tokenizer_info: Dict[str, Any]
     ) -> None:
-        from minisgl.server.reasoning import harmony_unparsed, wants_reasoning
-        from minisgl.server.tools import pick_parser
+        from minisgl.server import harmony
+        from minisgl.server.reasoning import wants_reasoning
+        from minisgl.server.tools import HarmonyParser, ToolParser, pick_parser
 
         self.args = args
         self.info = info  # what the scheduler reported at start-up
         self.chat_template: str | None = tokenizer_info.get("chat_template")
         self.tokenizer_description: Dict[str, Any] | None = tokenizer_info.get("info")  # GET /tokenizer_info
-        self.tool_parser = pick_parser(args.tool_call_parser, self.chat_template)
-        self.reasoning = wants_reasoning(args.reasoning_parser, self.chat_template)
-        if (why := harmony_unparsed(self.chat_template)) is not None:
+        # harmony (GPT-OSS): one parser reads the channels, reasoning and tool calls together
+        self.harmony = harmony.enabled(args.reasoning_parser, args.tool_call_parser, self.chat_template)
+        self.tool_parser: ToolParser = HarmonyParser() if self.harmony else pick_parser(args.tool_call_parser, self.chat_template)
+        self.reasoning = not self.harmony and wants_reasoning(args.reasoning_parser, self.chat_template)
+        self.harmony_stops = harmony.stop_token_ids(self.tokenizer_description) if self.harmony else []
+        if (why := harmony.disabled_warning(args.reasoning_parser, args.tool_call_parser, self.chat_template)) is not None:
             logger.warning(why)
         self.frontend = frontend
         self.metrics = metrics

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from minisgl.message import ErrorMsg
 from minisgl.sampling_params import InvalidRequest
+from minisgl.server import harmony
 from minisgl.server.frontend import RequestStream
 from minisgl.server.reasoning import ReasoningStream
 from minisgl.server.responses_protocol import UNSUPPORTED_RESPONSES_FIELDS, ResponsesRequest
@@ -47,7 +48,13 @@ from minisgl.server.tools import ToolCall, ToolParser, ToolStream
 router = APIRouter(route_class=GuardedRoute, dependencies=[Depends(require_api_key)])
 
 # chat's field names, as a Responses client sent them
-RENAMED = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "response_format": "text"}
+RENAMED = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format": "text",
+    "reasoning_effort": "reasoning.effort",
+}
 
 
 @router.post("/v1/responses")
@@ -70,7 +77,7 @@ async def create_response(request: Request) -> Response:
     one_call = body.parallel_tool_calls is False
 
     def new_output() -> ResponseOutput:
-        return ResponseOutput(state.reasoning, parser, one_call)
+        return ResponseOutput(state.reasoning, parser, one_call, state.harmony)
 
     try:
         return await respond(
@@ -109,7 +116,7 @@ class ResponseShell:
             "model": model,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": {"effort": body.reasoning.effort if body.reasoning is not None else None, "summary": None},
             "store": False,  # nothing is stored, whatever the request said
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "text": {"format": body.text_format()},
@@ -153,9 +160,11 @@ class ResponseOutput:
     stream events (without sequence numbers) that each change means; a non-streamed response
     feeds its whole text once and drops them."""
 
-    def __init__(self, reasoning: bool, parser: ToolParser | None, one_call: bool) -> None:
+    def __init__(self, reasoning: bool, parser: ToolParser | None, one_call: bool, harmony_format: bool = False) -> None:
         self.thoughts = ReasoningStream() if reasoning else None
-        self.tool_stream = ToolStream(parser) if parser is not None else None
+        self.channels = harmony.HarmonyStream(parser is not None) if harmony_format else None
+        self.tool_stream = ToolStream(parser) if parser is not None and self.channels is None else None
+        self.calls: List[ToolCall] = []  # harmony's, as each call's message ends
         self.one_call = one_call
         self.items: List[Dict[str, Any]] = []
         self.status = "in_progress"
@@ -163,6 +172,12 @@ class ResponseOutput:
 
     def feed(self, text: str, final: bool) -> List[Dict[str, Any]]:
         thought = ""
+        if self.channels is not None:
+            delta = self.channels.feed(text)
+            if final:
+                delta += self.channels.finish()
+            thought, text = delta.reasoning, delta.content
+            self.calls += delta.calls
         if self.thoughts is not None:
             thought, text = self.thoughts.feed(text)
             if final:
@@ -177,12 +192,12 @@ class ResponseOutput:
         # cut off by max_output_tokens or the context: incomplete; ended by the server (shutdown): cancelled
         self.status = {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
         events: List[Dict[str, Any]] = []
-        calls: List[ToolCall] = []
+        calls: List[ToolCall] = self.calls
         if self.tool_stream is not None:
             rest, calls = self.tool_stream.finish()
-            calls = calls[:1] if self.one_call else calls
             if rest:
                 events += self._add_text("message", rest)
+        calls = calls[:1] if self.one_call else calls
         if not self.items and not calls:  # an empty answer is still one (empty) message
             events += self._open_item("message")
         events += self._close_open()
