@@ -7,6 +7,7 @@ decode alternate, one budget-sized prefill step at a time). Measured in the sche
 tokens are made.
 
   python benchmark/mixed_gap.py [--model PATH] [--chunk 16,32,64] [--stream-tokens 800] [--dtype bfloat16]
+  python benchmark/mixed_gap.py --defaults 64:3,16:2.5   # the server's step budget, per FLOOR:AUTO_FACTOR
 
 The last line printed is the JSON of every run (tests/test_retraction.py reads it).
 """
@@ -21,7 +22,12 @@ import time
 from typing import Any, Dict, List
 
 
-def run(model: str, chunk: int, mixed: bool, dtype: Any, device: str, stream_tokens: int = 300) -> Dict[str, float]:
+def run(
+    model: str, chunk: int, mixed: bool, dtype: Any, device: str, stream_tokens: int = 300, budget: bool = False,
+    arrive_at: int = 100, prompt_len: int = 1500,
+) -> Dict[str, float]:  # fmt: skip
+    """`budget`: the server's defaults (the step budget of --max-step-ms on; `chunk` is then the
+    chunked-prefill size it caps), else a fixed chunk with the budget off."""
     from minisgl.core import SamplingParams
     from minisgl.distributed import DistributedInfo
     from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
@@ -30,20 +36,26 @@ def run(model: str, chunk: int, mixed: bool, dtype: Any, device: str, stream_tok
         SchedulerConfig(
             model_path=model, tp_info=DistributedInfo(0, 1), dtype=dtype, device=device,
             max_seq_len_override=2048, num_page_override=8192, max_extend_tokens=chunk, mixed_batches=mixed,
+            max_step_ms=None if budget else 0.0,
         )
     )  # fmt: skip
+    ttft: List[float] = []
     try:
         sched.add_request(UserRequest(0, [1, 2, 3, 4], SamplingParams(temperature=0.0, max_tokens=stream_tokens, ignore_eos=True)))
         times: List[float] = []
         window: List[int] = []
+        arrived = 0.0
         while sched.has_work():
             outs = sched.step()
+            now = time.perf_counter()
             if any(o.uid == 0 for o in outs):
-                times.append(time.perf_counter())
-            if len(times) == 100 and not window:
+                times.append(now)
+            ttft += [now - arrived for o in outs if o.uid >= 10 and o.token_id is not None]
+            if len(times) == arrive_at and not window:
                 for i in range(4):
-                    prompt = [(7 * i + j) % 5000 + 1 for j in range(1500)]
+                    prompt = [(7 * i + j) % 5000 + 1 for j in range(prompt_len)]
                     sched.add_request(UserRequest(10 + i, prompt, SamplingParams(temperature=0.0, max_tokens=1)))
+                arrived = time.perf_counter()
                 window.append(len(times))
             if len(window) == 1 and not any(r.uid >= 10 for r in sched.prefilling) and not sched.waiting:
                 window.append(len(times))
@@ -62,7 +74,28 @@ def run(model: str, chunk: int, mixed: bool, dtype: Any, device: str, stream_tok
         "ratio": max(during) / median,
         "ratio_to_decode_median": max(during) / outside,
         "steps_during": len(during),
+        "prompt_ttft_s": [round(t, 3) for t in ttft],
     }
+
+
+def _defaults(args: argparse.Namespace) -> None:
+    import torch
+
+    import minisgl.scheduler.step_budget as step_budget
+    from minisgl.utils.hf import resolve_model_path
+
+    model = resolve_model_path(args.model)
+    out: Dict[str, Any] = {"model": args.model or "embedded", "loadavg_start": os.getloadavg()[0], "runs": {}}
+    for _ in range(args.reps):
+        for pair in args.defaults.split(","):
+            floor, factor = pair.split(":")
+            step_budget.FLOOR, step_budget.AUTO_FACTOR = int(floor), float(factor)
+            res = run(model, 8192, True, getattr(torch, args.dtype), args.device, 200, budget=True, arrive_at=20, prompt_len=1400)
+            out["runs"].setdefault(pair, []).append(res)
+            print(f"defaults, FLOOR {floor}, AUTO_FACTOR {factor}: longest gap {res['max_during_ms']:.0f} ms = {res['ratio']:.2f}x the "
+                  f"median {res['median_ms']:.1f} ms; prompts' TTFT {res['prompt_ttft_s']} s", flush=True)  # fmt: skip
+    out["loadavg_end"] = os.getloadavg()[0]
+    print(json.dumps(out))
 
 
 def main() -> None:
@@ -77,7 +110,15 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--skip-alternating", action="store_true", help="only the mixed runs")
     ap.add_argument("--stream-tokens", type=int, default=800, help="the decoding stream's length (the prompts arrive at its 100th token)")
+    ap.add_argument("--defaults", default=None, metavar="FLOOR:FACTOR,...",
+                    help="instead: the server's defaults (the step budget caps 8,192-token chunks; issue 32's setting: a "
+                         "200-token stream, four 1,400-token prompts at its 20th token), once per step_budget FLOOR:AUTO_FACTOR "
+                         "pair, the pairs interleaved --reps times")  # fmt: skip
+    ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
+    if args.defaults:
+        _defaults(args)
+        return
     model = resolve_model_path(args.model)
     dtype = getattr(torch, args.dtype)
     out: Dict[str, Any] = {"model": args.model or "embedded", "loadavg_start": os.getloadavg()[0]}

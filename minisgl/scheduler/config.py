@@ -31,7 +31,7 @@ class SchedulerConfig(EngineConfig):
     max_step_ms: float | None = knob(
         None,
         "target length (ms) of a step that prefills beside decoding streams: its prompt tokens are capped to fit, "
-        "from measured step times (at least 64 a step); 0: off",
+        "from measured step times (at least 16 a step); 0: off",
         group=SCHEDULING,
         type=nonnegative_float,
         default_text="3x a decode step on a CPU, off on CUDA",

@@ -24,7 +24,7 @@ asks `prompt_tokens()` when it plans a step with decode rows.
 from __future__ import annotations
 
 AUTO_FACTOR = 3.0  # default target: this many decode steps
-FLOOR = 64  # prompt tokens a capped step carries at least
+FLOOR = 16  # prompt tokens a capped step carries at least (benchmark/mixed_gap.py --defaults: docs/PERFORMANCE.md)
 ALPHA = 0.2  # weight of the newest observation in each EWMA
 
 
