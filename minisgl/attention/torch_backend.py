@@ -9,6 +9,11 @@ at position p sees keys at positions > p - window, transformers' `sliding_window
 score scale, tanh soft-capping of the scores and GPT-OSS's attention sinks (a learned logit per
 query head that joins the softmax denominator and weighs no value); with a soft-cap or sinks
 attention is spelled out (SDPA has neither), softmax in float32 as transformers' eager attention.
+
+Latent attention (DeepSeek's MLA, "latent_attention") is MQA over the latent pool: one key
+"head" per token, [c_kv | k_pe], whose first kv_lora_rank values are also the value; the model
+hands in queries already absorbed into latent space ([q_nope W_UK | q_pe]) and gets back
+[T, Hq, kv_lora_rank], which it expands through W_UV itself (models/deepseek.py).
 """
 
 from __future__ import annotations
@@ -60,7 +65,9 @@ class TorchAttnMetadata(BaseAttnMetadata):
 
 class TorchAttnBackend(BaseAttnBackend):
     kv_cache_dtypes: Tuple[str, ...] = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
-    attention_features: Tuple[str, ...] = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_sinks")
+    attention_features: Tuple[str, ...] = (
+        "sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "latent_attention",
+    )  # fmt: skip
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -130,7 +137,7 @@ class TorchAttnBackend(BaseAttnBackend):
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
             o = _attention(q.unsqueeze(2).to(keys.dtype), keys, values, self._decode_mask(meta, window), scale, cap, sinks)
             return o.squeeze(2).to(q.dtype)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], self.kv_cache.v_dim or q.shape[-1])  # (latent: V is narrower than K)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
             ki, vi = self.kv_cache.gather(layer_id, s.slots, cast)
