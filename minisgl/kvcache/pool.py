@@ -52,9 +52,7 @@ def kv_storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return _STORAGE.get(name, model_dtype)
 
 
-def kv_bytes_per_slot(
-    name: str, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int, latent: bool = False
-) -> int:
+def kv_bytes_per_slot(name: str, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int, latent: bool = False) -> int:
     """Bytes one token's K and V take over all layers, scales included (`latent`: K alone, V
     being a view of it)."""
     per_head = head_dim * kv_storage_dtype(name, model_dtype).itemsize + (4 if name == "int8" else 0)

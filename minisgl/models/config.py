@@ -355,6 +355,11 @@ class ModelConfig:
         # only MoE configs (Qwen*-MoE, Mixtral) count as MoE: a dense config may carry an unused field
         is_moe = "moe" in getattr(hf, "model_type", "") or getattr(hf, "num_local_experts", None) is not None or ds_moe is not None
         attention_multiplier = getattr(hf, "attention_multiplier", None)
+        attn_scale = None  # Gemma scales the scores by query_pre_attn_scalar^-0.5, not head_dim^-0.5; DeepSeek by its own
+        if mla is not None:
+            attn_scale = _mla_softmax_scale(mla, scaling)
+        elif scalar not in (None, head_dim) and arch in WINDOW_MASKED_ARCHITECTURES:
+            attn_scale = float(scalar) ** -0.5
         return cls(
             architecture=arch,
             model_type=getattr(hf, "model_type", ""),
@@ -392,9 +397,7 @@ class ModelConfig:
             no_rope_layers=_no_rope_layers(hf),
             layer_windows=_layer_windows(hf, arch),
             local_rotary_config=_local_rope(hf, rotary),
-            # Gemma scales the scores by query_pre_attn_scalar^-0.5, not head_dim^-0.5
-            attn_scale=_mla_softmax_scale(mla, scaling) if mla is not None
-            else float(scalar) ** -0.5 if scalar not in (None, head_dim) and arch in WINDOW_MASKED_ARCHITECTURES else None,
+            attn_scale=attn_scale,
             attn_logit_softcapping=_float_or_none(getattr(hf, "attn_logit_softcapping", None)),
             final_logit_softcapping=_float_or_none(getattr(hf, "final_logit_softcapping", None)),
             attention_sinks=arch == "GptOssForCausalLM",
