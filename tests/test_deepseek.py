@@ -308,6 +308,39 @@ def test_tp2_matches_hf(dirs, oracles):
         assert assert_greedy_match(res.token_ids, ref, ref_logits, label=f"tp2 prompt {i}") >= max_tokens // 2
 
 
+@pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the CPU step runners and the int8 pool")
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_cpu_bf16_runs_the_module_path(kv, dirs, oracles):
+    """bf16 on a CPU, with the model-dtype and the int8 latent pool: the C decode loop does not
+    describe MLA layers and every decode step ran on ModuleRunner. Fed our own tokens, each greedy
+    token is in HF float32's top 5 (bf16 pool); over int8 the first is (the int8 pool's exact
+    arithmetic is test_latent_pool_int8_roundtrip: its noise flips this tiny model's routing later)."""
+    from minisgl.core import get_global_ctx
+    from minisgl.engine.cpu_decode import _describe
+
+    prompt = random_prompts([21], seed=740)[0]
+    with running_llm(dirs["v3"], dtype="bfloat16", kv_cache_dtype=kv, max_running_req=2, max_seq_len_override=64) as llm:
+        engine = llm.scheduler.engine
+        assert engine.cpu_runner is None and engine.kv_cache.latent and (engine.kv_cache.scales is not None) == (kv == "int8")
+        why = _describe(engine.model, get_global_ctx().attn_backend, 1)[1]
+        assert why in ("layer 0 is DecoderLayer(LatentAttention, GatedMLP)", "the attention backend is not the CPU kernels'"), why
+        log = record_runners(engine)
+        out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0].token_ids
+    assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+    ids = list(prompt)
+    for t in out if kv == "auto" else out[:1]:
+        assert t in oracles["v3"].logits(ids)[-1].topk(5).indices.tolist()
+        ids.append(t)
+
+
+def test_dummy_weights_start(dirs):
+    """`--load-format dummy` (the benchmark's configs): every parameter, the kv_b_proj rows and the
+    router's correction bias included, gets a value and a step runs."""
+    with running_llm(dirs["v2_lite"], use_dummy_weight=True, max_running_req=2, max_seq_len_override=64) as llm:
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))
+    assert len(out[0].token_ids) == 2
+
+
 def test_mtp_layers_are_skipped(dirs, oracles, tmp_path):
     """A V3 checkpoint with its multi-token-prediction layer (stored as layer num_hidden_layers)
     loads without it and computes the same logits."""
