@@ -16,6 +16,7 @@ Every norm is perturbed from HF's ones and the correction bias from its zeros;
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Dict, List
@@ -385,24 +386,61 @@ def test_backends_without_latent_attention_refuse_by_name(dirs, tmp_path):
             _raw_config(tmp_path, raw)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_mla_decode_kernel_in_interpreter() -> None:
+    """tests/kernel_checks/mla.py: the Triton MLA decode kernel (split-K over the latent pool,
+    several head blocks, empty chunks) against a dense float64 reference."""
+    from kernel_checks import run_module
+
+    proc = run_module("mla")
+    assert proc.returncode == 0 and "mla kernels ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_mla_decode_kernel_compiles_for_sm90() -> None:
+    """The kernel at DeepSeek's latent (512 + 64, 16-head blocks) compiled for sm_90 with the tiles
+    mla_decode launches: bf16 tensor-core dots, within the H200's shared memory, no spills."""
+    from kernel_checks import run_module
+
+    proc = run_module("sm90", "mla", interpret=False)
+    assert proc.returncode == 0 and "FAILURES: []" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("spills 0") == 2, proc.stdout[-2000:]
+
+
 # ---- CUDA (MINISGL_TEST_DEVICE=cuda) -----------------------------------------------------------
 CUDA = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA paths (MINISGL_TEST_DEVICE=cuda)")
 
 
 @CUDA
+def test_cuda_mla_decode_kernel():
+    """The MLA decode kernel on the GPU against the float64 reference, float32 and bf16."""
+    from kernel_checks import mla
+
+    errors = mla.check_kernels(torch.device("cuda"), (torch.float32, torch.bfloat16))
+    assert not errors, errors
+
+
+@CUDA
 @pytest.mark.parametrize("name", ["v2", "v3"])
-def test_cuda_bf16_decode_runs_the_module_path(name, dirs, oracles):
-    """bf16 on CUDA (the torch attention backend over the latent pool, the Triton MoE): decode
-    steps run on ModuleRunner (the torch backend has no CUDA-graph hooks: no graph captured, said
-    here rather than silently), and each greedy token is in HF float32's top 5 until the first
-    divergence."""
+def test_cuda_bf16_decode_runs_the_module_path(name, dirs, oracles, monkeypatch):
+    """bf16 on CUDA (the torch attention backend over the latent pool, its decode through the
+    Triton MLA kernel; the Triton MoE): decode steps run on ModuleRunner (the torch backend has no
+    CUDA-graph hooks: no graph captured, said here rather than silently), every decode step's
+    attention took the kernel, and each greedy token is in HF float32's top 5 (fed our tokens)."""
+    from minisgl.kernel import triton_mla
+
+    calls: List[int] = []
+    kernel = triton_mla.mla_decode
+    monkeypatch.setattr(triton_mla, "mla_decode", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     prompts = random_prompts([7, 30], seed=730)
     with running_llm(dirs[name], dtype="bfloat16", page_size=16, max_running_req=2, max_seq_len_override=96) as llm:
         engine = llm.scheduler.engine
         assert engine.config.attention_backend == "torch" and not engine.graph_runner.batch_sizes
         log = record_runners(engine)
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    decode_steps = sum(1 for _, phase in log if phase == "decode")
     assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+    assert len(calls) == decode_steps * 3  # every layer of every decode step
     for i, res in enumerate(out):
         ids = list(prompts[i])
         for t in res.token_ids[:4]:

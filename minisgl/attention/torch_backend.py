@@ -13,7 +13,9 @@ attention is spelled out (SDPA has neither), softmax in float32 as transformers'
 Latent attention (DeepSeek's MLA, "latent_attention") is MQA over the latent pool: one key
 "head" per token, [c_kv | k_pe], whose first kv_lora_rank values are also the value; the model
 hands in queries already absorbed into latent space ([q_nope W_UK | q_pe]) and gets back
-[T, Hq, kv_lora_rank], which it expands through W_UV itself (models/deepseek.py).
+[T, Hq, kv_lora_rank], which it expands through W_UV itself (models/deepseek.py). On CUDA, over
+a pool in the model dtype, its decode steps read the latent in place through a Triton kernel
+(kernel/triton_mla.py) instead of gathering it; prefill, an fp8 pool and the CPU take SDPA.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch, Req
+from minisgl.kernel.fused import use_fused
 from minisgl.utils.device import make_device_tensor
 
 
@@ -59,6 +62,7 @@ class TorchAttnMetadata(BaseAttnMetadata):
     decode_slots: torch.Tensor | None = None  # [B, max_len]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len]
     decode_lens: torch.Tensor | None = None  # [B]
+    decode_rows: torch.Tensor | None = None  # [B] page-table rows
     decode_window_masks: Dict[int, torch.Tensor] = field(default_factory=dict)
     built: bool = False
 
@@ -91,7 +95,7 @@ class TorchAttnBackend(BaseAttnBackend):
             meta.decode_slots = self.page_table[rows, :max_len].long()
             valid = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
             meta.decode_mask = valid[:, None, None, :]
-            meta.decode_lens = seq_lens
+            meta.decode_lens, meta.decode_rows = seq_lens, rows
         else:
             seqs: List[TorchPrefillSeq] = []
             start = 0
@@ -126,6 +130,25 @@ class TorchAttnBackend(BaseAttnBackend):
             s.window_masks[window] = window_mask(torch.arange(k_len - s.q_len, k_len, device=s.slots.device), k_len, window)
         return s.window_masks[window]
 
+    def _mla_kernel(self, q: torch.Tensor) -> bool:
+        """Whether this latent decode step takes kernel/triton_mla.py (CUDA, a pool in the model
+        dtype; an fp8 pool and the CPU gather and run SDPA)."""
+        return self.kv_cache.latent and use_fused(q) and self.kv_cache.dtype == q.dtype
+
+    def _latent_decode(self, q: torch.Tensor, layer_id: int, meta: TorchAttnMetadata) -> torch.Tensor:
+        from minisgl.kernel.triton_mla import mla_decode, num_splits_for
+
+        assert meta.decode_rows is not None and meta.decode_lens is not None and meta.decode_slots is not None
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = num_splits_for(q.shape[0], meta.decode_slots.shape[1], self._num_sms)
+        scale = self.model_config.softmax_scale
+        v_dim = self.kv_cache.v_dim
+        assert v_dim is not None
+        return mla_decode(q, self.kv_cache.k_cache(layer_id), self.page_table, meta.decode_rows, meta.decode_lens, scale, v_dim, splits)
+
+    _num_sms: int | None = None
+
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = self._views(batch.attn_metadata)
         cast = self._compute_dtype
@@ -133,6 +156,8 @@ class TorchAttnBackend(BaseAttnBackend):
         # (scale None: SDPA's own default, the bits every other model had before)
         window, scale, cap = cfg.window_of(layer_id), cfg.attn_scale, cfg.attn_logit_softcapping
         if meta.decode_slots is not None:
+            if self._mla_kernel(q):  # latent decode on CUDA: the Triton kernel reads the pool in place
+                return self._latent_decode(q, layer_id, meta)
             keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
             o = _attention(q.unsqueeze(2).to(keys.dtype), keys, values, self._decode_mask(meta, window), scale, cap, sinks)
