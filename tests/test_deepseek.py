@@ -272,7 +272,7 @@ def test_every_parameter_matters(oracles):
 def test_llm_greedy_matches_hf(name, dirs, oracles):
     """Greedy tokens through the offline API (16-token prefill chunks, 16-token pages, the radix
     cache cold then warm) equal HF generate's, tie-aware; on a CPU every decode step ran on the
-    module path (the C decode loop does not describe MLA layers)."""
+    module path (the C decode loop does not describe MLA layers), on CUDA on the decode graphs."""
     prompts = random_prompts([3, 9, 20, 37], seed=710)
     max_tokens = 10
     kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
@@ -282,7 +282,7 @@ def test_llm_greedy_matches_hf(name, dirs, oracles):
         log = record_runners(engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         results = llm.generate(prompts, params) + llm.generate(prompts, params)
-    assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
+    assert {cls for cls, phase in log if phase == "decode"} == {"GraphRunner" if TEST_DEVICE == "cuda" else "ModuleRunner"}
     assert sum(r.cached_tokens for r in results[len(prompts) :]) >= 16, "the warm run hit no cache"
     compared = 0
     for i, res in enumerate(results):
@@ -422,25 +422,53 @@ def test_cuda_mla_decode_kernel():
 
 @CUDA
 @pytest.mark.parametrize("name", ["v2", "v3"])
-def test_cuda_bf16_decode_runs_the_module_path(name, dirs, oracles, monkeypatch):
-    """bf16 on CUDA (the torch attention backend over the latent pool, its decode through the
-    Triton MLA kernel; the Triton MoE): decode steps run on ModuleRunner (the torch backend has no
-    CUDA-graph hooks: no graph captured, said here rather than silently), every decode step's
-    attention took the kernel, and each greedy token is in HF float32's top 5 (fed our tokens)."""
+def test_cuda_graph_replay_equals_eager(name, dirs, oracles):
+    """On CUDA (the torch backend's latent decode through the MLA kernel, the triton MoE): decode
+    steps replay CUDA graphs (GraphRunner, no fall-off to the module path), and their greedy
+    tokens and logprobs equal the eager run's; both equal HF's tokens, tie-aware."""
+    from minisgl.attention.base import AttnCap
+
+    prompts = random_prompts([3, 9, 20, 37], seed=750)
+    max_tokens = 10
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+    kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
+    runs: Dict[str, Any] = {}
+    for path, extra in (("graphs", {}), ("eager", dict(cuda_graph_bs=[], cuda_graph_max_tokens=0))):
+        with running_llm(dirs[name], **kw, **extra) as llm:
+            engine = llm.scheduler.engine
+            assert type(engine.moe_backend).__name__ == "TritonMoeBackend"
+            assert type(engine.attn_backend).__name__ == "TorchAttnBackend" and AttnCap.DECODE_GRAPH in engine.attn_backend.caps
+            log = record_runners(engine)
+            runs[path] = llm.generate(prompts, params)
+        want = "GraphRunner" if path == "graphs" else "ModuleRunner"
+        assert {cls for cls, phase in log if phase == "decode"} == {want}, (path, log)
+    for a, b in zip(runs["graphs"], runs["eager"]):
+        assert a.token_ids == b.token_ids
+        assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max().item() < 1e-4
+    for i, res in enumerate(runs["eager"]):
+        ref, ref_logits = oracles[name].greedy(prompts[i], max_tokens)
+        assert_greedy_match(res.token_ids, ref, ref_logits, label=f"cuda {name} prompt {i}")
+
+
+@CUDA
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_cuda_bf16_decode_takes_the_mla_kernel(name, dirs, oracles, monkeypatch):
+    """bf16 on CUDA, eager: every layer of every decode step ran the Triton MLA kernel (no
+    fall-off to the gather + SDPA), and each greedy token is in HF float32's top 5 (fed our
+    tokens)."""
     from minisgl.kernel import triton_mla
 
     calls: List[int] = []
     kernel = triton_mla.mla_decode
     monkeypatch.setattr(triton_mla, "mla_decode", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     prompts = random_prompts([7, 30], seed=730)
-    with running_llm(dirs[name], dtype="bfloat16", page_size=16, max_running_req=2, max_seq_len_override=96) as llm:
-        engine = llm.scheduler.engine
-        assert engine.config.attention_backend == "torch" and not engine.graph_runner.batch_sizes
-        log = record_runners(engine)
+    kw = dict(dtype="bfloat16", page_size=16, max_running_req=2, max_seq_len_override=96, cuda_graph_bs=[], cuda_graph_max_tokens=0)
+    with running_llm(dirs[name], **kw) as llm:
+        log = record_runners(llm.scheduler.engine)
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
     decode_steps = sum(1 for _, phase in log if phase == "decode")
     assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
-    assert len(calls) == decode_steps * 3  # every layer of every decode step
+    assert decode_steps > 0 and len(calls) == decode_steps * 3  # every layer of every decode step
     for i, res in enumerate(out):
         ids = list(prompts[i])
         for t in res.token_ids[:4]:
