@@ -389,7 +389,8 @@ def test_backends_without_latent_attention_refuse_by_name(dirs, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_mla_decode_kernel_in_interpreter() -> None:
     """tests/kernel_checks/mla.py: the Triton MLA decode kernel (split-K over the latent pool,
-    several head blocks, empty chunks) against a dense float64 reference."""
+    several head blocks, empty chunks; a model-dtype and an fp8 pool) against a dense float64
+    reference."""
     from kernel_checks import run_module
 
     proc = run_module("mla")
@@ -399,12 +400,13 @@ def test_mla_decode_kernel_in_interpreter() -> None:
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_mla_decode_kernel_compiles_for_sm90() -> None:
     """The kernel at DeepSeek's latent (512 + 64, 16-head blocks) compiled for sm_90 with the tiles
-    mla_decode launches: bf16 tensor-core dots, within the H200's shared memory, no spills."""
+    mla_decode launches (bf16 over bf16 and fp8 pools, fp32): bf16 tensor-core dots, within the
+    H200's shared memory, no spills."""
     from kernel_checks import run_module
 
     proc = run_module("sm90", "mla", interpret=False)
     assert proc.returncode == 0 and "FAILURES: []" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("spills 0") == 2, proc.stdout[-2000:]
+    assert proc.stdout.count("spills 0") == 3, proc.stdout[-2000:]
 
 
 # ---- CUDA (MINISGL_TEST_DEVICE=cuda) -----------------------------------------------------------
@@ -451,18 +453,20 @@ def test_cuda_graph_replay_equals_eager(name, dirs, oracles):
 
 
 @CUDA
-@pytest.mark.parametrize("name", ["v2", "v3"])
-def test_cuda_bf16_decode_takes_the_mla_kernel(name, dirs, oracles, monkeypatch):
-    """bf16 on CUDA, eager: every layer of every decode step ran the Triton MLA kernel (no
-    fall-off to the gather + SDPA), and each greedy token is in HF float32's top 5 (fed our
-    tokens)."""
+@pytest.mark.parametrize("name,kv", [("v2", "auto"), ("v3", "auto"), ("v3", "fp8_e4m3")])
+def test_cuda_bf16_decode_takes_the_mla_kernel(name, kv, dirs, oracles, monkeypatch):
+    """bf16 on CUDA, eager, over a bf16 and an fp8 latent pool: every layer of every decode step
+    ran the Triton MLA kernel (no fall-off to the gather + SDPA), and each greedy token is in HF
+    float32's top 5 (fed our tokens; over fp8 the first: its rounding flips this tiny model's
+    routing later, as int8's on the CPU)."""
     from minisgl.kernel import triton_mla
 
     calls: List[int] = []
     kernel = triton_mla.mla_decode
     monkeypatch.setattr(triton_mla, "mla_decode", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
     prompts = random_prompts([7, 30], seed=730)
-    kw = dict(dtype="bfloat16", page_size=16, max_running_req=2, max_seq_len_override=96, cuda_graph_bs=[], cuda_graph_max_tokens=0)
+    kw = dict(dtype="bfloat16", kv_cache_dtype=kv, page_size=16, max_running_req=2, max_seq_len_override=96, cuda_graph_bs=[],
+              cuda_graph_max_tokens=0)  # fmt: skip
     with running_llm(dirs[name], **kw) as llm:
         log = record_runners(llm.scheduler.engine)
         out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
@@ -471,7 +475,7 @@ def test_cuda_bf16_decode_takes_the_mla_kernel(name, dirs, oracles, monkeypatch)
     assert decode_steps > 0 and len(calls) == decode_steps * 3  # every layer of every decode step
     for i, res in enumerate(out):
         ids = list(prompts[i])
-        for t in res.token_ids[:4]:
+        for t in res.token_ids[: 4 if kv == "auto" else 1]:
             top = oracles[name].logits(ids)[-1].topk(5).indices.tolist()
             assert t in top, f"{name} prompt {i}: token {t} not in HF's top 5 {top}"
             ids.append(t)

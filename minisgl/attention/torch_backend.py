@@ -14,10 +14,10 @@ Latent attention (DeepSeek's MLA, "latent_attention") is MQA over the latent poo
 "head" per token, [c_kv | k_pe], whose first kv_lora_rank values are also the value; the model
 hands in queries already absorbed into latent space ([q_nope W_UK | q_pe]) and gets back
 [T, Hq, kv_lora_rank], which it expands through W_UV itself (models/deepseek.py). On CUDA, over
-a pool in the model dtype, its decode steps read the latent in place through a Triton kernel
+a pool in the model dtype or fp8_e4m3, its decode steps read the latent in place through a Triton kernel
 (kernel/triton_mla.py) instead of gathering it, and replay CUDA graphs (AttnCap.DECODE_GRAPH, for
 latent pools only: the hooks keep the rows and lengths the kernel reads in static buffers);
-prefill, an fp8 pool and the CPU take SDPA.
+prefill and the CPU take SDPA.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ class TorchAttnBackend(BaseAttnBackend):
         super().__init__(model_config)
         # Latent decode on CUDA runs the MLA kernel, whose launch depends on the batch size alone
         # (its chunk count too: `_mla_splits`): those steps can replay CUDA graphs.
-        self._mla = self.kv_cache.latent and use_fused_on(self.device) and self.kv_cache.dtype == self.kv_cache.model_dtype
+        pool_ok = self.kv_cache.dtype in (self.kv_cache.model_dtype, torch.float8_e4m3fn)
+        self._mla = self.kv_cache.latent and use_fused_on(self.device) and pool_ok
         if self._mla:
             self.caps = AttnCap.DECODE_GRAPH
         self._graph: Dict[str, torch.Tensor] = {}
@@ -144,7 +145,7 @@ class TorchAttnBackend(BaseAttnBackend):
             s.window_masks[window] = window_mask(torch.arange(k_len - s.q_len, k_len, device=s.slots.device), k_len, window)
         return s.window_masks[window]
 
-    # ---- latent decode on CUDA: kernel/triton_mla.py (an fp8 pool and the CPU gather + SDPA) ----
+    # ---- latent decode on CUDA: kernel/triton_mla.py (the CPU gathers and runs SDPA) ----
     def _latent_decode(self, q: torch.Tensor, layer_id: int, meta: TorchAttnMetadata) -> torch.Tensor:
         from minisgl.kernel.triton_mla import mla_decode, num_splits_for
 

@@ -13,7 +13,8 @@ output and base-2 log-sum-exp go to float32 scratch, which torch ops combine (no
 launch depends on B and S only). Float32 inputs use IEEE dots.
 
 The torch attention backend calls it for latent decode steps on CUDA over a pool in the model
-dtype (`attention/torch_backend.py`); an fp8 pool, the CPU and prefill keep its gather + SDPA.
+dtype or fp8_e4m3 (widened exactly to the model dtype as tiles load; `attention/torch_backend.py`);
+the CPU and prefill keep its gather + SDPA.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ def _mla_decode_kernel(
         mask_n = offs_n < end
         slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         kv_row = KV + slots[:, None] * stride_kv
-        c = tl.load(kv_row + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0)
-        k_pe = tl.load(kv_row + LAT + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        # (an fp8 pool widens exactly to the model dtype; a no-op otherwise)
+        c = tl.load(kv_row + offs_l[None, :], mask=mask_n[:, None] & mask_l[None, :], other=0.0).to(Q.dtype.element_ty)
+        k_pe = tl.load(kv_row + LAT + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(Q.dtype.element_ty)
         qk = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
         qk += tl.dot(q_rope, tl.trans(k_pe), input_precision=PRECISION)
         qk = tl.where(mask_n[None, :], qk * qk_scale, float("-inf"))
@@ -119,7 +121,8 @@ def mla_decode(
     num_splits: int,
 ) -> torch.Tensor:
     """q [B, H, LAT + ROPE] (absorbed queries) over the latent pool `latent` [slots, 1, LAT + ROPE]
-    of the requests' page-table `rows` [B] and `seq_lens` [B] -> [B, H, v_dim (= LAT)] in q's dtype."""
+    (q's dtype or float8_e4m3fn) of the requests' page-table `rows` [B] and `seq_lens` [B] ->
+    [B, H, v_dim (= LAT)] in q's dtype."""
     B, H, D = q.shape
     assert latent.shape[-1] == D and latent.stride(-1) == 1 and q.stride(-1) == 1 and 0 < v_dim < D
     rope = D - v_dim

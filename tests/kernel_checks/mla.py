@@ -38,18 +38,20 @@ def check_kernels(dev: torch.device = HOST, dtypes: tuple = (torch.float32,)) ->
         scale = (lat + rope) ** -0.5
         ref = torch.stack([dense(q[i], pool[table[i, :n].long(), 0], scale, lat) for i, n in enumerate(lens)])
         rows = torch.tensor([2, 0, 3, 1])  # the batch's page-table rows, not in order
-        table = table[torch.argsort(rows)]  # row rows[i] holds request i's slots
+        # an fp8 pool: the reference reads the same e4m3 values, widened
+        pool8 = pool.clamp(-448, 448).to(torch.float8_e4m3fn)
+        ref8 = torch.stack([dense(q[i], pool8.float()[table[i, :n].long(), 0], scale, lat) for i, n in enumerate(lens)])
         for dtype in dtypes:
-            for splits in (1, 3, 8):
-                out = mla_decode(
-                    q.to(dev, dtype), pool.to(dev, dtype), table.to(dev), rows.to(dev),
-                    torch.tensor(lens).to(dev), scale, lat, splits,
-                )  # fmt: skip
-                tol = 1e-5 if dtype == torch.float32 else 3e-2
-                err = (out.double().cpu() - ref).abs().max().item()
-                tag = f"lat={lat} rope={rope} heads={heads} {dtype} splits={splits}"
-                if not err < tol or out.shape != (len(lens), heads, lat):
-                    errors.append(f"{tag}: max err {err:.3g}, shape {tuple(out.shape)}")
+            for fp8 in (False, True):
+                for splits in (1, 3, 8):
+                    kv = pool8.to(dev) if fp8 else pool.to(dev, dtype)
+                    t, r = table[torch.argsort(rows)], rows  # row rows[i] holds request i's slots
+                    out = mla_decode(q.to(dev, dtype), kv, t.to(dev), r.to(dev), torch.tensor(lens).to(dev), scale, lat, splits)
+                    tol = 1e-5 if dtype == torch.float32 else 3e-2
+                    err = (out.double().cpu() - (ref8 if fp8 else ref)).abs().max().item()
+                    tag = f"lat={lat} rope={rope} heads={heads} {dtype} fp8={fp8} splits={splits}"
+                    if not err < tol or out.shape != (len(lens), heads, lat):
+                        errors.append(f"{tag}: max err {err:.3g}, shape {tuple(out.shape)}")
     return errors
 
 
