@@ -79,7 +79,7 @@ class TorchAttnBackend(BaseAttnBackend):
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
         # Latent decode on CUDA runs the MLA kernel, whose launch depends on the batch size alone
-        # (its chunk count too: `_mla_splits`): those steps can replay CUDA graphs.
+        # (its chunk count too, `_latent_decode`): those steps can replay CUDA graphs.
         pool_ok = self.kv_cache.dtype in (self.kv_cache.model_dtype, torch.float8_e4m3fn)
         self._mla = self.kv_cache.latent and use_fused_on(self.device) and pool_ok
         if self._mla:
