@@ -342,6 +342,40 @@ def test_dummy_weights_start(dirs):
     assert len(out[0].token_ids) == 2
 
 
+def test_fp8_block_checkpoint_matches_hf_on_dequantized_weights(dirs, tmp_path):
+    """A V3 checkpoint in DeepSeek-V3's own FP8 layout (quant_method fp8, 128x128 blocks,
+    weight_scale_inv) on every projection, kv_b_proj and the experts included: dequantized at load
+    (kv_b_proj is no linear layer: it is never kept in FP8), prefill logits equal HF's on the
+    dequantized weights."""
+    from quant_helpers import fp8_block_layer
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(dirs["v3"] / "model.safetensors"))
+    quant: Dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            q = fp8_block_layer(t.float(), (128, 128))
+            quant.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in q.tensors.items()})
+            state[name] = q.dense
+        else:
+            quant[name] = t
+    for folder, tensors in (("dense", state), ("fp8", quant)):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"), metadata={"format": "pt"})
+        cfg = json.loads((dirs["v3"] / "config.json").read_text())
+        if folder == "fp8":
+            cfg["quantization_config"] = {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [128, 128],
+            }
+        (tmp_path / folder / "config.json").write_text(json.dumps(cfg))
+    hf = HFOracle(tmp_path / "dense")
+    hf.model.config._attn_implementation = "eager"
+    assert_prefill_logits_match_hf(tmp_path / "fp8", hf, _prompts()[:2], "deepseek v3 fp8 blocks")
+
+
 def test_mtp_layers_are_skipped(dirs, oracles, tmp_path):
     """A V3 checkpoint with its multi-token-prediction layer (stored as layer num_hidden_layers)
     loads without it and computes the same logits."""
