@@ -323,6 +323,9 @@ def test_cpu_bf16_runs_the_module_path(kv, dirs, oracles):
     with running_llm(dirs["v3"], dtype="bfloat16", kv_cache_dtype=kv, max_running_req=2, max_seq_len_override=64) as llm:
         engine = llm.scheduler.engine
         assert engine.cpu_runner is None and engine.kv_cache.latent and (engine.kv_cache.scales is not None) == (kv == "int8")
+        gate = engine.model.model.layers[1].mlp.gate  # the router stays float32, as transformers keeps it
+        assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+        assert engine.model.model.layers[1].mlp.experts.w13.dtype == torch.bfloat16
         why = _describe(engine.model, get_global_ctx().attn_backend, 1)[1]
         assert why in ("layer 0 is DecoderLayer(LatentAttention, GatedMLP)", "the attention backend is not the CPU kernels'"), why
         log = record_runners(engine)

@@ -129,12 +129,17 @@ class LatentAttention(nn.Module):
 
 
 class Router(ShardedModule):
-    """The MoE gate: `weight` [E, H] and, for V3, `e_score_correction_bias` [E] (replicated)."""
+    """The MoE gate: `weight` [E, H] and, for V3, `e_score_correction_bias` [E] (replicated), both
+    kept in float32 whatever the model dtype (the loader reads `float32_params`), as transformers
+    keeps them: the bias decides between experts whose scores differ in bf16's last bits."""
+
+    float32_params = ("weight", "e_score_correction_bias")
 
     def __init__(self, num_experts: int, hidden: int, bias: bool) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts), requires_grad=False) if bias else None
+        f32 = torch.float32
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=f32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=f32), requires_grad=False) if bias else None
 
 
 def route(
@@ -176,7 +181,7 @@ class DeepseekMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: PreNorm) -> Tuple[torch.Tensor, torch.Tensor]:
         h, residual = norm.forward_with_residual(x, residual)
-        logits = F.linear(h.float(), self.gate.weight.float())  # float32, as transformers' router
+        logits = F.linear(h.float(), self.gate.weight.float())  # float32, as transformers' router (dummy weights: bf16)
         weights, ids = route(logits, self.moe, self.top_k, self.norm_topk_prob, self.gate.e_score_correction_bias)
         backend = get_global_ctx().moe_backend
         assert backend is not None
