@@ -40,7 +40,8 @@ class BaseAttnBackend(ABC):
     # the pool formats (kvcache/pool.py KV_CACHE_DTYPES) this backend's kernels read and write
     kv_cache_dtypes: Tuple[str, ...] = ("auto",)
     # the attention options beyond plain causal softmax (ModelConfig.attention_features: a
-    # per-layer sliding_window, attn_logit_softcapping, query_pre_attn_scalar, attention_sinks) this backend
+    # per-layer sliding_window, attn_logit_softcapping, query_pre_attn_scalar, attention_sinks,
+    # latent_attention: DeepSeek's MLA over a latent pool, V a view of K) this backend
     # computes; a model that needs another is refused at init, by the option's name
     attention_features: Tuple[str, ...] = ()
 
@@ -56,7 +57,7 @@ class BaseAttnBackend(ABC):
         if missing:
             raise ValueError(
                 f"attention backend {type(self).__name__} does not implement {', '.join(missing)} "
-                f"({model_config.architecture}); the torch and triton backends implement every one"
+                f"({model_config.architecture}); the torch backend implements every one"
             )
         self.model_config = model_config
         self.kv_cache = ctx.kv_cache
@@ -68,21 +69,24 @@ class BaseAttnBackend(ABC):
     def prepare_metadata(self, batch: Batch) -> None: ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hk, D] (this step's tokens). Returns [T, Hq, D]."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, layer_id: int, batch: Batch,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """q: [T, Hq, D]; k, v: [T, Hk, D] (this step's tokens). Returns [T, Hq, D].
+        Latent attention ("latent_attention", a latent pool: kvcache/pool.py): v None, k the
+        [T, 1, D] latent rows, V their first `kv_cache.v_dim` values; returns [T, Hq, v_dim]."""
         self.store_kv(k, v, layer_id, batch)
         return self.attend(q, layer_id, batch, sinks)
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
-        """Write this step's K/V (each [T, Hk, D]) into the pool slots `batch.out_loc`."""
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor | None, layer_id: int, batch: Batch) -> None:
+        """Write this step's K/V (each [T, Hk, D]; a latent pool: K alone) into the pool slots `batch.out_loc`."""
         self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
 
     @abstractmethod
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D].
-        `sinks` [Hq] (the model dtype): the layer's attention sinks, given only to a backend that lists
-        "attention_sinks" in its `attention_features`."""
+        """q: [T, Hq, D] over the pool, which already holds this step's K/V. Returns [T, Hq, D]
+        ([T, Hq, v_dim] over a latent pool). `sinks` [Hq] (the model dtype): the layer's attention
+        sinks, given only to a backend that lists "attention_sinks" in its `attention_features`."""
 
     def forward_qkv(self, qkv: torch.Tensor, layer: Any, batch: Batch) -> torch.Tensor | None:
         """The attention layer's whole step from its projection's qkv rows [T, (Hq + 2 Hk) * D]:

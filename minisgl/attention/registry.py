@@ -57,7 +57,8 @@ def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
 def resolve_attention_backend(name: str, device: torch.device, features: Sequence[str] = ()) -> str:
     """'auto' -> triton on CUDA if importable, else flashinfer (unless the model needs attention
     `features` it lacks: sliding windows, soft-capping), else torch; cpu on a CPU (the paged C
-    kernels, itself the torch backend where they do not apply).
+    kernels, itself the torch backend where they do not apply); torch for latent attention
+    (DeepSeek's MLA) on any device.
 
     Triton first: it was the faster of the two on the H200's offline recipe, with bf16 and even
     more with fp8 K/V (the figures are in docs/PERFORMANCE.md), and it captures prefill and mixed
@@ -65,6 +66,8 @@ def resolve_attention_backend(name: str, device: torch.device, features: Sequenc
     if name != "auto":
         ATTN_BACKENDS.get(name)  # validates
         return name
+    if "latent_attention" in features:
+        return "torch"  # the one backend with MLA over a latent pool (no C, Triton or FlashInfer kernel for it)
     if device.type != "cuda":
         return "cpu"
     for candidate in ("triton", "flashinfer"):

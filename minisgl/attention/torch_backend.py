@@ -9,6 +9,15 @@ at position p sees keys at positions > p - window, transformers' `sliding_window
 score scale, tanh soft-capping of the scores and GPT-OSS's attention sinks (a learned logit per
 query head that joins the softmax denominator and weighs no value); with a soft-cap or sinks
 attention is spelled out (SDPA has neither), softmax in float32 as transformers' eager attention.
+
+Latent attention (DeepSeek's MLA, "latent_attention") is MQA over the latent pool: one key
+"head" per token, [c_kv | k_pe], whose first kv_lora_rank values are also the value; the model
+hands in queries already absorbed into latent space ([q_nope W_UK | q_pe]) and gets back
+[T, Hq, kv_lora_rank], which it expands through W_UV itself (models/deepseek.py). On CUDA, over
+a pool in the model dtype or fp8_e4m3, its decode steps read the latent in place through a Triton kernel
+(kernel/triton_mla.py) instead of gathering it, and replay CUDA graphs (AttnCap.DECODE_GRAPH, for
+latent pools only: the hooks keep the rows and lengths the kernel reads in static buffers);
+prefill and the CPU take SDPA.
 """
 
 from __future__ import annotations
@@ -19,8 +28,10 @@ from typing import Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import AttnCap, BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch, Req
+from minisgl.kernel.fused import use_fused_on
+from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
 
 
@@ -54,13 +65,27 @@ class TorchAttnMetadata(BaseAttnMetadata):
     decode_slots: torch.Tensor | None = None  # [B, max_len]
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_len]
     decode_lens: torch.Tensor | None = None  # [B]
+    decode_rows: torch.Tensor | None = None  # [B] page-table rows
     decode_window_masks: Dict[int, torch.Tensor] = field(default_factory=dict)
     built: bool = False
 
 
 class TorchAttnBackend(BaseAttnBackend):
     kv_cache_dtypes: Tuple[str, ...] = ("auto", "fp8_e4m3", "int8")  # it dequantizes what it gathers (KVCachePool.gather)
-    attention_features: Tuple[str, ...] = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_sinks")
+    attention_features: Tuple[str, ...] = (
+        "sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar", "attention_sinks", "latent_attention",
+    )  # fmt: skip
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        super().__init__(model_config)
+        # Latent decode on CUDA runs the MLA kernel, whose launch depends on the batch size alone
+        # (its chunk count too, `_latent_decode`): those steps can replay CUDA graphs.
+        pool_ok = self.kv_cache.dtype in (self.kv_cache.model_dtype, torch.float8_e4m3fn)
+        self._mla = self.kv_cache.latent and use_fused_on(self.device) and pool_ok
+        if self._mla:
+            self.caps = AttnCap.DECODE_GRAPH
+        self._graph: Dict[str, torch.Tensor] = {}
+        self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self._mla else 0
 
     @property
     def _compute_dtype(self) -> torch.dtype:
@@ -80,11 +105,12 @@ class TorchAttnBackend(BaseAttnBackend):
         if meta.is_decode:
             rows = make_device_tensor([r.table_idx for r in reqs], torch.int64, self.device)
             seq_lens = make_device_tensor([r.device_len for r in reqs], torch.int64, self.device)
-            max_len = max(r.device_len for r in reqs)
-            meta.decode_slots = self.page_table[rows, :max_len].long()
-            valid = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
-            meta.decode_mask = valid[:, None, None, :]
-            meta.decode_lens = seq_lens
+            meta.decode_lens, meta.decode_rows = seq_lens, rows
+            if not self._mla:  # (the MLA kernel reads the page table itself)
+                max_len = max(r.device_len for r in reqs)
+                meta.decode_slots = self.page_table[rows, :max_len].long()
+                valid = torch.arange(max_len, device=self.device)[None, :] < seq_lens[:, None]
+                meta.decode_mask = valid[:, None, None, :]
         else:
             seqs: List[TorchPrefillSeq] = []
             start = 0
@@ -119,18 +145,54 @@ class TorchAttnBackend(BaseAttnBackend):
             s.window_masks[window] = window_mask(torch.arange(k_len - s.q_len, k_len, device=s.slots.device), k_len, window)
         return s.window_masks[window]
 
+    # ---- latent decode on CUDA: kernel/triton_mla.py (the CPU gathers and runs SDPA) ----
+    def _latent_decode(self, q: torch.Tensor, layer_id: int, meta: TorchAttnMetadata) -> torch.Tensor:
+        from minisgl.kernel.triton_mla import mla_decode, num_splits_for
+
+        assert meta.decode_rows is not None and meta.decode_lens is not None and self.kv_cache.v_dim is not None
+        # chunks by the batch size and the longest possible context, so an eager step and the
+        # graph replay of the same batch compute the same sums
+        splits = num_splits_for(q.shape[0], self.page_table.shape[1], self._num_sms)
+        return mla_decode(q, self.kv_cache.k_cache(layer_id), self.page_table, meta.decode_rows, meta.decode_lens,
+                          self.model_config.softmax_scale, self.kv_cache.v_dim, splits)  # fmt: skip
+
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        """DecodeGraphHooks (AttnCap.DECODE_GRAPH, latent pools on CUDA): static rows / lengths."""
+        max_bs = max(bs_list)
+        self._graph = {
+            "rows": torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            "lens": torch.ones(max_bs, dtype=torch.int64, device=self.device),
+            "last": torch.arange(max_bs, dtype=torch.int64, device=self.device),
+        }
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs, g = batch.padded_size, self._graph
+        g["rows"][:bs].fill_(batch.padded_reqs[0].table_idx)  # the dummy request: one token on the dummy page
+        g["lens"][:bs].fill_(1)
+        batch.attn_metadata = TorchAttnMetadata(
+            g["last"][:bs], reqs=batch.padded_reqs, is_decode=True, decode_rows=g["rows"][:bs], decode_lens=g["lens"][:bs], built=True
+        )
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        bs, reqs = batch.padded_size, batch.padded_reqs
+        self._graph["rows"][:bs].copy_(make_device_tensor([r.table_idx for r in reqs], torch.int64, self.device))
+        self._graph["lens"][:bs].copy_(make_device_tensor([r.device_len for r in reqs], torch.int64, self.device))
+
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         meta = self._views(batch.attn_metadata)
         cast = self._compute_dtype
         cfg = self.model_config
         # (scale None: SDPA's own default, the bits every other model had before)
         window, scale, cap = cfg.window_of(layer_id), cfg.attn_scale, cfg.attn_logit_softcapping
-        if meta.decode_slots is not None:
+        if meta.is_decode:
+            if self._mla:  # latent decode on CUDA: the Triton kernel reads the pool in place
+                return self._latent_decode(q, layer_id, meta)
+            assert meta.decode_slots is not None
             keys, values = self.kv_cache.gather(layer_id, meta.decode_slots, cast)
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, Hk, S, D]
             o = _attention(q.unsqueeze(2).to(keys.dtype), keys, values, self._decode_mask(meta, window), scale, cap, sinks)
             return o.squeeze(2).to(q.dtype)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], self.kv_cache.v_dim or q.shape[-1])  # (latent: V is narrower than K)
         for s in meta.prefill or []:
             qi = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)  # [Hq, L, D]
             ki, vi = self.kv_cache.gather(layer_id, s.slots, cast)

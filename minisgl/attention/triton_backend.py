@@ -162,7 +162,8 @@ class TritonAttnBackend(BaseAttnBackend):
         )  # fmt: skip
 
     # ---- compute -------------------------------------------------------------------------------
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor | None, layer_id: int, batch: Batch) -> None:
+        assert v is not None  # (a latent pool: this backend refuses latent_attention at init)
         store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from minisgl.kernel.fused import use_fused_on
 from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
-from minisgl.kvcache.pool import check_kv_cache_dtype, kv_bytes_per_slot
+from minisgl.kvcache.pool import check_kv_cache_dtype, model_kv_bytes_per_slot
 from minisgl.layers.fp8 import keeps_fp8
 from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
@@ -39,7 +39,7 @@ from minisgl.moe.registry import create_moe_backend
 from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import init_logger
-from minisgl.utils.misc import align_up, div_even, gib
+from minisgl.utils.misc import align_up, gib
 from minisgl.utils.torch_utils import torch_dtype
 
 logger = init_logger(__name__)
@@ -412,8 +412,7 @@ class Engine:
 
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
         mc = config.model_config
-        local_kv_heads = div_even(mc.num_kv_heads, config.tp_info.size, allow_replicate=True)
-        per_slot = kv_bytes_per_slot(config.kv_cache_dtype, self.dtype, mc.num_layers, local_kv_heads, mc.head_dim)
+        per_slot = model_kv_bytes_per_slot(mc, config.kv_cache_dtype, self.dtype, config.tp_info.size)
         cache_per_page = per_slot * config.page_size
         num_pages = config.num_page_override
         if num_pages is None:

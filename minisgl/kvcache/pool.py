@@ -14,6 +14,12 @@ attention streams, in 8 bits (`kv_cache_dtype`, vLLM's and SGLang's name for it)
   a per-head scale keeps ~7 bits of each head's range, where e4m3's 3-bit mantissa keeps ~4.
 
 Every reader of a quantized pool dequantizes the same way: `q * scale` in fp32.
+
+The latent layout (multi-head latent attention, DeepSeek-V2/V3: `ModelConfig.latent_attention`)
+keeps one buffer: per layer [num_slots, 1, kv_lora_rank + qk_rope_head_dim], each token's
+compressed latent and its rotary key, and no V buffer: V is a view of K's first `v_dim`
+(= kv_lora_rank) values. So a token costs (kv_lora_rank + rope) values per layer instead of
+2 * heads * head_dim; int8 scales one row (the latent and the rotary key together) per token.
 """
 
 from __future__ import annotations
@@ -46,28 +52,56 @@ def kv_storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return _STORAGE.get(name, model_dtype)
 
 
-def kv_bytes_per_slot(name: str, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """Bytes one token's K and V take over all layers, scales included."""
+def kv_bytes_per_slot(name: str, model_dtype: torch.dtype, num_layers: int, num_kv_heads: int, head_dim: int, latent: bool = False) -> int:
+    """Bytes one token's K and V take over all layers, scales included (`latent`: K alone, V
+    being a view of it)."""
     per_head = head_dim * kv_storage_dtype(name, model_dtype).itemsize + (4 if name == "int8" else 0)
-    return 2 * num_layers * num_kv_heads * per_head
+    return (1 if latent else 2) * num_layers * num_kv_heads * per_head
+
+
+def pool_geometry(model_config: ModelConfig, tp_size: int) -> Tuple[int, int, int | None]:
+    """(KV heads per rank, K head dim, v_dim) of the pool for `model_config`: v_dim None for
+    separate K and V buffers; for latent attention one replicated "head" of the latent and the
+    rotary key, V its first kv_lora_rank values."""
+    mla = model_config.latent_attention
+    if mla is not None:
+        return 1, mla.latent_dim, mla.kv_lora_rank
+    return div_even(model_config.num_kv_heads, tp_size, allow_replicate=True), model_config.head_dim, None
+
+
+def model_kv_bytes_per_slot(model_config: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype, tp_size: int) -> int:
+    """Bytes one token takes in this rank's pool for `model_config` (the engine sizes the pool by it)."""
+    heads, head_dim, v_dim = pool_geometry(model_config, tp_size)
+    return kv_bytes_per_slot(kv_cache_dtype, model_dtype, model_config.num_layers, heads, head_dim, latent=v_dim is not None)
 
 
 class KVCachePool:
     def __init__(
         self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-        kv_cache_dtype: str = "auto",
+        kv_cache_dtype: str = "auto", v_dim: int | None = None,
     ) -> None:  # fmt: skip
+        """`v_dim` None: K and V buffers of [num_slots, num_kv_heads, head_dim] per layer; else the
+        latent layout: K alone, V the view of its first `v_dim` values."""
         self.num_layers, self.num_slots = num_layers, num_slots
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.v_dim = v_dim
+        if v_dim is not None and not 0 < v_dim <= head_dim:
+            raise ValueError(f"a latent pool's v_dim must be in (0, head_dim={head_dim}], got {v_dim}")
         self.device = device
         self.model_dtype = dtype  # what the model computes in; `dtype` is what the pool stores
         self.kv_cache_dtype = kv_cache_dtype
         self.dtype = kv_storage_dtype(kv_cache_dtype, dtype)
-        self.buffer = torch.zeros(2, num_layers, num_slots, num_kv_heads, head_dim, device=device, dtype=self.dtype)
-        # int8 only: [2, layers, slots, heads] fp32 scales (K, V)
+        planes = 1 if self.latent else 2
+        self.buffer = torch.zeros(planes, num_layers, num_slots, num_kv_heads, head_dim, device=device, dtype=self.dtype)
+        # int8 only: [planes, layers, slots, heads] fp32 scales (K, V; a latent pool: K's only)
         self.scales: torch.Tensor | None = None
         if kv_cache_dtype == "int8":
-            self.scales = torch.zeros(2, num_layers, num_slots, num_kv_heads, device=device, dtype=torch.float32)
+            self.scales = torch.zeros(planes, num_layers, num_slots, num_kv_heads, device=device, dtype=torch.float32)
+
+    @property
+    def latent(self) -> bool:
+        """The latent layout: V is K's first `v_dim` values, not a buffer of its own."""
+        return self.v_dim is not None
 
     @property
     def quantized(self) -> bool:
@@ -77,6 +111,8 @@ class KVCachePool:
         return self.buffer[0, layer_id]
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
+        if self.v_dim is not None:
+            return self.buffer[0, layer_id, ..., : self.v_dim]
         return self.buffer[1, layer_id]
 
     def k_scale(self, layer_id: int) -> torch.Tensor:
@@ -85,20 +121,27 @@ class KVCachePool:
 
     def v_scale(self, layer_id: int) -> torch.Tensor:
         assert self.scales is not None, "only an int8 pool has scales"
-        return self.scales[1, layer_id]
+        return self.scales[0 if self.latent else 1, layer_id]
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor | None, out_loc: torch.Tensor, layer_id: int) -> None:
+        """Write this step's K and V ([T, Hk, D] each) at pool slots `out_loc`; a latent pool
+        takes K alone (v None: V is part of it)."""
+        if self.latent != (v is None):
+            raise ValueError("a latent KV pool stores K alone (v=None); a K/V pool needs both")
         if self.quantized:
             self._store_quantized(k, v, out_loc, layer_id)
+            return
+        if v is None:
+            self.k_cache(layer_id).index_copy_(0, out_loc.long(), k.to(self.dtype))
             return
         from minisgl.kernel import store_kv
 
         store_kv(self.k_cache(layer_id), self.v_cache(layer_id), k, v, out_loc)
 
-    def _store_quantized(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+    def _store_quantized(self, k: torch.Tensor, v: torch.Tensor | None, out_loc: torch.Tensor, layer_id: int) -> None:
         """The reference quantizing store (backends with their own kernels store bitwise alike)."""
         idx = out_loc.long()
-        for which, x in ((0, k), (1, v)):
+        for which, x in ((0, k),) if v is None else ((0, k), (1, v)):
             if self.scales is None:  # fp8: saturate, then round to nearest
                 q = x.float().clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
             else:
@@ -108,16 +151,22 @@ class KVCachePool:
             self.buffer[which, layer_id].view(torch.uint8).index_copy_(0, idx, q.view(torch.uint8))
 
     def gather(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """K and V of pool rows `slots` (any shape) as `dtype`, dequantized: [*slots.shape, Hk, D]."""
+        """K and V of pool rows `slots` (any shape) as `dtype`, dequantized: [*slots.shape, Hk, D]
+        (a latent pool's V: [..., v_dim], a view of the returned K)."""
+        k = self._gather_one(0, layer_id, slots, dtype)
+        if self.latent:
+            return k, k[..., : self.v_dim]
+        return k, self._gather_one(1, layer_id, slots, dtype)
+
+    def _gather_one(self, which: int, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # (fp8 through uint8 views: torch's CPU index kernels do not take float8)
+        plane = self.buffer[which, layer_id]
         if self.dtype == torch.float8_e4m3fn:
-            k8, v8 = self.k_cache(layer_id).view(torch.uint8)[slots], self.v_cache(layer_id).view(torch.uint8)[slots]
-            return k8.view(self.dtype).to(dtype), v8.view(self.dtype).to(dtype)
-        k, v = self.k_cache(layer_id)[slots], self.v_cache(layer_id)[slots]
+            return plane.view(torch.uint8)[slots].view(self.dtype).to(dtype)
+        x = plane[slots]
         if self.scales is not None:
-            k = (k.float() * self.k_scale(layer_id)[slots].unsqueeze(-1)).to(dtype)
-            v = (v.float() * self.v_scale(layer_id)[slots].unsqueeze(-1)).to(dtype)
-            return k, v
-        return k.to(dtype), v.to(dtype)
+            return (x.float() * self.scales[which, layer_id][slots].unsqueeze(-1)).to(dtype)
+        return x.to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -142,13 +191,14 @@ def create_kvcache_pool(
     model_config: ModelConfig, num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype,
     kv_cache_dtype: str = "auto",
 ) -> KVCachePool:  # fmt: skip
-    local_kv_heads = div_even(model_config.num_kv_heads, get_tp_info().size, allow_replicate=True)
+    heads, head_dim, v_dim = pool_geometry(model_config, get_tp_info().size)
     return KVCachePool(
         num_layers=model_config.num_layers,
         num_slots=num_pages * page_size,
-        num_kv_heads=local_kv_heads,
-        head_dim=model_config.head_dim,
+        num_kv_heads=heads,
+        head_dim=head_dim,
         device=device,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
+        v_dim=v_dim,
     )

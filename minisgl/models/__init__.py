@@ -54,6 +54,20 @@ def _phi3() -> Type[nn.Module]:
     return Phi3ForCausalLM
 
 
+@MODELS.register("DeepseekV2ForCausalLM")
+def _deepseek_v2() -> Type[nn.Module]:
+    from minisgl.models.deepseek import DeepseekV2ForCausalLM
+
+    return DeepseekV2ForCausalLM
+
+
+@MODELS.register("DeepseekV3ForCausalLM")
+def _deepseek_v3() -> Type[nn.Module]:
+    from minisgl.models.deepseek import DeepseekV3ForCausalLM
+
+    return DeepseekV3ForCausalLM
+
+
 @MODELS.register("MixtralForCausalLM")
 def _mixtral() -> Type[nn.Module]:
     from minisgl.models.mixtral import MixtralForCausalLM

@@ -87,6 +87,107 @@ def _window_cut(hf: Any) -> int | None:
     return None
 
 
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class LatentAttentionConfig:
+    """DeepSeek's multi-head latent attention (MLA): each token's keys and values are one
+    compressed latent of `kv_lora_rank` values (plus one shared rotary key of `qk_rope_head_dim`),
+    expanded per head by `kv_b_proj` into `qk_nope_head_dim` key and `v_head_dim` value dims.
+    `q_lora_rank` None: q is one projection (V2-Lite), else q_a_proj -> norm -> q_b_proj."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV pool holds per token and layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class DeepseekMoeConfig:
+    """DeepSeek's MoE layers: dense below `first_k_dense_replace`, then every `moe_layer_freq`-th
+    layer sparse; `n_shared_experts` experts' worth of a dense MLP every token takes; routing by
+    `scoring` (softmax: V2, sigmoid: V3) and `topk_method` (greedy, group_limited_greedy over
+    `n_group` groups keeping `topk_group`, or V3's noaux_tc: `e_score_correction_bias` picks the
+    experts, the unbiased scores weigh them), weights times `routed_scaling_factor`."""
+
+    n_shared_experts: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    scoring: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+
+
+def _deepseek(hf: Any, arch: str) -> Tuple[LatentAttentionConfig, DeepseekMoeConfig]:
+    """The MLA and MoE options of a DeepSeek-V2/V3 config (4.x: the released checkpoints'
+    config.json; 5.x: transformers' own layout). What transformers does not compute is refused
+    by name rather than run differently."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    scoring = str(getattr(hf, "scoring_func", None) or ("sigmoid" if v3 else "softmax"))
+    method = str(getattr(hf, "topk_method", None) or ("noaux_tc" if v3 else "greedy"))
+    allowed = {"sigmoid": ("noaux_tc",)} if v3 else {"softmax": ("greedy", "group_limited_greedy")}
+    if scoring not in allowed:
+        raise ValueError(f"{arch}: scoring_func {scoring!r} is not supported; supported: {', '.join(allowed)}")
+    if method not in allowed[scoring]:
+        raise ValueError(f"{arch}: topk_method {method!r} is not supported; supported: {', '.join(allowed[scoring])}")
+    if not v3 and getattr(hf, "norm_topk_prob", False):
+        # (transformers' DeepseekV2 never renormalises; no released V2 checkpoint sets it)
+        raise ValueError(f"{arch}: norm_topk_prob true is not supported (supported: false, as transformers computes V2)")
+    experts = int(getattr(hf, "n_routed_experts", None) or getattr(hf, "num_local_experts", None) or 0)
+    grouped = method != "greedy"
+    n_group = int(getattr(hf, "n_group", None) or 1) if grouped else 1
+    topk_group = int(getattr(hf, "topk_group", None) or 1) if grouped else 1
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"{arch}: n_group={n_group} must divide n_routed_experts={experts} and topk_group={topk_group} be in [1, n_group]")
+    if method == "noaux_tc" and experts // n_group < 2:
+        raise ValueError(f"{arch}: noaux_tc scores each group by its top 2 experts: n_routed_experts / n_group must be >= 2")
+    q_lora = getattr(hf, "q_lora_rank", None)
+    mla = LatentAttentionConfig(
+        kv_lora_rank=int(hf.kv_lora_rank),
+        q_lora_rank=int(q_lora) if q_lora is not None else None,
+        qk_nope_head_dim=int(hf.qk_nope_head_dim),
+        qk_rope_head_dim=int(hf.qk_rope_head_dim),
+        v_head_dim=int(hf.v_head_dim),
+    )
+    moe = DeepseekMoeConfig(
+        n_shared_experts=int(getattr(hf, "n_shared_experts", None) or 0),
+        first_k_dense_replace=int(getattr(hf, "first_k_dense_replace", None) or 0),
+        moe_layer_freq=int(getattr(hf, "moe_layer_freq", None) or 1),
+        scoring=scoring,
+        topk_method=method,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=float(getattr(hf, "routed_scaling_factor", None) or 1.0),
+    )
+    return mla, moe
+
+
+def _mla_softmax_scale(mla: LatentAttentionConfig, scaling: Dict[str, Any] | None) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under a scaled rope (YaRN's
+    correction of every score, not only the rotary dims), as transformers' `yarn_apply_mscale`."""
+    scale = mla.qk_head_dim**-0.5
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    m_all = (scaling or {}).get("mscale_all_dim")
+    if scaling is not None and kind not in ("default", None) and m_all:
+        factor = float(scaling["factor"])
+        m = 1.0 if factor <= 1 else 0.1 * float(m_all) * math.log(factor) + 1.0
+        scale *= m * m
+    return scale
+
+
 # Bare decoder architectures -> the causal LM whose decoder they are (models/__init__.py).
 BARE_DECODERS = {"LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 
@@ -160,6 +261,9 @@ class ModelConfig:
     # GPT-OSS's experts: the clamped SwiGLU's alpha and limit (swiglu_alpha, swiglu_limit)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-V2/V3: multi-head latent attention (the KV pool holds the latent) and its MoE
+    latent_attention: LatentAttentionConfig | None = None
+    deepseek_moe: DeepseekMoeConfig | None = None
 
     def layer_has_rope(self, layer_id: int) -> bool:
         return layer_id not in self.no_rope_layers
@@ -193,7 +297,9 @@ class ModelConfig:
             out.append("sliding_window")
         if self.attn_logit_softcapping is not None:
             out.append("attn_logit_softcapping")
-        if self.attn_scale is not None:
+        if self.latent_attention is not None:
+            out.append("latent_attention")  # (its own score scale, attn_scale, is part of it)
+        elif self.attn_scale is not None:
             out.append("query_pre_attn_scalar")
         if self.attention_sinks:
             out.append("attention_sinks")
@@ -208,6 +314,9 @@ class ModelConfig:
         return self.num_experts > 0
 
     def layer_is_moe(self, layer_id: int) -> bool:
+        ds = self.deepseek_moe
+        if ds is not None:
+            return self.is_moe and layer_id >= ds.first_k_dense_replace and layer_id % ds.moe_layer_freq == 0
         return self.is_moe and layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
 
     @classmethod
@@ -219,6 +328,9 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
         theta, scaling = _rope_params(hf)
         arch = archs[0]
+        mla, ds_moe = _deepseek(hf, arch) if arch in DEEPSEEK_ARCHITECTURES else (None, None)
+        if mla is not None:
+            head_dim = mla.qk_rope_head_dim  # the rotary's width (transformers' head_dim for DeepSeek)
         scalar = getattr(hf, "query_pre_attn_scalar", None)
         if getattr(hf, "use_bidirectional_attention", None):
             raise ValueError("use_bidirectional_attention is not implemented (causal decoders only)")
@@ -228,23 +340,33 @@ class ModelConfig:
         eos = getattr(hf, "eos_token_id", None)
         eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
         num_experts = getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0
+        if ds_moe is not None:
+            num_experts = getattr(hf, "n_routed_experts", None) or num_experts
         rotary = RotaryConfig(
             head_dim=head_dim,
             rotary_dim=int(head_dim * partial),
             max_position=_window_cut(hf) or hf.max_position_embeddings,
             base=theta,
             scaling=scaling,
+            # DeepSeek rotates adjacent pairs: V2 always (its complex rotation), V3 with rope_interleave
+            interleaved=mla is not None and (arch == "DeepseekV2ForCausalLM" or bool(getattr(hf, "rope_interleave", True))),
         )
         bare = archs[0] in BARE_DECODERS
         # only MoE configs (Qwen*-MoE, Mixtral) count as MoE: a dense config may carry an unused field
-        is_moe = "moe" in getattr(hf, "model_type", "") or getattr(hf, "num_local_experts", None) is not None
+        is_moe = "moe" in getattr(hf, "model_type", "") or getattr(hf, "num_local_experts", None) is not None or ds_moe is not None
         attention_multiplier = getattr(hf, "attention_multiplier", None)
+        attn_scale = None  # Gemma scales the scores by query_pre_attn_scalar^-0.5, not head_dim^-0.5; DeepSeek by its own
+        if mla is not None:
+            attn_scale = _mla_softmax_scale(mla, scaling)
+        elif scalar not in (None, head_dim) and arch in WINDOW_MASKED_ARCHITECTURES:
+            attn_scale = float(scalar) ** -0.5
         return cls(
             architecture=arch,
             model_type=getattr(hf, "model_type", ""),
             num_layers=hf.num_hidden_layers,
             num_qo_heads=num_heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            # (MLA expands the latent to every query head; the pool holds one latent: pool_geometry)
+            num_kv_heads=num_heads if mla is not None else getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             hidden_size=hf.hidden_size,
             intermediate_size=hf.intermediate_size,
@@ -275,13 +397,14 @@ class ModelConfig:
             no_rope_layers=_no_rope_layers(hf),
             layer_windows=_layer_windows(hf, arch),
             local_rotary_config=_local_rope(hf, rotary),
-            # Gemma scales the scores by query_pre_attn_scalar^-0.5, not head_dim^-0.5
-            attn_scale=float(scalar) ** -0.5 if scalar not in (None, head_dim) and arch in WINDOW_MASKED_ARCHITECTURES else None,
+            attn_scale=attn_scale,
             attn_logit_softcapping=_float_or_none(getattr(hf, "attn_logit_softcapping", None)),
             final_logit_softcapping=_float_or_none(getattr(hf, "final_logit_softcapping", None)),
             attention_sinks=arch == "GptOssForCausalLM",
             swiglu_alpha=float(getattr(hf, "swiglu_alpha", 1.702)),
             swiglu_limit=float(getattr(hf, "swiglu_limit", 7.0)),
+            latent_attention=mla,
+            deepseek_moe=ds_moe,
         )
 
 

@@ -325,7 +325,9 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             else:
                 if isinstance(piece, CheckpointTensor):
                     piece = piece.read()  # replicated
-                target_dtype = dtype if piece.is_floating_point() else piece.dtype
+                target_dtype = piece.dtype
+                if piece.is_floating_point():  # (a module may keep some parameters in float32: a router's)
+                    target_dtype = torch.float32 if param_name in getattr(module, "float32_params", ()) else dtype
                 local = piece.to(device=device, dtype=target_dtype)
             del piece
             parts = module.parts(param_name) if isinstance(module, ShardedModule) else None

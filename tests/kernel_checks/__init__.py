@@ -78,6 +78,7 @@ CHECKS: Dict[str, List[Key]] = {
     "test_deterministic.py": [("deterministic", (), True)],
     "test_gemma.py": [("gemma", (), True)],
     "test_gpt_oss.py": [("gpt_oss", (), True)],
+    "test_deepseek.py": [("mla", (), True), ("sm90", ("mla",), False)],
     "test_triton_kernels_interpret.py": [("ops", (), True), ("sm90", ("ops",), False)],
     "test_triton_gemv_interpret.py": [("gemv", (), True), ("sm90", ("gemv",), False)],
     "test_fp8_kernels_interpret.py": [("fp8", (), True), ("sm90", ("fp8",), False)],

@@ -507,7 +507,60 @@ def fp8() -> int:
     return 1 if failures else 0
 
 
-CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv, "fp8": fp8}
+def mla() -> int:
+    """The MLA decode kernel (kernel/triton_mla.py) at DeepSeek's latent (512 + 64) with the tiles
+    mla_decode launches (bf16 over a bf16 or fp8 pool, fp32): tensor-core dots in bf16, within the H200's shared memory,
+    and the register spills (printed; 0 expected)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minisgl.kernel import triton_mla as M
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    fn = M._mla_decode_kernel
+    failures = []
+    for dt, kv_dt, block_n, warps in (("bf16", "bf16", 32, 8), ("bf16", "fp8e4nv", 32, 8), ("fp32", "fp32", 32, 8)):
+        sig = {"Q": f"*{dt}", "KV": f"*{kv_dt}", "PageTable": "*i32", "Rows": "*i64", "SeqLens": "*i64", "MidO": "*fp32",
+               "MidLse": "*fp32", "qk_scale": "fp32", "n_split": "i32",
+               **{n: "i32" for n in fn.arg_names if n.startswith("stride")}}  # fmt: skip
+        consts = {"NUM_HEADS": 16, "LAT": 512, "ROPE": 64, "BLOCK_H": 16, "BLOCK_N": block_n, "BLOCK_L": 512, "BLOCK_R": 64,
+                  "PRECISION": "ieee" if dt == "fp32" else "tf32"}  # fmt: skip
+        full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+        divisible = [i for i, name in enumerate(fn.arg_names) if name in sig and (sig[name].startswith("*") or name.startswith("stride"))]
+        what = f"{dt} pool {kv_dt} BLOCK_N={block_n} warps={warps}"
+        try:
+            kern = triton.compile(
+                ASTSource(fn=fn, signature=full, constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in divisible}),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": warps, "num_stages": 2},
+            )
+        except Exception as e:
+            print("FAIL", what, type(e).__name__, str(e)[:1500])
+            failures.append(what)
+            continue
+        sp: object = "?"
+        if os.path.exists(cuobjdump):
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(kern.asm["cubin"])
+                f.flush()
+                sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+            sp = len(re.findall(r"\b(LDL|STL)\b", sass))
+        mma = dt == "fp32" or bool(re.search(r"(wgmma|mma)\S*bf16", kern.asm["ptx"]))
+        ok = mma and kern.metadata.shared <= 227 * 1024
+        print("ok  " if ok else "FAIL", what, "mma", mma, "smem", kern.metadata.shared, "spills", sp)
+        if not ok:
+            failures.append(what)
+    print("FAILURES:", failures)
+    return 1 if failures else 0
+
+
+CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv, "fp8": fp8, "mla": mla}
 
 if __name__ == "__main__":
     sys.exit(CHECKS[sys.argv[1]]())
