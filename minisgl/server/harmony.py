@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Tuple
 
-from minisgl.server.tools import ToolCall
+from minisgl.server.tool_call import ToolCall
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL, ENDOFTEXT = "<|end|>", "<|return|>", "<|call|>", "<|endoftext|>"

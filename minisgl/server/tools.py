@@ -25,27 +25,10 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
 from minisgl.sampling_params import GrammarSpec
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: Dict[str, Any]
-
-    def to_openai(self, index: int | None = None) -> Dict[str, Any]:
-        call: Dict[str, Any] = {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)},
-        }
-        if index is not None:
-            call["index"] = index
-        return call
+from minisgl.server.tool_call import ToolCall
 
 
 def _as_call(obj: Any, args_key: str) -> ToolCall | None:
