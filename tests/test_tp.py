@@ -214,6 +214,40 @@ def test_abort_and_bad_input_keep_ranks_in_step(llm2):
     assert_idle_and_clean(sched)
 
 
+def test_speculative_verify_steps_keep_ranks_in_step(llm2):
+    """N-gram speculation at tp=2 (rank 0's policy drafts; every rank runs the verify step of
+    the plan): greedy outputs, plain and with penalties, logit_bias, min_tokens or a grammar, equal
+    speculation off, drafts are accepted, unseeded sampled rows speculate beside them, and the
+    ranks' token pools and page tables stay identical."""
+    from test_spec_ngram import _copy_heavy_prompts
+
+    sched = llm2.scheduler
+    prompts = _copy_heavy_prompts(6, seed=2)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in prompts[:3]]
+    greedy += [  # verified with the penalties (followers count from the plans' history), bias and min_tokens ban
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={7: 2.0}),
+        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[9, 11]),
+        SamplingParams(temperature=0.0, max_tokens=12, grammar=GrammarSpec("json_object")),
+    ]
+    prompts.append(prompts[0])
+    off = llm2.generate(prompts, greedy)
+    before = sched.stats()
+    sched.speculative = "ngram"
+    try:
+        on = llm2.generate(prompts, greedy)
+        sampled = llm2.generate(prompts[:4], [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)] * 4)
+    finally:
+        sched.speculative = None
+    after = sched.stats()
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    assert all(len(r.token_ids) == 24 for r in sampled)
+    assert after.spec_accepted_tokens > before.spec_accepted_tokens and after.spec_verify_rows > before.spec_verify_rows
+    fps = sched.rank_fingerprints()
+    assert fps[0] == fps[1], "the ranks' token pools or page tables differ after verify steps"
+    assert_idle_and_clean(sched)
+
+
 def test_shutdown_leaves_no_process(llm2):
     """The last test of the shared LLM: it shuts it down."""
     llm = llm2
@@ -459,37 +493,3 @@ def test_tp_works_after_a_failed_rendezvous_in_the_same_process(qwen3_dir):
         Engine(config)
     with LLM(qwen3_dir, tp=2, **_kwargs(distributed_timeout=30)) as llm:
         assert llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=2))[0].completion_tokens == 2
-
-
-def test_speculative_verify_steps_keep_ranks_in_step(llm2):
-    """N-gram speculation at tp=2 (rank 0's policy drafts; every rank runs the verify step of
-    the plan): greedy outputs, plain and with penalties, logit_bias, min_tokens or a grammar, equal
-    speculation off, drafts are accepted, unseeded sampled rows speculate beside them, and the
-    ranks' token pools and page tables stay identical."""
-    from test_spec_ngram import _copy_heavy_prompts
-
-    sched = llm2.scheduler
-    prompts = _copy_heavy_prompts(6, seed=2)
-    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True) for _ in prompts[:3]]
-    greedy += [  # verified with the penalties (followers count from the plans' history), bias and min_tokens ban
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=0.3),
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logit_bias={7: 2.0}),
-        SamplingParams(temperature=0.0, max_tokens=24, min_tokens=20, stop_token_ids=[9, 11]),
-        SamplingParams(temperature=0.0, max_tokens=12, grammar=GrammarSpec("json_object")),
-    ]
-    prompts.append(prompts[0])
-    off = llm2.generate(prompts, greedy)
-    before = sched.stats()
-    sched.speculative = "ngram"
-    try:
-        on = llm2.generate(prompts, greedy)
-        sampled = llm2.generate(prompts[:4], [SamplingParams(temperature=0.8, max_tokens=24, ignore_eos=True)] * 4)
-    finally:
-        sched.speculative = None
-    after = sched.stats()
-    assert [r.token_ids for r in on] == [r.token_ids for r in off]
-    assert all(len(r.token_ids) == 24 for r in sampled)
-    assert after.spec_accepted_tokens > before.spec_accepted_tokens and after.spec_verify_rows > before.spec_verify_rows
-    fps = sched.rank_fingerprints()
-    assert fps[0] == fps[1], "the ranks' token pools or page tables differ after verify steps"
-    assert_idle_and_clean(sched)
