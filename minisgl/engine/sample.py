@@ -220,13 +220,7 @@ class Sampler:
         )
 
     def sample(self, logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
-        if args.penalties is not None:
-            logits = args.penalties.apply(logits)
-        if args.bias is not None:
-            logits = args.bias.apply(logits)
-        if args.grammar_mask is not None:
-            logits = logits.to(torch.float32, copy=True)  # never mask the model's own buffer
-            self.grammar.apply(logits, *args.grammar_mask)
+        logits = adjust_logits(logits, args.penalties, args.bias, args.grammar_mask, self.grammar)
         if args.temperatures is None:
             return greedy_tokens(logits)
         filters = args.top_k is not None or args.top_p is not None or args.min_p is not None
@@ -246,6 +240,23 @@ class Sampler:
             tokens = _gumbel_draw(logits.masked_fill(probs == 0, float("-inf")), args.temperatures, args.seeded_rows)
             return _with_greedy_rows(tokens, logits, args.greedy_rows)
         return _with_greedy_rows(_draw(probs, args.seeded_rows), logits, args.greedy_rows)
+
+
+def adjust_logits(
+    logits: torch.Tensor, penalties: Penalties | None, bias: LogitBias | None,
+    grammar_mask: Tuple[torch.Tensor, List[int]] | None, grammar: Any,
+) -> torch.Tensor:  # fmt: skip
+    """What a request's sampling parameters do to its logits before the draw, in this order:
+    penalties, then logit_bias and the min_tokens ban, then the grammar mask (`grammar`: the
+    scheduler's backend). `logits` itself is left intact (the model's buffer)."""
+    if penalties is not None:
+        logits = penalties.apply(logits)
+    if bias is not None:
+        logits = bias.apply(logits)
+    if grammar_mask is not None:
+        logits = logits.to(torch.float32, copy=True)  # never mask the model's own buffer
+        grammar.apply(logits, *grammar_mask)
+    return logits
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

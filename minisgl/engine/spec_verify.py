@@ -25,7 +25,16 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from minisgl.engine.sample import MIN_P, MIN_T, LogitBias, Penalties, _allows_other_than, filtered_probs, greedy_tokens
+from minisgl.engine.sample import (
+    MIN_P,
+    MIN_T,
+    LogitBias,
+    Penalties,
+    _allows_other_than,
+    adjust_logits,
+    filtered_probs,
+    greedy_tokens,
+)
 from minisgl.sampling_params import SamplingParams
 from minisgl.utils.device import make_device_tensor
 
@@ -212,17 +221,9 @@ def verify_tokens(logits: torch.Tensor, args: VerifyArgs, grammar: Any = None) -
 
 
 def adjusted_logits(logits: torch.Tensor, args: VerifyArgs, grammar: Any = None) -> torch.Tensor:
-    """Each position's logits as the sampler would adjust them for that token (its order:
-    penalties, then logit_bias and the min_tokens ban, then the grammar mask); `logits` itself
-    is left intact."""
-    if args.penalties is not None:
-        logits = args.penalties.apply(logits)
-    if args.bias is not None:
-        logits = args.bias.apply(logits)
-    if args.grammar_mask is not None:
-        logits = logits.to(torch.float32, copy=True)  # never mask the model's own buffer
-        grammar.apply(logits, *args.grammar_mask)
-    return logits
+    """Each position's logits as the sampler adjusts them for that token (`sample.adjust_logits`,
+    with this step's per-position penalties, bias and masks); `logits` itself is left intact."""
+    return adjust_logits(logits, args.penalties, args.bias, args.grammar_mask, grammar)
 
 
 def accept_or_resample(probs: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
