@@ -272,8 +272,10 @@ def part_deterministic(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> N
     res["mixed_ratio"] = res["deterministic"]["mixed_tok_s"] / res["default"]["mixed_tok_s"]
     out["deterministic"] = res
     d, m = res["default"], res["deterministic"]
-    print(f"deterministic: {a.det_prompt_len}-token prompt + 8: {m['prompt_plus_8_s']:.2f} s (default {d['prompt_plus_8_s']:.2f} s); "
-          f"{a.det_requests} mixed requests: {m['mixed_tok_s']:.1f} tok/s (default {d['mixed_tok_s']:.1f}): {res['mixed_ratio']:.2f}x")
+    print(
+        f"deterministic: {a.det_prompt_len}-token prompt + 8: {m['prompt_plus_8_s']:.2f} s (default {d['prompt_plus_8_s']:.2f} s); "
+        f"{a.det_requests} mixed requests: {m['mixed_tok_s']:.1f} tok/s (default {d['mixed_tok_s']:.1f}): {res['mixed_ratio']:.2f}x"
+    )
 
 
 PASSAGE = (
@@ -416,8 +418,9 @@ def main() -> None:
     print(f"load average at start: {out['loadavg_start']:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     hf = None if a.no_hf else hf_model(dtype)
     for part in a.parts.split(","):
-        {"latency": part_latency, "offline": part_offline, "sweep": part_sweep, "spec": part_spec,
-         "deterministic": part_deterministic}[part](a, hf, out)
+        parts = {"latency": part_latency, "offline": part_offline, "sweep": part_sweep, "spec": part_spec}
+        parts["deterministic"] = part_deterministic
+        parts[part](a, hf, out)
     out["loadavg_end"] = loadavg()
     print(f"load average at end: {out['loadavg_end']:.2f}")
     print(json.dumps(out))

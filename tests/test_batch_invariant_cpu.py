@@ -51,7 +51,9 @@ def _invariant_gemms(n: int, k: int, bias: bool, seed: int) -> List[tuple]:
     b = _bf16(n, seed=seed + 1) if bias else None
     out = []
     if ck.has_gemv:
-        out.append(("skinny GEMM, row-major", QuantLinear(w, None, b, gemv=ck.lib.gemv_bf16, gemv_max_rows=ALL_ROWS, batch_invariant=True), w))
+        out.append(
+            ("skinny GEMM, row-major", QuantLinear(w, None, b, gemv=ck.lib.gemv_bf16, gemv_max_rows=ALL_ROWS, batch_invariant=True), w)
+        )
     if ck.has_amx and vnni_packable(w):
         ql = QuantLinear(vnni_pack(w), None, b, gemv_max_rows=0, amx=ck.lib.gemm_amx_vnni_bf16, batch_invariant=True, nthreads=2)
         out.append(("AMX tiles, VNNI", ql, w))

@@ -173,7 +173,9 @@ def test_rescoring_reproduces_generation_logprobs_bitwise(det_mixed) -> None:
     for chunk in CHUNKS:
         for i, ((toks, lps), (_, want)) in enumerate(zip(det_mixed[f"rescored, chunk {chunk}"], ref)):
             assert len(lps) == len(toks) == N_NEW
-            assert lps == want, f"chunk {chunk}, request {i}: re-scored logprobs differ (first at {next(j for j in range(N_NEW) if lps[j] != want[j])})"
+            assert lps == want, (
+                f"chunk {chunk}, request {i}: re-scored logprobs differ (first at {next(j for j in range(N_NEW) if lps[j] != want[j])})"
+            )
 
 
 def test_default_mode_rescoring_differs(tiny_dir) -> None:
