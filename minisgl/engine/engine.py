@@ -466,18 +466,24 @@ class Engine:
             if batch.verify_args is not None and batch.prompt_hidden is not None:
                 # the same LM head as every row's, at every position of the rows with drafts
                 lm_head: Any = self.model.lm_head
-                verify = verify_tokens(lm_head(batch.prompt_hidden), batch.verify_args)
+                with self._lm_head_tiles():
+                    verify = verify_tokens(lm_head(batch.prompt_hidden), batch.verify_args)
                 verify_cpu = verify.to(torch.int32).to("cpu", non_blocking=True)
                 batch.prompt_hidden = None
             elif batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
                 k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
-                with BatchInvariantMode() if self.gemm_tiles else contextlib.nullcontext():  # (the rows' own GEMM)
+                with self._lm_head_tiles():
                     prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
                 batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs, verify_tokens=verify_cpu)
+
+    def _lm_head_tiles(self) -> Any:
+        """The deterministic mode's GEMM tiles around an LM head call outside the model's forward
+        (prompt-logprob and verify rows), so those rows' logits are the decode rows' bits."""
+        return BatchInvariantMode() if self.gemm_tiles else contextlib.nullcontext()
 
     def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
         """The embed task's step: a prefill whose hidden rows are pooled; nothing is sampled."""
