@@ -120,7 +120,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
             f"quantization='fp8' (online FP8 W8A8 weights) needs a CUDA device, got {device}; on the CPU use quantization='int8' or 'int4'"
         )
     if config.deterministic:
-        if config.attention_backend not in ("auto", "deterministic"):
+        if config.attention_backend not in ("auto", "deterministic", "cpu_deterministic"):
             raise ValueError(
                 f"deterministic mode runs its own batch-invariant attention; attention_backend={config.attention_backend!r} "
                 "cannot be combined with it (leave it 'auto')"
