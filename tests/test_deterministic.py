@@ -117,6 +117,20 @@ def rescore(llm: LLM, prompts: List[List[int]], outs: List[Out]) -> List[List[fl
     return [[e[1] for e in (r.prompt_logprobs or [])[len(p) - 1 : len(p) - 1 + len(toks)]] for r, p, (toks, _) in zip(res, prompts, outs)]
 
 
+class CountingRunner:
+    """A step runner that counts the steps it ran (to show the C decode loop is in the mode)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.steps = runner, 0
+
+    def can_run(self, batch: Any) -> bool:
+        return self.runner.can_run(batch)
+
+    def run(self, batch: Any) -> torch.Tensor:
+        self.steps += 1
+        return self.runner.run(batch)
+
+
 def mixed_runs(path: Any, deterministic: bool, chunks: Tuple[int, ...] = CHUNKS) -> Dict[str, List[Out]]:
     """Each of 8 requests (mixed greedy/sampled) in several surroundings, per chunk size, with
     "rescored ..." entries: the re-scoring logprobs (tokens: those generated)."""
@@ -129,9 +143,11 @@ def mixed_runs(path: Any, deterministic: bool, chunks: Tuple[int, ...] = CHUNKS)
         llm = make_llm(path, deterministic, cache_type="radix", max_extend_tokens=chunk)
         try:
             engine = llm.scheduler.engine
+            loop = None
             if deterministic and TEST_DEVICE == "cpu":  # the C kernels' path: attention, GEMMs and the decode loop
                 assert engine.config.attention_backend == "cpu_deterministic" and not engine.gemm_tiles
-                assert engine.cpu_runner is not None
+                i = engine.runners.index(engine.cpu_runner)
+                engine.runners[i] = loop = CountingRunner(engine.cpu_runner)
             alone = []
             for p, sp in zip(prompts, ps):
                 llm.scheduler.reset_prefix_cache()
@@ -143,6 +159,7 @@ def mixed_runs(path: Any, deterministic: bool, chunks: Tuple[int, ...] = CHUNKS)
             part = [(r.token_ids, r.logprobs or []) for r in llm.generate([prompts[i] for i in subset], [ps[i] for i in subset])]
             out[f"chunk {chunk}, batch of 5 reordered, warm"] = [part[subset.index(i)] if i in subset else alone[i] for i in range(8)]
             out[f"rescored, chunk {chunk}"] = [(toks, lps) for (toks, _), lps in zip(alone, rescore(llm, prompts, alone))]
+            assert loop is None or loop.steps > 0, "the C decode loop never ran"
         finally:
             llm.shutdown()
     return out
