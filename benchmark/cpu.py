@@ -17,6 +17,11 @@ Parts (comma-separated --parts, default all but the plot sweep):
 - spec: batch-1 output tok/s with `--speculative-algorithm ngram` off vs on (one process, greedy,
   --gen-len tokens): a chat asking to repeat a passage, and a random-id prompt; with the
   acceptance rate and mean accepted length.
+- deterministic: `--deterministic` against the default mode in one process, both on the dense bf16
+  weights (the mode refuses quantized GEMMs): one --det-prompt-len (150) token prompt + 8 new
+  tokens (wall s), and --det-requests (16) mixed-length prompts (U[20, 300] tokens, 32 new tokens
+  each, greedy and seeded T = 0.6 alternating): output tok/s and the mode's ratio to the default
+  (medians of --reps runs, the modes alternated).
 - sweep: decode tok/s vs batch size (1..64, --sweep-context tokens of context) for minisgl
   (engine decode steps) and HF (generate), plotted to --plot when given.
 Also printed: the memory roofline of batch-1 decode (weight bytes read per step / measured
@@ -243,6 +248,49 @@ def part_offline(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
     print(line)
 
 
+def _det_run(a: argparse.Namespace, det: bool, prompt: List[int], mixed: List[List[int]], params: List[SamplingParams]) -> Dict[str, float]:
+    from minisgl.llm import LLM
+
+    llm = LLM(None, dtype=a.dtype, quantization="none", deterministic=det, max_running_req=a.det_requests,
+              max_seq_len_override=400, cpu_kv_cache_bytes=1 << 30)  # fmt: skip
+    try:
+        llm.generate([prompt[:16]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        llm.scheduler.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        one = time.perf_counter() - t0
+        llm.scheduler.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(mixed, params)
+        wall = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    return {"prompt_plus_8_s": one, "mixed_tok_s": sum(r.completion_tokens for r in outs) / wall, "mixed_wall_s": wall}
+
+
+def part_deterministic(a: argparse.Namespace, hf: Any, out: Dict[str, Any]) -> None:
+    prompt = random_prompts(1, a.det_prompt_len, a.det_prompt_len, seed=3)[0]
+    mixed = random_prompts(a.det_requests, 20, 300, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True) if i % 2 == 0 else
+              SamplingParams(temperature=0.6, seed=i, max_tokens=32, ignore_eos=True) for i in range(len(mixed))]  # fmt: skip
+    runs: Dict[str, List[Dict[str, float]]] = {"default": [], "deterministic": []}
+    for _ in range(a.reps):  # the two modes alternated, so a neighbour's burst hits both alike
+        for det in (False, True):
+            runs["deterministic" if det else "default"].append(_det_run(a, det, prompt, mixed, params))
+    res: Dict[str, Any] = {"runs": runs}
+    for mode, rs in runs.items():
+        res[mode] = {key: _median([r[key] for r in rs]) for key in rs[0]}
+    res["mixed_ratio"] = res["deterministic"]["mixed_tok_s"] / res["default"]["mixed_tok_s"]
+    res["prompt_ratio"] = res["deterministic"]["prompt_plus_8_s"] / res["default"]["prompt_plus_8_s"]
+    out["deterministic"] = res
+    d, m = res["default"], res["deterministic"]
+    print(
+        f"deterministic (medians of {a.reps}): {a.det_prompt_len}-token prompt + 8: {m['prompt_plus_8_s']:.2f} s (default "
+        f"{d['prompt_plus_8_s']:.2f} s: {res['prompt_ratio']:.2f}x); {a.det_requests} mixed requests: {m['mixed_tok_s']:.1f} tok/s "
+        f"(default {d['mixed_tok_s']:.1f}): {res['mixed_ratio']:.2f}x"
+    )
+
+
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin of oil and a "
     "cloth for the great lens. For thirty years he had watched the ships pass the rocks below, and he knew "
@@ -392,6 +440,8 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--hf-requests", type=int, default=16, help="offline requests HF runs (one static batch)")
+    p.add_argument("--det-prompt-len", type=int, default=150)
+    p.add_argument("--det-requests", type=int, default=16)
     p.add_argument("--sweep-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--sweep-context", type=int, default=200)
     p.add_argument("--no-hf", action="store_true")
@@ -411,7 +461,9 @@ def main() -> None:
     print(f"load average at start: {out['loadavg_start']:.2f}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     hf = None if a.no_hf else hf_model(dtype)
     for part in a.parts.split(","):
-        {"latency": part_latency, "offline": part_offline, "sweep": part_sweep, "spec": part_spec}[part](a, hf, out)
+        parts = {"latency": part_latency, "offline": part_offline, "sweep": part_sweep, "spec": part_spec}
+        parts["deterministic"] = part_deterministic
+        parts[part](a, hf, out)
     out["loadavg_end"] = loadavg()
     print(f"load average at end: {out['loadavg_end']:.2f}")
     print(json.dumps(out))

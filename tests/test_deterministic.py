@@ -1,6 +1,8 @@
-"""`--deterministic` (issue 13): in bf16, greedy and seeded outputs are identical whatever the
-batch composition, the prefill chunking and the prefix-cache state (cold, warm, partly
-cached), and after a retraction's recompute."""
+"""`--deterministic` (issues 13, 31): in bf16, greedy and seeded outputs are identical whatever the
+batch composition (sizes, order, greedy and sampled rows mixed), the prefill chunking and the
+prefix-cache state (cold, warm, partly cached), and after a retraction's recompute; and the
+logprobs a generation reports equal, bit for bit, the prompt logprobs of a prefill that re-scores
+the prompt + its generated tokens. The kernels' own row invariance: tests/test_batch_invariant_cpu.py."""
 
 from __future__ import annotations
 
@@ -92,6 +94,115 @@ def test_default_mode_is_not_batch_invariant(tiny_dir) -> None:
     out = scenarios(tiny_dir, params()[0], deterministic=False)
     cold = out["cold"]
     assert any(got[1] != cold[1] for got in out.values())
+
+
+# ---- mixed batches and re-scoring (issue 31) ----------------------------------------------------
+MIX_LENS = (3, 17, 40, 64, 70, 90, 33, 120)  # 8 prompts: decode-only to several chunks long
+CHUNKS = (16, 48)  # two prefill chunk sizes (max_extend_tokens: a step's tokens)
+
+
+def mixed_params(i: int) -> SamplingParams:
+    """Every third request greedy, the others sampled at T = 0.6 with their own seed."""
+    if i % 3 == 0:
+        return SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, logprobs=1)
+    return SamplingParams(temperature=0.6, seed=100 + i, max_tokens=N_NEW, ignore_eos=True, logprobs=1)
+
+
+def rescore(llm: LLM, prompts: List[List[int]], outs: List[Out]) -> List[List[float]]:
+    """The prompt logprobs of prompt + generated tokens at the generated tokens' positions, one
+    prefill (batched, chunked as the engine chunks) over each whole text."""
+    texts = [p + toks for p, (toks, _) in zip(prompts, outs)]
+    res = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    # prompt_logprobs[j] is the logprob of prompt token j + 1
+    return [[e[1] for e in (r.prompt_logprobs or [])[len(p) - 1 : len(p) - 1 + len(toks)]] for r, p, (toks, _) in zip(res, prompts, outs)]
+
+
+class CountingRunner:
+    """A step runner that counts the steps it ran (to show the C decode loop is in the mode)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner, self.steps = runner, 0
+
+    def can_run(self, batch: Any) -> bool:
+        return self.runner.can_run(batch)
+
+    def run(self, batch: Any) -> torch.Tensor:
+        self.steps += 1
+        return self.runner.run(batch)
+
+
+def mixed_runs(path: Any, deterministic: bool, chunks: Tuple[int, ...] = CHUNKS) -> Dict[str, List[Out]]:
+    """Each of 8 requests (mixed greedy/sampled) in several surroundings, per chunk size, with
+    "rescored ..." entries: the re-scoring logprobs (tokens: those generated)."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(1, 256) for _ in range(n)] for n in MIX_LENS]
+    ps = [mixed_params(i) for i in range(len(prompts))]
+    subset = [7, 4, 2, 1, 0]  # five of them, another order
+    out: Dict[str, List[Out]] = {}
+    for chunk in chunks:
+        llm = make_llm(path, deterministic, cache_type="radix", max_extend_tokens=chunk)
+        try:
+            engine = llm.scheduler.engine
+            loop = None
+            if deterministic and TEST_DEVICE == "cpu":  # the C kernels' path: attention, GEMMs and the decode loop
+                assert engine.config.attention_backend == "cpu_deterministic" and not engine.gemm_tiles
+                i = engine.runners.index(engine.cpu_runner)
+                engine.runners[i] = loop = CountingRunner(engine.cpu_runner)
+            alone = []
+            for p, sp in zip(prompts, ps):
+                llm.scheduler.reset_prefix_cache()
+                alone.append(gen(llm, [p], sp)[0])
+            out[f"chunk {chunk}, alone, cold"] = alone
+            llm.scheduler.reset_prefix_cache()
+            out[f"chunk {chunk}, batch of 8, cold"] = [(r.token_ids, r.logprobs or []) for r in llm.generate(prompts, ps)]
+            out[f"chunk {chunk}, batch of 8, warm"] = [(r.token_ids, r.logprobs or []) for r in llm.generate(prompts, ps)]
+            part = [(r.token_ids, r.logprobs or []) for r in llm.generate([prompts[i] for i in subset], [ps[i] for i in subset])]
+            out[f"chunk {chunk}, batch of 5 reordered, warm"] = [part[subset.index(i)] if i in subset else alone[i] for i in range(8)]
+            out[f"rescored, chunk {chunk}"] = [(toks, lps) for (toks, _), lps in zip(alone, rescore(llm, prompts, alone))]
+            assert loop is None or loop.steps > 0, "the C decode loop never ran"
+        finally:
+            llm.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def det_mixed(tiny_dir) -> Dict[str, List[Out]]:
+    return mixed_runs(tiny_dir, deterministic=True)
+
+
+def test_mixed_batches_sizes_orders_and_chunks_are_bit_identical(det_mixed) -> None:
+    ref = det_mixed[f"chunk {CHUNKS[0]}, alone, cold"]
+    assert all(len(toks) == N_NEW and len(lps) == N_NEW for toks, lps in ref)
+    assert len({tuple(toks) for toks, _ in ref}) == len(ref)  # (the requests differ)
+    for name, outs in det_mixed.items():
+        if name.startswith("rescored"):
+            continue
+        for i, (got, want) in enumerate(zip(outs, ref)):
+            assert got[0] == want[0], f"{name}: request {i} ({mixed_params(i).temperature=}) tokens differ"
+            assert got[1] == want[1], f"{name}: request {i} logprobs differ (bitwise)"
+
+
+def test_rescoring_reproduces_generation_logprobs_bitwise(det_mixed) -> None:
+    """On-policy re-scoring: the logprob reported for each generated token (decode steps, one row
+    per request) equals the prompt logprob a prefill over prompt + tokens computes for it (many
+    rows, chunked at either size), bit for bit."""
+    ref = det_mixed[f"chunk {CHUNKS[0]}, alone, cold"]
+    for chunk in CHUNKS:
+        for i, ((toks, lps), (_, want)) in enumerate(zip(det_mixed[f"rescored, chunk {chunk}"], ref)):
+            assert len(lps) == len(toks) == N_NEW
+            assert lps == want, (
+                f"chunk {chunk}, request {i}: re-scored logprobs differ (first at {next(j for j in range(N_NEW) if lps[j] != want[j])})"
+            )
+
+
+def test_default_mode_rescoring_differs(tiny_dir) -> None:
+    """The control: without --deterministic the same harness finds differences (prefill attends
+    through other kernels than decode, and a batch's GEMMs change kernel with its rows), so the
+    two tests above can fail."""
+    out = mixed_runs(tiny_dir, deterministic=False, chunks=(CHUNKS[0],))
+    ref = out[f"chunk {CHUNKS[0]}, alone, cold"]
+    rescored = out[f"rescored, chunk {CHUNKS[0]}"]
+    assert any(lps != want for (_, lps), (_, want) in zip(rescored, ref)), "the default mode re-scored bit-identically"
 
 
 def test_deterministic_refuses_what_it_cannot_honour(tiny_dir) -> None:

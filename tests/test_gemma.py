@@ -204,6 +204,25 @@ def test_prompt_logprobs_are_soft_capped(gemma_dir, gemma_hf):
     assert diff < 1e-4, f"max |prompt logprob diff| {diff:.3g}"
 
 
+def test_deterministic_mode_windows_and_caps(gemma_dir):
+    """`--deterministic` with sliding windows and soft-capping, which the CPU's C attention does
+    not take (those layers attend through the deterministic walk inside the mode's CPU backend):
+    bf16 tokens and logprobs alone equal those in a batch, and generation logprobs equal the
+    prompt logprobs of a re-scoring prefill, bit for bit."""
+    prompts = _prompts("gemma2")[2:]  # (27 and 75 tokens: the latter's first key block leaves the window)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.6, seed=i, max_tokens=6, ignore_eos=True, logprobs=1) for i in range(2)]
+    with running_llm(gemma_dir("gemma2"), dtype="bfloat16", deterministic=True, max_extend_tokens=16) as llm:
+        backend = llm.scheduler.engine.config.attention_backend
+        assert backend == ("cpu_deterministic" if TEST_DEVICE == "cpu" else "deterministic")
+        alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+        batch = llm.generate(prompts, params)
+        texts = [p + r.token_ids for p, r in zip(prompts, alone)]
+        rescored = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))
+    for p, a, b, r in zip(prompts, alone, batch, rescored):
+        assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
+        assert [e[1] for e in (r.prompt_logprobs or [])[len(p) - 1 :]] == a.logprobs
+
+
 @pytest.mark.skipif(TEST_DEVICE.startswith("cuda") and torch.cuda.device_count() < 2, reason="tp=2 on CUDA needs two GPUs")
 def test_tp2_equals_tp1(gemma_dir):
     """Gemma 3 at tp=2 (2 of 4 query heads, one of 2 KV heads per rank): tp=1's greedy tokens

@@ -32,6 +32,7 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch
+from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
 
 BLOCK = 64  # key positions reduced together
@@ -56,12 +57,11 @@ class DeterministicAttnBackend(BaseAttnBackend):
             rows += [r.table_idx] * r.extend_len
             positions += range(r.cached_len, r.device_len)
             last.append(len(positions) - 1)
-        chunk_blocks = [max(positions[i : i + QUERY_CHUNK]) // BLOCK + 1 for i in range(0, len(positions), QUERY_CHUNK)]
         batch.attn_metadata = DeterministicAttnMetadata(
             last_indices=make_device_tensor(last, torch.int64, self.device),
             rows=make_device_tensor(rows, torch.int64, self.device),
             positions=make_device_tensor(positions, torch.int64, self.device),
-            chunk_blocks=chunk_blocks,
+            chunk_blocks=chunk_blocks(positions),
         )
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,55 +75,68 @@ class DeterministicAttnBackend(BaseAttnBackend):
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.positions, max(meta.chunk_blocks),
                 sm_scale=self.model_config.softmax_scale, window=window, softcap=self.model_config.attn_logit_softcapping,
             )  # fmt: skip
-        out = torch.empty_like(q)
-        for c, num_blocks in enumerate(meta.chunk_blocks):
-            lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])
-            out[lo:hi] = self._attend_chunk(q[lo:hi], meta.rows[lo:hi], meta.positions[lo:hi], num_blocks, k_cache, v_cache, window)
-        return out
+        return attend_walk(q, meta.rows, meta.positions, meta.chunk_blocks, k_cache, v_cache, self.page_table, self.model_config, window)
 
-    def _attend_chunk(
-        self,
-        q: torch.Tensor,
-        rows: torch.Tensor,
-        positions: torch.Tensor,
-        num_blocks: int,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        window: int | None = None,
-    ) -> torch.Tensor:
-        n, hq, d = q.shape
-        hk = k_cache.shape[1]
-        cfg = self.model_config
-        sm_scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(d)
-        cap = cfg.attn_logit_softcapping
-        # [n, 1, Hk, G, D]: one key block broadcasts over the G query heads of its KV head
-        qf = (q.float() * sm_scale).view(n, 1, hk, hq // hk, d)
-        width = self.page_table.shape[1]
-        offsets = torch.arange(BLOCK, device=q.device)
-        # finite: a block wholly outside a query's window leaves it unchanged (exp(-inf) = 0,
-        # rescale exp(0) = 1); without a window key 0 is always visible and no bit changes
-        m = torch.full((n, hk, hq // hk), -1.0e30, device=q.device)
-        denom = torch.zeros_like(m)
-        acc = torch.zeros((n, hk, hq // hk, d), device=q.device)
-        for j in range(num_blocks):
-            cols = j * BLOCK + offsets
-            valid = cols[None, :] <= positions[:, None]  # [n, BLOCK]
-            if window is not None:
-                valid &= cols[None, :] > positions[:, None] - window
-            slots = self.page_table[rows[:, None], cols.clamp(max=width - 1)[None, :]].long()
-            keys = k_cache[slots].float()  # [n, BLOCK, Hk, D]
-            scores = _tree(qf * keys[:, :, :, None, :], -1, torch.add)  # [n, BLOCK, Hk, G]
-            if cap is not None:
-                scores = torch.tanh(scores / cap) * cap
-            scores = torch.where(valid[:, :, None, None], scores, float("-inf"))
-            m_new = torch.maximum(m, _tree(scores, 1, torch.maximum))
-            probs = torch.exp(scores - m_new[:, None])
-            scale = torch.exp(m - m_new)
-            values = torch.where(valid[:, :, None, None], v_cache[slots].float(), 0.0)  # unwritten slots may hold nan
-            denom = denom * scale + _tree(probs, 1, torch.add)
-            acc = acc * scale[..., None] + _tree(probs[..., None] * values[:, :, :, None, :], 1, torch.add)
-            m = m_new
-        return (acc / denom[..., None]).view(n, hq, d).to(q.dtype)
+
+def chunk_blocks(positions: List[int]) -> List[int]:
+    """Per QUERY_CHUNK of queries: how many key blocks the walk visits for that chunk."""
+    return [max(positions[i : i + QUERY_CHUNK]) // BLOCK + 1 for i in range(0, len(positions), QUERY_CHUNK)]
+
+
+def attend_walk(q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, blocks: List[int], k_cache: torch.Tensor,
+                v_cache: torch.Tensor, page_table: torch.Tensor, cfg: ModelConfig, window: int | None) -> torch.Tensor:  # fmt: skip
+    """The walk in torch ops (CPU): query token t ([T, Hq, D]) attends the keys of page-table row
+    rows[t] at positions [0, positions[t]], QUERY_CHUNK queries at a time (`blocks`: chunk_blocks)."""
+    out = torch.empty_like(q)
+    for c, num_blocks in enumerate(blocks):
+        lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])
+        out[lo:hi] = _attend_chunk(q[lo:hi], rows[lo:hi], positions[lo:hi], num_blocks, k_cache, v_cache, page_table, cfg, window)
+    return out
+
+
+def _attend_chunk(
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    num_blocks: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    cfg: ModelConfig,
+    window: int | None = None,
+) -> torch.Tensor:
+    n, hq, d = q.shape
+    hk = k_cache.shape[1]
+    sm_scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(d)
+    cap = cfg.attn_logit_softcapping
+    # [n, 1, Hk, G, D]: one key block broadcasts over the G query heads of its KV head
+    qf = (q.float() * sm_scale).view(n, 1, hk, hq // hk, d)
+    width = page_table.shape[1]
+    offsets = torch.arange(BLOCK, device=q.device)
+    # finite: a block wholly outside a query's window leaves it unchanged (exp(-inf) = 0,
+    # rescale exp(0) = 1); without a window key 0 is always visible and no bit changes
+    m = torch.full((n, hk, hq // hk), -1.0e30, device=q.device)
+    denom = torch.zeros_like(m)
+    acc = torch.zeros((n, hk, hq // hk, d), device=q.device)
+    for j in range(num_blocks):
+        cols = j * BLOCK + offsets
+        valid = cols[None, :] <= positions[:, None]  # [n, BLOCK]
+        if window is not None:
+            valid &= cols[None, :] > positions[:, None] - window
+        slots = page_table[rows[:, None], cols.clamp(max=width - 1)[None, :]].long()
+        keys = k_cache[slots].float()  # [n, BLOCK, Hk, D]
+        scores = _tree(qf * keys[:, :, :, None, :], -1, torch.add)  # [n, BLOCK, Hk, G]
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        scores = torch.where(valid[:, :, None, None], scores, float("-inf"))
+        m_new = torch.maximum(m, _tree(scores, 1, torch.maximum))
+        probs = torch.exp(scores - m_new[:, None])
+        scale = torch.exp(m - m_new)
+        values = torch.where(valid[:, :, None, None], v_cache[slots].float(), 0.0)  # unwritten slots may hold nan
+        denom = denom * scale + _tree(probs, 1, torch.add)
+        acc = acc * scale[..., None] + _tree(probs[..., None] * values[:, :, :, None, :], 1, torch.add)
+        m = m_new
+    return (acc / denom[..., None]).view(n, hq, d).to(q.dtype)
 
 
 def _tree(x: torch.Tensor, dim: int, op: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:

@@ -54,6 +54,13 @@ def _deterministic(cfg: ModelConfig) -> BaseAttnBackend:
     return DeterministicAttnBackend(cfg)
 
 
+@ATTN_BACKENDS.register("cpu_deterministic")
+def _cpu_deterministic(cfg: ModelConfig) -> BaseAttnBackend:
+    from minisgl.kernel.cpu.attention import CpuDeterministicAttnBackend
+
+    return CpuDeterministicAttnBackend(cfg)
+
+
 def resolve_attention_backend(name: str, device: torch.device, features: Sequence[str] = ()) -> str:
     """'auto' -> triton on CUDA if importable, else flashinfer (unless the model needs attention
     `features` it lacks: sliding windows, soft-capping), else torch; cpu on a CPU (the paged C

@@ -135,11 +135,14 @@ class EngineConfig:
         negatable=True,
         default_text="from the checkpoint",
     )
-    # Batch-invariant kernels (attention backend "deterministic", fixed-shape GEMMs): greedy and
-    # seeded outputs do not depend on batch composition, chunking or prefix-cache state.
+    # Batch-invariant kernels (attention backend "cpu_deterministic" / "deterministic", one GEMM
+    # kernel per weight or fixed-shape tiles): greedy and seeded outputs do not depend on batch
+    # composition, chunking or prefix-cache state, and generation logprobs equal the prompt
+    # logprobs of a re-scoring prefill (docs/ARCHITECTURE.md, "Deterministic mode").
     deterministic: bool = knob(
         False,
-        "batch-invariant kernels: greedy/seeded outputs identical whatever the batch, chunking and prefix-cache state",
+        "batch-invariant kernels: greedy/seeded outputs identical whatever the batch, chunking and prefix-cache state; "
+        "generation logprobs equal the re-scoring prefill's prompt logprobs",
         group=SCHEDULING,
         switch=True,
     )

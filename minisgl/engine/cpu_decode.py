@@ -31,7 +31,7 @@ from minisgl.kvcache.pool import KVCachePool
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import _Linear
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.quant import DEFAULT_DENSE_ABOVE, DEFAULT_GEMV_MAX_ROWS, NO_AMX_GEMV_MAX_ROWS, QuantLinear, QuantWeight
+from minisgl.layers.quant import ALL_ROWS, DEFAULT_DENSE_ABOVE, DEFAULT_GEMV_MAX_ROWS, NO_AMX_GEMV_MAX_ROWS, QuantLinear, QuantWeight
 from minisgl.models.base import DecoderLayer, DecoderModel, GatedMLP, SelfAttention
 from minisgl.models.gguf_quant import gguf_source
 from minisgl.utils.logger import init_logger
@@ -96,12 +96,17 @@ def _gemm_modules(model: nn.Module) -> List[Tuple[str, Any]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, (_Linear, ParallelLMHead))]
 
 
-def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None) -> List[QuantLinear]:
+def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None, batch_invariant: bool = False) -> List[QuantLinear]:
     """Set each linear layer's and the LM head's `cpu_gemm` (tp == 1): the C GEMMs for a bf16
     model, the quantized records where `quant` has them. Where the CPU has AMX and AVX512-BF16
     the projections first move into VNNI tiles (read in place by the AMX / VNNI kernels, and
-    gate_up with its SiLU in one pass); the rest stay row-major. Returns the bound GEMMs."""
-    quant = quant or {}
+    gate_up with its SiLU in one pass); the rest stay row-major. Returns the bound GEMMs.
+
+    `batch_invariant` (`--deterministic`): no quantized records, and each weight keeps one kernel
+    for every row count (QuantLinear's batch_invariant): the AMX tiles on VNNI tiles, the skinny
+    GEMM on a row-major weight; a weight with neither stays unbound (F.linear, which the mode
+    runs as fixed-shape tiles: layers/batch_invariant.py)."""
+    quant = {} if batch_invariant else quant or {}
     mods = _gemm_modules(model)
     bf16 = all(m.weight.dtype == torch.bfloat16 for _, m in mods)
     ck = cpu_kernels() if bf16 else None
@@ -116,7 +121,17 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None) -> Li
     bound: List[QuantLinear] = []
     for name, mod in mods:
         w, bias, q = mod.weight, getattr(mod, "bias", None), quant.get(name)
-        if w.dim() == 5:  # in VNNI tiles: the kernels of that layout
+        if batch_invariant:
+            if w.dim() == 5:
+                assert ck is not None
+                silu = ck.lib.gemm_amx_vnni_silu_bf16 if getattr(mod, "fused_kind", "") == "gated" else None
+                ql = QuantLinear(w, None, bias, gemv_max_rows=0, nthreads=nt, amx=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu,
+                                 batch_invariant=True)  # fmt: skip
+            elif gemv is not None:
+                ql = QuantLinear(w, None, bias, gemv=gemv, gemv_max_rows=ALL_ROWS, nthreads=nt, batch_invariant=True)
+            else:
+                continue
+        elif w.dim() == 5:  # in VNNI tiles: the kernels of that layout
             assert ck is not None
             silu = ck.lib.gemm_amx_vnni_silu_bf16 if getattr(mod, "fused_kind", "") == "gated" else None
             ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, ck.lib.gemv_vnni_bf16, nthreads=nt,
@@ -131,6 +146,12 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None) -> Li
 def bound_gemms(model: nn.Module) -> List[QuantLinear]:
     """The CPU GEMMs bound to `model` (empty where none are)."""
     return [m.cpu_gemm for _, m in _gemm_modules(model) if m.cpu_gemm is not None]
+
+
+def gemms_batch_invariant(model: nn.Module) -> bool:
+    """Whether every linear layer and the LM head runs a batch-invariant C GEMM (then the
+    `--deterministic` forward needs no fixed-shape tiles around it)."""
+    return all(m.cpu_gemm is not None and m.cpu_gemm.batch_invariant for _, m in _gemm_modules(model))
 
 
 # ---- the whole-step C loop --------------------------------------------------------------------
@@ -290,6 +311,8 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
         return None
     hugepage_pool(kv_cache)
     quant = None
+    if config.deterministic:  # (quantization other than auto/none is refused at engine config)
+        method = "none"  # the dense weights as loaded, one kernel for every row count
     if method == "auto" and not config.use_dummy_weight and _gguf_codes_pay(config):
         method = "gguf"  # a GGUF runs on its own codes (what a GGUF user expects; none: dequantized)
     if method == "auto":  # (dummy weights: no checkpoint to read codes from)
@@ -299,7 +322,7 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
         logger.info_rank0(f"CPU decode: {len(quant)} {method} weight matrices for batches <= {DEFAULT_DENSE_ABOVE}")
     if quant:
         hugepage_records(quant)
-    bind_cpu_gemms(model, quant)
+    bind_cpu_gemms(model, quant, batch_invariant=config.deterministic)
     ctx = get_global_ctx()
     assert ctx.page_table is not None
     return CpuDecodeLoop.build(model, ctx.attn_backend, ctx.page_table, config.max_running_req)

@@ -8,6 +8,7 @@ Init order matters: TP info and device -> stream and global Context -> communica
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, List, NamedTuple, Tuple
@@ -30,6 +31,7 @@ from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, model_kv_bytes_per_slot
+from minisgl.layers.batch_invariant import BatchInvariantMode
 from minisgl.layers.fp8 import keeps_fp8
 from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
@@ -120,7 +122,7 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
             f"quantization='fp8' (online FP8 W8A8 weights) needs a CUDA device, got {device}; on the CPU use quantization='int8' or 'int4'"
         )
     if config.deterministic:
-        if config.attention_backend not in ("auto", "deterministic"):
+        if config.attention_backend not in ("auto", "deterministic", "cpu_deterministic"):
             raise ValueError(
                 f"deterministic mode runs its own batch-invariant attention; attention_backend={config.attention_backend!r} "
                 "cannot be combined with it (leave it 'auto')"
@@ -133,7 +135,10 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
             raise ValueError(f"deterministic mode needs the model-dtype KV cache, got kv_cache_dtype={config.kv_cache_dtype!r}")
         if config.tp_info.size > 1:
             raise ValueError("deterministic mode needs tp=1 (all-reduce order is not batch-invariant here)")
-        config = dataclasses.replace(config, attention_backend="deterministic", cpu_fast_decode=False)
+        # on a CPU with the C kernels: the paged attention kernel for every row and the C GEMMs
+        # fixed to one kernel per weight (engine/cpu_decode.py); else the torch walk and tiles
+        cpu_kernels = device.type == "cpu" and config.cpu_fast_decode
+        config = dataclasses.replace(config, attention_backend="cpu_deterministic" if cpu_kernels else "deterministic")
     backend = resolve_attention_backend(config.attention_backend, device, config.model_config.attention_features())
     if backend == "cpu" and config.attention_backend == "auto" and not config.cpu_fast_decode:
         backend = "torch"  # the module path on torch ops alone, as without the C kernels
@@ -311,7 +316,10 @@ class Engine:
         self.runners: List[StepRunner] = [self.graph_runner]
         if self.cpu_runner is not None:
             self.runners.append(self.cpu_runner)
-        self.runners.append(ModuleRunner(self.model, deterministic=config.deterministic))
+        # deterministic mode: F.linear as fixed-shape tiles, unless every GEMM runs a batch-invariant
+        # C kernel (and no MoE layer calls F.linear itself)
+        self.gemm_tiles = config.deterministic and (model_config.is_moe or not self._cpu_gemms_invariant())
+        self.runners.append(ModuleRunner(self.model, gemm_tiles=self.gemm_tiles))
         self._warmup_prefill()
 
     # ---- init helpers ------------------------------------------------------------------------
@@ -380,6 +388,13 @@ class Engine:
         from minisgl.engine.cpu_decode import build_cpu_runner
 
         return build_cpu_runner(self.model, self.kv_cache, self.device, config)
+
+    def _cpu_gemms_invariant(self) -> bool:
+        if self.device.type != "cpu":
+            return False
+        from minisgl.engine.cpu_decode import gemms_batch_invariant
+
+        return gemms_batch_invariant(self.model)
 
     def _init_communication(self, config: EngineConfig) -> Any:
         """Join the other ranks (tp > 1 only): the device group (NCCL/gloo) for the layers'
@@ -458,7 +473,8 @@ class Engine:
             if batch.verify_args is not None and batch.prompt_hidden is not None:
                 # the same LM head as every row's, at every position of the rows with drafts
                 lm_head: Any = self.model.lm_head
-                verify_logits = lm_head(batch.prompt_hidden)
+                with self._lm_head_tiles():
+                    verify_logits = lm_head(batch.prompt_hidden)
                 verify = verify_tokens(verify_logits, batch.verify_args, self.sampler.grammar)
                 verify_cpu = verify.to(torch.int32).to("cpu", non_blocking=True)
                 if batch.verify_args.logprobs_k is not None:  # (of the raw distribution, as a decode step's)
@@ -467,12 +483,18 @@ class Engine:
             elif batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
                 k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
-                prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
+                with self._lm_head_tiles():
+                    prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
                 batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
         copy_done_event.record(self.stream)
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs, verify_tokens=verify_cpu,
                              verify_logprobs=verify_lp)  # fmt: skip
+
+    def _lm_head_tiles(self) -> Any:
+        """The deterministic mode's GEMM tiles around an LM head call outside the model's forward
+        (prompt-logprob and verify rows), so those rows' logits are the decode rows' bits."""
+        return BatchInvariantMode() if self.gemm_tiles else contextlib.nullcontext()
 
     def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
         """The embed task's step: a prefill whose hidden rows are pooled; nothing is sampled."""

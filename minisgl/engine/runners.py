@@ -27,17 +27,18 @@ class StepRunner(Protocol):
 
 
 class ModuleRunner:
-    """The model's own forward, eagerly: every batch. Deterministic mode wraps it in the
-    batch-invariant GEMMs (layers/batch_invariant.py)."""
+    """The model's own forward, eagerly: every batch. With `gemm_tiles` (deterministic mode where
+    some GEMM has no batch-invariant C kernel) F.linear runs as fixed-shape tiles
+    (layers/batch_invariant.py)."""
 
-    def __init__(self, model: nn.Module, deterministic: bool = False) -> None:
-        self.model, self.deterministic = model, deterministic
+    def __init__(self, model: nn.Module, gemm_tiles: bool = False) -> None:
+        self.model, self.gemm_tiles = model, gemm_tiles
 
     def can_run(self, batch: Batch) -> bool:
         return True
 
     def run(self, batch: Batch) -> torch.Tensor:
-        if self.deterministic:
+        if self.gemm_tiles:
             with BatchInvariantMode():
                 return self.model.forward()
         return self.model.forward()

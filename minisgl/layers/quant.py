@@ -41,6 +41,8 @@ DEFAULT_GEMV_MAX_ROWS = 1
 NO_AMX_GEMV_MAX_ROWS = 4
 # The AMX GEMM declines above this many rows (kernel/cpu/amx.c: oneDNN is faster there).
 AMX_MAX_ROWS = 640
+# gemv_max_rows of a GEMM fixed to the skinny kernel for every row count (`--deterministic`)
+ALL_ROWS = 1 << 62
 
 
 # (x, ldx, rows, weight, n, k, bias | None, y, threads) -> 1 ran / 0 declined: the C GEMMs' signature
@@ -275,13 +277,21 @@ class QuantLinear:
     A dense weight in VNNI tiles (`vnni_pack`, 5-D) is read by the kernels given for that layout
     (gemv.c's gemv_vnni_bf16, amx.c's gemm_amx_vnni_bf16, for any row count), and `amx_silu`
     (gemm_amx_vnni_silu_bf16) runs a [gate | up] weight with its SiLU in one pass
-    (`silu_and_mul`)."""
+    (`silu_and_mul`).
+
+    `batch_invariant` (`--deterministic`, engine/cpu_decode.py bind_cpu_gemms) marks one fixed
+    kernel for every row count: the skinny GEMM (gemv_max_rows = ALL_ROWS) on a row-major
+    weight, the AMX tiles (gemv_max_rows = 0) on VNNI tiles. Neither splits the reduction nor
+    picks its order by the number of rows (each output is one accumulator chain over K in
+    order), so a row's result does not depend on the rows beside it (tests/test_deterministic.py
+    checks it bitwise)."""
 
     def __init__(self, dense: torch.Tensor, quant: QuantWeight | None, bias: torch.Tensor | None = None,
                  dense_above: int = DEFAULT_DENSE_ABOVE, gemv: GemvFn | None = None,
                  gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS, nthreads: int = 1, amx: GemvFn | None = None,
-                 amx_silu: Any = None) -> None:  # fmt: skip
+                 amx_silu: Any = None, batch_invariant: bool = False) -> None:  # fmt: skip
         self.dense, self.quant, self.bias = dense, quant, bias
+        self.batch_invariant = batch_invariant
         self.dense_above = dense_above
         self.vnni = dense.dim() == 5
         ok = dense.dtype == torch.bfloat16 and dense.is_contiguous() and dense.device.type == "cpu"

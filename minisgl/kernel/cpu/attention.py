@@ -55,12 +55,12 @@ class CpuAttnMetadata(TorchAttnMetadata):
     step_args: Tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-def _segments(reqs: List[Any]) -> List[_Segment]:
+def _segments(reqs: List[Any], paged_max_extend: int = PAGED_MAX_EXTEND) -> List[_Segment]:
     out: List[_Segment] = []
     start = 0
     for r in reqs:
         n = r.extend_len
-        if n <= PAGED_MAX_EXTEND:
+        if n <= paged_max_extend:
             if out and out[-1].plan is None and out[-1].start + out[-1].count == start:
                 out[-1].count += n
             else:
@@ -73,6 +73,7 @@ def _segments(reqs: List[Any]) -> List[_Segment]:
 
 class CpuAttnBackend(TorchAttnBackend):
     kv_cache_dtypes: Tuple[str, ...] = ("auto", "int8")
+    paged_max_extend = PAGED_MAX_EXTEND  # requests feeding more tokens attend through AMX tiles / SDPA
 
     def __init__(self, model_config: ModelConfig) -> None:
         super().__init__(model_config)
@@ -132,7 +133,7 @@ class CpuAttnBackend(TorchAttnBackend):
                 rows += [r.table_idx] * r.extend_len
                 lens += range(r.cached_len + 1, r.device_len + 1)
                 last.append(len(lens) - 1)
-            segments = _segments(reqs)
+            segments = _segments(reqs, self.paged_max_extend)
         i64 = torch.int64
         batch.attn_metadata = CpuAttnMetadata(
             torch.tensor(last, dtype=i64), reqs=reqs, is_decode=batch.is_decode,
@@ -211,3 +212,30 @@ class CpuAttnBackend(TorchAttnBackend):
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
         out[start : start + n] = o[0].transpose(0, 1).reshape(n, qs)
+
+
+class CpuDeterministicAttnBackend(CpuAttnBackend):
+    """`--deterministic` on the CPU ("cpu_deterministic"): the paged kernel for every row, decode
+    and prefill alike. Its reduction order is fixed per query row: keys 0 .. kv_len - 1 in blocks
+    of 16 from position 0, one online softmax, no split over keys, the threads split over
+    (row, KV head) tasks only. So a row's output depends on its query and keys alone, not on the
+    rows beside it, the chunking or the cache; and a prompt token re-scored in a prefill attends
+    exactly as it did when it was decoded. (The AMX tiles and SDPA of large prefill requests tile
+    the keys by the prompt's length: not used here.) A layer the kernels do not take (a sliding
+    window, soft-capping, another scale) attends through the torch walk of the deterministic
+    backend (attention/deterministic_backend.py), itself batch-invariant."""
+
+    kv_cache_dtypes: Tuple[str, ...] = ("auto",)
+    attention_features = ("sliding_window", "attn_logit_softcapping", "query_pre_attn_scalar")
+    paged_max_extend = 1 << 62
+
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        from minisgl.attention.deterministic_backend import attend_walk, chunk_blocks
+
+        meta = batch.attn_metadata
+        assert isinstance(meta, CpuAttnMetadata)
+        positions = meta.kv_len - 1
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        window = self.model_config.window_of(layer_id)
+        blocks = chunk_blocks(positions.tolist())
+        return attend_walk(q, meta.table_row, positions, blocks, k_cache, v_cache, self.page_table, self.model_config, window)

@@ -29,6 +29,36 @@
 #define PF_L2 4
 #endif
 
+/* The sum of a vector's 16 lanes in one fixed tree: lanes (i, i + 8), then (i, i + 4), then
+ * (i, i + 2), then (i, i + 1). Written out rather than _mm512_reduce_add_ps (whose tree is the
+ * compiler's: GCC's is this one) because hsum16_fixed below must give the same bits. */
+static inline float hsum_fixed(__m512 a) {
+    __m256 t3 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    __m128 t6 = _mm_add_ps(_mm256_castps256_ps128(t3), _mm256_extractf128_ps(t3, 1));
+    __m128 t8 = _mm_add_ps(t6, _mm_movehl_ps(t6, t6));
+    return _mm_cvtss_f32(_mm_add_ss(t8, _mm_movehdup_ps(t8)));
+}
+
+/* hsum_fixed of 16 vectors at once, the same additions in the same tree: lane L of the result
+ * is hsum_fixed(v[L]). Each level adds two vectors' halves side by side (a shuffle per operand
+ * instead of a horizontal reduction per vector). */
+static inline __m512 hsum16_fixed(const __m512 v[16]) {
+    __m512 e[8], f[4], g[2];
+    /* lane order in: the transposed 4 x 4 order, so that lanes come out in natural order */
+    for (int p = 0; p < 8; p++) { /* (i, i + 8): quarters 0-1 of e[p] from one vector, 2-3 from the other */
+        __m512 a = v[4 * ((2 * p) % 4) + (2 * p) / 4], b = v[4 * ((2 * p + 1) % 4) + (2 * p + 1) / 4];
+        e[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int r = 0; r < 4; r++) /* (i, i + 4): one quarter per vector */
+        f[r] = _mm512_add_ps(_mm512_shuffle_f32x4(e[2 * r], e[2 * r + 1], 0x88), _mm512_shuffle_f32x4(e[2 * r], e[2 * r + 1], 0xDD));
+    for (int q = 0; q < 2; q++) { /* (i, i + 2) within each quarter */
+        __m512d a = _mm512_castps_pd(f[2 * q]), b = _mm512_castps_pd(f[2 * q + 1]);
+        g[q] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* (i, i + 1) */
+    return _mm512_add_ps(_mm512_shuffle_ps(g[0], g[1], 0x88), _mm512_shuffle_ps(g[0], g[1], 0xDD));
+}
+
 /* R weight rows (n0 ..) against M activation rows; R * M <= 16 accumulators. always_inline with
  * constant R and M: the compiler unrolls both loops and keeps the accumulators in registers. */
 static inline __attribute__((always_inline)) void gemv_tile(
@@ -64,7 +94,61 @@ static inline __attribute__((always_inline)) void gemv_tile(
     }
     for (int r = 0; r < R; r++) {
         float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
-        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(_mm512_reduce_add_ps(acc[r][m]) + b);
+        for (int m = 0; m < M; m++) y[m * ldy + n0 + r] = f_to_bf16(hsum_fixed(acc[r][m]) + b);
+    }
+}
+
+/* 4 weight rows (n0 ..) x 4 activation rows: gemv_tile's accumulator chains, then one
+ * hsum16_fixed for the 16 outputs instead of 16 reductions, so each output has gemv_tile's bits
+ * (tests/test_batch_invariant_cpu.py checks rows alone against rows inside large batches). */
+static inline __attribute__((always_inline)) void gemm_tile4x4(const uint16_t *x, long ldx, const uint16_t *w, long k,
+                                                               long n0, const uint16_t *bias, uint16_t *y, long ldy) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const uint16_t *wr = w + n0 * k;
+    long kk = 0;
+    for (; kk + 32 <= k; kk += 32) {
+        __m512bh xv[4];
+        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + kk);
+        for (int r = 0; r < 4; r++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + r * k + kk);
+            for (int m = 0; m < 4; m++) acc[r * 4 + m] = _mm512_dpbf16_ps(acc[r * 4 + m], wv, xv[m]);
+        }
+    }
+    if (kk < k) {
+        __mmask32 live = (__mmask32)((1ull << (k - kk)) - 1ull);
+        __m512bh xv[4];
+        for (int m = 0; m < 4; m++) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(live, x + m * ldx + kk);
+        for (int r = 0; r < 4; r++) {
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, wr + r * k + kk);
+            for (int m = 0; m < 4; m++) acc[r * 4 + m] = _mm512_dpbf16_ps(acc[r * 4 + m], wv, xv[m]);
+        }
+    }
+    float sums[16];
+    _mm512_storeu_ps(sums, hsum16_fixed(acc));
+    for (int r = 0; r < 4; r++) {
+        float b = bias ? bf16_to_f(bias[n0 + r]) : 0.f;
+        for (int m = 0; m < 4; m++) y[m * ldy + n0 + r] = f_to_bf16(sums[r * 4 + m] + b);
+    }
+}
+
+/* Many activation rows over weight rows [lo, hi): blocks of GEMM_NB weight rows (they stay in
+ * L2) passed by every 4-row block of x; edges (fewer than 4 rows either way) by gemv_tile. */
+#ifndef GEMM_NB
+#define GEMM_NB 64
+#endif
+static void gemm_rows(const uint16_t *x, long ldx, long m, const uint16_t *w, long k, long lo, long hi,
+                      const uint16_t *bias, uint16_t *y, long ldy) {
+    for (long nb = lo; nb < hi; nb += GEMM_NB) {
+        long ne = nb + GEMM_NB < hi ? nb + GEMM_NB : hi;
+        long m0 = 0;
+        for (; m0 + 4 <= m; m0 += 4) {
+            long n = nb;
+            for (; n + 4 <= ne; n += 4) gemm_tile4x4(x + m0 * ldx, ldx, w, k, n, bias, y + m0 * ldy, ldy);
+            for (; n < ne; n++) gemv_tile(x + m0 * ldx, ldx, w, k, n, bias, y + m0 * ldy, ldy, 1, 4);
+        }
+        for (; m0 < m; m0++)
+            for (long n = nb; n < ne; n++) gemv_tile(x + m0 * ldx, ldx, w, k, n, bias, y + m0 * ldy, ldy, 1, 1);
     }
 }
 
@@ -94,11 +178,24 @@ static void gemv_rows(const uint16_t *x, long ldx, long M, const uint16_t *w, lo
  * contiguous with strides ldx / n. The weight rows are split over the threads in 16-row chunks
  * (static schedule: each thread streams one contiguous range); each thread runs every
  * activation row over its chunk, 8 rows at a time. */
+#ifndef GEMM_MIN_ROWS
+#define GEMM_MIN_ROWS 4 /* from here on gemm_rows (2x gemv_rows at 4-8 rows, 3-10x at 150: docs/PERFORMANCE.md) */
+#endif
 int gemv_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k,
               const uint16_t *bias, uint16_t *y, int nthreads) {
     long chunk = 16; /* o/down have 576 rows: 64-row chunks split them 5:4 over two threads */
     long nchunks = (n + chunk - 1) / chunk;
     int nt = n * k < (1l << 16) ? 1 : nthreads;
+    if (m >= GEMM_MIN_ROWS) {
+        /* each thread one contiguous range of weight rows (whole 16-row chunks) */
+#pragma omp parallel num_threads(nt)
+        {
+            int t = omp_get_thread_num(), T = omp_get_num_threads();
+            long lo = nchunks * t / T * chunk, hi = nchunks * (t + 1) / T * chunk;
+            gemm_rows(x, ldx, m, w, k, lo, hi < n ? hi : n, bias, y, n);
+        }
+        return 1;
+    }
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (long c = 0; c < nchunks; c++) {
         long lo = c * chunk, hi = lo + chunk < n ? lo + chunk : n;
