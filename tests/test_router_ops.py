@@ -122,11 +122,13 @@ def test_router_metrics_move_while_a_request_runs(servers: Dict[str, Any]) -> No
     idle = srv.wait_idle()
     for name in ALIASES:
         assert _labelled(idle, name, model) == 0.0, name
-    # long enough to be running at every check below; closed (aborted) after them
+    # closed (aborted) after the checks below
     stream = Stream(srv, {"prompt": "Count on and on", "max_tokens": 900, "ignore_eos": True, "temperature": 0})
-    # the first chunk is out: the request holds KV pages until it ends (400 tokens)
-    busy = srv.wait_metric(f'vllm:num_requests_running{{model_name="{model}"}}', 1)
-    with _frozen_scheduler(srv):  # /v1/loads then reads the same scheduler numbers as /metrics did
+    # The first chunk is out. The scheduler sends a changed load ahead of a step's tokens, on the
+    # same socket, so the server already holds running = 1; frozen from here, the request cannot
+    # end however fast the machine, and /v1/loads reads the same scheduler numbers as /metrics.
+    with _frozen_scheduler(srv):
+        busy = srv.wait_metric(f'vllm:num_requests_running{{model_name="{model}"}}', 1)
         assert _labelled(busy, "vllm:kv_cache_usage_perc", model) > 0
         assert _labelled(busy, "sglang:token_usage", model) == _labelled(busy, "vllm:kv_cache_usage_perc", model)
         assert _labelled(busy, "vllm:kv_cache_usage_perc", model) == busy["minisgl_kv_cache_usage"]

@@ -93,7 +93,7 @@ def test_models_health_and_auth(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/server_info").status_code == 401
     info = httpx.get(server.base_url + "/server_info", headers=server.headers()).json()
     assert info["scheduler"]["max_seq_len"] == MAX_SEQ_LEN and info["scheduler"]["dtype"] == "float32"
-    m = server.metrics()
+    m = server.wait_metric("minisgl_kv_pages_total", 16384)  # (the scheduler's first stats arrive asynchronously)
     assert m["minisgl_kv_cache_usage"] == 0.0 and m["minisgl_kv_pages_total"] == 16384
 
 

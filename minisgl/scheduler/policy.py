@@ -843,10 +843,16 @@ class Policy:
             self._group_rows[req.group] = held
 
     # ---- introspection -----------------------------------------------------------------------
+    def load(self) -> Tuple[int, int]:
+        """(running, waiting) as `stats()` counts them: admitted requests (prefilling or decoding),
+        and queued ones (a grammar compiling counts as waiting). Cheap: asked every step."""
+        return len(self._running) + len(self._prefilling), len(self.waiting) + len(self._compiling)
+
     def stats(self) -> SchedulerStats:
+        running, waiting = self.load()
         return SchedulerStats(
-            num_running=len(self._running) + len(self._prefilling),
-            num_waiting=len(self.waiting) + len(self._compiling),  # (a grammar compiling counts as waiting)
+            num_running=running,
+            num_waiting=waiting,
             total_pages=self.allocator.num_pages,
             free_pages=self.allocator.num_free + self.cache.evictable_pages,
             cached_pages=self.cache.cached_pages,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import zmq
 
@@ -59,6 +59,7 @@ class SchedulerLoop:
         self._last_stats_t = time.monotonic()
         self._last_stats_gen = 0
         self._last_stats: SchedulerStats | None = None
+        self._last_load: Tuple[int, int] = (0, 0)  # (running, waiting) of the last stats sent
         self._running = True
         self.kv_events = kv_events  # a KVEventPublisher (--kv-events-endpoint) or None
         # TP rank 0 (scheduler/tp.py): a no-op broadcast while idle, so a dead rank shows at once
@@ -131,8 +132,13 @@ class SchedulerLoop:
         return s
 
     def _maybe_send_stats(self, idle: bool) -> None:
-        if not idle and time.monotonic() - self._last_stats_t < STATS_INTERVAL_S:
+        """Every STATS_INTERVAL_S while busy, at once when idle, and at once when the load a router
+        reads (running, waiting) changed: a new request shows in the gauges within its first step,
+        before its first token (the stats go out ahead of the step's tokens, on the same socket)."""
+        load = self.scheduler.load()
+        if not idle and load == self._last_load and time.monotonic() - self._last_stats_t < STATS_INTERVAL_S:
             return
+        self._last_load = load
         stats = self._stats(idle)
         if stats != self._last_stats:
             self._send(stats)
@@ -156,7 +162,6 @@ class SchedulerLoop:
                 self.handle(msg)
             if self.scheduler.has_work():
                 self.step()
-                self._maybe_send_stats(idle=False)
             if self.kv_events is not None:
                 self.kv_events.publish()  # this iteration's cache changes, one batch
 
@@ -177,6 +182,7 @@ class SchedulerLoop:
             raise
         else:
             self._failed_steps = 0
+        self._maybe_send_stats(idle=False)
         if outputs:
             self._send(TokenBatchMsg(outputs))  # the scheduler's records, as they are
         self._send_rejected()
