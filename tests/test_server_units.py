@@ -351,6 +351,15 @@ class _FailingScheduler:
     def take_rejected(self) -> List[Any]:
         return []
 
+    def load(self) -> Any:
+        return len(self.active), len(self.waiting)
+
+    def stats(self) -> Any:
+        from minisgl.message import SchedulerStats
+
+        return SchedulerStats(num_running=len(self.active), num_waiting=0, total_pages=8, free_pages=8, cached_pages=0,
+                              prompt_tokens=0, cache_hit_tokens=0, generated_tokens=0)  # fmt: skip
+
 
 class _Sock:
     def __init__(self) -> None:
@@ -361,14 +370,17 @@ class _Sock:
 
 
 def test_scheduler_loop_survives_failed_steps_until_they_repeat() -> None:
+    from minisgl.message import SchedulerStats
     from minisgl.scheduler.process import MAX_CONSECUTIVE_FAILED_STEPS, SchedulerLoop
 
     sock = _Sock()
     loop = SchedulerLoop(_FailingScheduler(), recv_sock=None, send_sock=sock)  # type: ignore[arg-type]
     for _ in range(MAX_CONSECUTIVE_FAILED_STEPS - 1):
         loop.step()  # answered with a 500 for request 7, and the loop goes on
-    errors = [decode_msg(d) for d in sock.sent]
-    assert all(isinstance(e, ErrorMsg) and e.uid == 7 and e.status == 500 for e in errors)
+    sent = [decode_msg(d) for d in sock.sent]
+    errors = [m for m in sent if isinstance(m, ErrorMsg)]  # (beside them: the stats of the changed load)
+    assert all(isinstance(m, (ErrorMsg, SchedulerStats)) for m in sent)
+    assert all(e.uid == 7 and e.status == 500 for e in errors)
     assert len(errors) == MAX_CONSECUTIVE_FAILED_STEPS - 1
     from minisgl.scheduler import StepFailed
 
