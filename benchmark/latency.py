@@ -7,7 +7,8 @@
    --prompt-len random tokens, --gen-len output tokens, EOS ignored.
 2. Decode step time at each --batch-sizes with --context tokens of KV per request, measured on the
    Engine directly (graph replay on CUDA), next to the memory roofline:
-   (weight bytes + batch * context * KV bytes per token) / measured copy bandwidth.
+   (weight bytes + batch * K/V bytes read per request) / measured copy bandwidth; an MoE counts
+   the experts a batch is expected to touch, a sliding layer the K/V inside its window.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.distributed import DistributedInfo
 from minisgl.engine import Engine
-from minisgl.models.config import ModelConfig
+from minisgl.kvcache.pool import model_kv_bytes_per_slot
 from minisgl.scheduler import Scheduler, SchedulerConfig, UserRequest
 from minisgl.utils.device import synchronize
 from minisgl.utils.hf import cached_load_hf_config, resolve_model_path
@@ -47,17 +48,27 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * src.numel() * src.element_size() * iters / (time.perf_counter() - start)
 
 
-def weight_bytes(engine: Engine) -> int:
-    """Bytes of weights a decode step reads: each storage once (a tied LM head shares the
-    embedding's)."""
-    seen = {}
+def weight_bytes(engine: Engine, batch_size: int) -> float:
+    """Bytes of weights a decode step of `batch_size` rows reads: each storage once (a tied LM
+    head shares the embedding's); of an MoE layer's stacked experts only the expected share the
+    rows route to, 1 - (1 - top_k / experts)^batch (uniform routing, as random weights give)."""
+    cfg = engine.config.model_config
+    seen: Dict[int, float] = {}
     for p in engine.model.parameters():
-        seen[p.data_ptr()] = p.numel() * p.element_size()
+        nbytes = float(p.numel() * p.element_size())
+        if cfg.is_moe and p.dim() == 3 and p.shape[0] == cfg.num_experts:
+            nbytes *= 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch_size
+        seen[p.data_ptr()] = nbytes
     return sum(seen.values())
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_bytes_read(engine: Engine, context: int) -> float:
+    """Bytes of K/V one request with `context` tokens reads per decode step: the pool's bytes per
+    token and layer (a latent pool's compressed rows, fp8's one byte per element) times the tokens
+    each layer attends to (a sliding layer only its window)."""
+    cfg = engine.config.model_config
+    per_layer = model_kv_bytes_per_slot(cfg, engine.config.kv_cache_dtype, engine.config.dtype, 1) / cfg.num_layers
+    return per_layer * sum(min(context, cfg.window_of(i) or context) for i in range(cfg.num_layers))
 
 
 def decode_step_time(engine: Engine, batch_size: int, context: int, iters: int) -> float:
@@ -160,8 +171,6 @@ def main() -> None:
     engine = sched.engine
     mcfg = engine.config.model_config
     bw = copy_bandwidth(device)
-    wbytes = weight_bytes(engine)
-    kvt = kv_bytes_per_token(mcfg, engine.kv_cache.dtype)  # the pool's bytes (1 per element for fp8)
     summary: Dict[str, object] = {
         "device": torch.cuda.get_device_name(device) if on_cuda else "cpu",
         "model": mcfg.architecture,
@@ -170,7 +179,7 @@ def main() -> None:
         "attention_backend": engine.config.attention_backend,
         "cuda_graph_sizes": engine.graph_runner.batch_sizes,
         "copy_bandwidth_GBps": bw / 1e9,
-        "weight_GB": wbytes / 1e9,
+        "weight_GB": weight_bytes(engine, 10**6) / 1e9,
     }
     lat = single_request_latency(sched, a.prompt_len, a.gen_len, mcfg.vocab_size)
     summary["batch1"] = lat
@@ -179,7 +188,7 @@ def main() -> None:
     print(f"{'batch':>6} {'step ms':>9} {'roofline ms':>12} {'ratio':>6} {'tok/s':>10}")
     for bs in sizes:
         t = decode_step_time(engine, bs, a.context, iters)
-        floor = (wbytes + bs * a.context * kvt) / bw
+        floor = (weight_bytes(engine, bs) + bs * kv_bytes_read(engine, a.context)) / bw
         steps.append({"batch": bs, "step_ms": t * 1e3, "roofline_ms": floor * 1e3, "ratio": t / floor})
         print(f"{bs:>6} {t * 1e3:>9.3f} {floor * 1e3:>12.3f} {t / floor:>6.2f} {bs / t:>10.0f}")
     summary["decode_steps"] = steps

@@ -21,6 +21,8 @@
 #               recipe with bf16 K/V, then with --kv-cache-dtype fp8_e4m3: the same-call ratios
 #   offline     our offline recipe, bf16 K/V then fp8 K/V (no peer)
 #   offline14b  the same recipe on Qwen3-14B, bf16 and fp8 K/V
+#   models      issue 27's shapes ($MODELS, default gemma-3-12b deepseek-v2-lite gpt-oss-20b in
+#               benchmark/models/): the offline recipe, then latency.py's decode steps vs roofline
 #   cudatests   the CUDA pytest suites (MINISGL_TEST_DEVICE=cuda); TESTS / PYTEST_ARGS override
 #   latency     benchmark/latency.py: batch-1 TTFT/ITL through the scheduler, decode step vs roofline
 #   long        benchmark/long_context.py (triton, with its kernel sweeps)
@@ -116,6 +118,11 @@ for line in open('$LOGS/offline.tsv'):
     if m: print(line.split()[0], f'{float(m.group(1)) / p:.3f}x mini-sglang ({p:.0f} tok/s)')" 2>/dev/null ;;
     offline) for r in $(reps); do off "bf16_$r" --model $MODEL --attention-backend triton
                off "fp8_$r" --model $MODEL --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
+    models) for m in ${MODELS:-gemma-3-12b deepseek-v2-lite gpt-oss-20b}; do
+              OFF_TIMEOUT=${OFF_TIMEOUT:-200} off "$m" --model "benchmark/models/$m"
+              limited 150 python3 benchmark/latency.py --model "benchmark/models/$m" --dummy-weights --dtype bfloat16 \
+                --batch-sizes ${LAT_BS:-1,64,256} --out "$LOGS/latency_$m.json" > "$LOGS/latency_$m.log" 2>&1
+              grep -v Warn "$LOGS/latency_$m.log" | grep -E "batch|^ +[0-9]" | tail -5; done ;;
     offline14b) for kv in auto fp8_e4m3; do OFF_TIMEOUT=${OFF_TIMEOUT:-220} off "14b_$kv" --model benchmark/models/qwen3-14b \
                   --kv-cache-dtype $kv; done ;;
     cudatests) [ -n "${TESTS_SITE:-}" ] && site  # TESTS_SITE=1: the carried wheels too (xgrammar, flashinfer)
