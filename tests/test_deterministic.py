@@ -247,9 +247,9 @@ def test_deterministic_mode_matches_hf_in_float32(tiny_dir, hf_oracle) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_deterministic_kernel_in_interpreter() -> None:
-    """The CUDA kernel of the mode, through Triton's interpreter: matches float64 attention and
-    gives a query the same bits alone and inside larger launches (float32; on CUDA the test below
-    runs the bf16 case too)."""
+    """The CUDA kernels of the mode, through Triton's interpreter: attention matches float64 and
+    gives a query the same bits alone and inside larger launches; so does the GEMM for a row
+    (float32; on CUDA the test below runs bf16 cases at model shapes too)."""
     from kernel_checks import run_module
 
     proc = run_module("deterministic")
@@ -257,7 +257,8 @@ def test_triton_deterministic_kernel_in_interpreter() -> None:
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the Triton kernel on the GPU (MINISGL_TEST_DEVICE=cuda)")
-def test_triton_deterministic_kernel_on_cuda() -> None:
-    from kernel_checks.deterministic import check
+def test_triton_deterministic_kernels_on_cuda() -> None:
+    from kernel_checks.deterministic import check, check_matmul
 
     assert check(torch.device("cuda"))
+    assert check_matmul(torch.device("cuda"))

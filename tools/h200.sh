@@ -21,6 +21,8 @@
 #               recipe with bf16 K/V, then with --kv-cache-dtype fp8_e4m3: the same-call ratios
 #   offline     our offline recipe, bf16 K/V then fp8 K/V (no peer)
 #   offline14b  the same recipe on Qwen3-14B, bf16 and fp8 K/V
+#   det         --deterministic vs the default (issue 31): the 64-request workload (--max-input 512
+#               --max-output 256, as in docs/PERFORMANCE.md), then the offline recipe, each mode in its own process
 #   models      issue 27's shapes ($MODELS, default gemma-3-12b deepseek-v2-lite gpt-oss-20b in
 #               benchmark/models/): the offline recipe, then latency.py's decode steps vs roofline
 #   cudatests   the CUDA pytest suites (MINISGL_TEST_DEVICE=cuda); TESTS / PYTEST_ARGS override
@@ -118,6 +120,12 @@ for line in open('$LOGS/offline.tsv'):
     if m: print(line.split()[0], f'{float(m.group(1)) / p:.3f}x mini-sglang ({p:.0f} tok/s)')" 2>/dev/null ;;
     offline) for r in $(reps); do off "bf16_$r" --model $MODEL --attention-backend triton
                off "fp8_$r" --model $MODEL --attention-backend triton --kv-cache-dtype fp8_e4m3; done ;;
+    det) for mode in default deterministic; do flag=""; [ $mode = deterministic ] && flag=--deterministic
+           OFF_TIMEOUT=${OFF_TIMEOUT:-120} limited 120 python3 benchmark/offline.py --num-requests 64 --max-input 512 \
+             --max-output 256 --model $MODEL --dummy-weights --peer none $flag > "$LOGS/det64_$mode.log" 2>&1
+           echo -e "det64_$mode\t$(grep -i "tok/s" "$LOGS/det64_$mode.log" | grep -v Warn | tr '\n' ' ' | cut -c1-300)"; done
+         for mode in default deterministic; do flag=""; [ $mode = deterministic ] && flag=--deterministic
+           off "recipe_$mode" --model $MODEL $flag; done ;;
     models) for m in ${MODELS:-gemma-3-12b deepseek-v2-lite gpt-oss-20b}; do
               OFF_TIMEOUT=${OFF_TIMEOUT:-200} off "$m" --model "benchmark/models/$m"
               limited 150 python3 benchmark/latency.py --model "benchmark/models/$m" --dummy-weights --dtype bfloat16 \

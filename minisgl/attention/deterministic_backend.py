@@ -30,7 +30,7 @@ from typing import Callable, List
 
 import torch
 
-from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.attention.base import AttnCap, BaseAttnBackend, BaseAttnMetadata
 from minisgl.core import Batch
 from minisgl.models.config import ModelConfig
 from minisgl.utils.device import make_device_tensor
@@ -72,10 +72,33 @@ class DeterministicAttnBackend(BaseAttnBackend):
             from minisgl.kernel.triton_deterministic import deterministic_attention
 
             return deterministic_attention(
-                q, k_cache, v_cache, self.page_table, meta.rows, meta.positions, max(meta.chunk_blocks),
+                q, k_cache, v_cache, self.page_table, meta.rows, meta.positions,
                 sm_scale=self.model_config.softmax_scale, window=window, softcap=self.model_config.attn_logit_softcapping,
             )  # fmt: skip
         return attend_walk(q, meta.rows, meta.positions, meta.chunk_blocks, k_cache, v_cache, self.page_table, self.model_config, window)
+
+    # ---- CUDA graphs of decode steps: the kernel reads each query's row and position from device
+    # memory and derives its own key range, so one captured launch serves every batch of its size
+    caps = AttnCap.DECODE_GRAPH
+
+    def init_capture_graph(self, max_seq_len: int, bs_list: List[int]) -> None:
+        max_bs = max(bs_list)
+        self._graph_meta = torch.zeros((3, max_bs), dtype=torch.int64, device=self.device)  # rows, positions, last
+        self._graph_meta[2] = torch.arange(max_bs, device=self.device)  # one token per row: static
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.padded_size
+        rows, positions, last = self._graph_meta[:, :bs]
+        rows.fill_(batch.padded_reqs[0].table_idx)  # the dummy request: position 0 on the dummy page
+        positions.fill_(0)
+        batch.attn_metadata = DeterministicAttnMetadata(last_indices=last, rows=rows, positions=positions, chunk_blocks=[1])
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        meta: DeterministicAttnMetadata = batch.attn_metadata
+        bs = batch.padded_size
+        assert meta.rows.numel() == bs, "prepare_metadata(batch) of a decode batch first"
+        self._graph_meta[0, :bs].copy_(meta.rows)
+        self._graph_meta[1, :bs].copy_(meta.positions)
 
 
 def chunk_blocks(positions: List[int]) -> List[int]:

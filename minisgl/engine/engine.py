@@ -297,28 +297,30 @@ class Engine:
         )
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # the dummy page
         self.skinny_plan = self._build_skinny_plan(config)
-        self.graph_runner = GraphRunner(
-            stream=self.stream,
-            device=self.device,
-            model=self.model,
-            attn_backend=self.attn_backend,
-            cuda_graph_bs=config.cuda_graph_bs,
-            cuda_graph_max_bs=config.cuda_graph_max_bs,
-            free_memory=init_free_memory,
-            max_seq_len=aligned_max_seq_len,
-            vocab_size=model_config.vocab_size,
-            dummy_req=self.dummy_req,
-            max_graph_tokens=self._max_graph_tokens(config, init_free_memory),
-            moe_backend=self.moe_backend,
-        )
+        # deterministic mode: F.linear as batch-invariant GEMMs (layers/batch_invariant.py), unless
+        # every GEMM runs a batch-invariant C kernel (and no MoE layer calls F.linear itself); the
+        # graphs capture them (the mode is active while they are captured)
+        self.gemm_tiles = config.deterministic and (model_config.is_moe or not self._cpu_gemms_invariant())
+        with self._gemm_mode():
+            self.graph_runner = GraphRunner(
+                stream=self.stream,
+                device=self.device,
+                model=self.model,
+                attn_backend=self.attn_backend,
+                cuda_graph_bs=config.cuda_graph_bs,
+                cuda_graph_max_bs=config.cuda_graph_max_bs,
+                free_memory=init_free_memory,
+                max_seq_len=aligned_max_seq_len,
+                vocab_size=model_config.vocab_size,
+                dummy_req=self.dummy_req,
+                max_graph_tokens=self._max_graph_tokens(config, init_free_memory),
+                moe_backend=self.moe_backend,
+            )
         self.cpu_runner = self._build_cpu_runner(config)
         # the step runners, tried in this order (engine/runners.py); the module path takes the rest
         self.runners: List[StepRunner] = [self.graph_runner]
         if self.cpu_runner is not None:
             self.runners.append(self.cpu_runner)
-        # deterministic mode: F.linear as fixed-shape tiles, unless every GEMM runs a batch-invariant
-        # C kernel (and no MoE layer calls F.linear itself)
-        self.gemm_tiles = config.deterministic and (model_config.is_moe or not self._cpu_gemms_invariant())
         self.runners.append(ModuleRunner(self.model, gemm_tiles=self.gemm_tiles))
         self._warmup_prefill()
 
@@ -473,7 +475,7 @@ class Engine:
             if batch.verify_args is not None and batch.prompt_hidden is not None:
                 # the same LM head as every row's, at every position of the rows with drafts
                 lm_head: Any = self.model.lm_head
-                with self._lm_head_tiles():
+                with self._gemm_mode():
                     verify_logits = lm_head(batch.prompt_hidden)
                 verify = verify_tokens(verify_logits, batch.verify_args, self.sampler.grammar)
                 verify_cpu = verify.to(torch.int32).to("cpu", non_blocking=True)
@@ -483,7 +485,7 @@ class Engine:
             elif batch.prompt_hidden is not None:
                 assert batch.prompt_logprob_targets is not None
                 k = max((r.sampling_params.prompt_logprobs or 0) for r in batch.reqs)
-                with self._lm_head_tiles():
+                with self._gemm_mode():
                     prompt_logprobs = _prompt_logprobs(self.model.lm_head, batch.prompt_hidden, batch.prompt_logprob_targets, k)
                 batch.prompt_hidden = None
         copy_done_event = create_event(self.device)
@@ -491,9 +493,10 @@ class Engine:
         return ForwardOutput(next_tokens_gpu, next_tokens_cpu, copy_done_event, logprobs, prompt_logprobs, verify_tokens=verify_cpu,
                              verify_logprobs=verify_lp)  # fmt: skip
 
-    def _lm_head_tiles(self) -> Any:
-        """The deterministic mode's GEMM tiles around an LM head call outside the model's forward
-        (prompt-logprob and verify rows), so those rows' logits are the decode rows' bits."""
+    def _gemm_mode(self) -> Any:
+        """The deterministic mode's batch-invariant GEMMs around model calls outside ModuleRunner: the
+        decode graphs' capture, and an LM head call outside the forward (prompt-logprob and verify
+        rows), so those rows' logits are the decode rows' bits."""
         return BatchInvariantMode() if self.gemm_tiles else contextlib.nullcontext()
 
     def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:

@@ -3,9 +3,11 @@ query head) walks that query's keys in BLOCK-position blocks from position 0, in
 online softmax in fp32. Nothing a program computes depends on the grid (how many queries share
 the launch, how the prompt was chunked, whether its prefix was cached), and the block sizes are
 compile-time constants, so a query gets the same bits in a decode step and in a prefill. Each
-program walks as many blocks as the launch's longest query: a block wholly past a query's
-position is an exact no-op (its scores are -inf: it adds 0 and rescales by exp(0) = 1). Slower
-than the split-K kernels (no key reuse across queries), which is the price of the mode.
+program walks the blocks from the first one its window reaches to the one holding its own
+position, bounds it reads from its own position: nothing comes from the host, so a CUDA graph
+replays the launch for any lengths. (A block wholly outside a query's keys would be an exact
+no-op anyway: its scores are -inf, it adds 0 and rescales by exp(0) = 1.) Slower than the split-K
+kernels (no key reuse across queries), which is the price of the mode.
 A sliding window (`window`) and soft-capping (SOFTCAP) only mask positions and bend scores, as in
 the torch version (attention/deterministic_backend.py).
 """
@@ -31,7 +33,6 @@ def _deterministic_attention_kernel(
     positions_ptr,  # [T] int64
     sm_scale,
     window,
-    num_blocks,  # key blocks of the longest query (a shorter one's extra blocks are exact no-ops)
     stride_qt,
     stride_qh,
     stride_ks,
@@ -59,7 +60,8 @@ def _deterministic_attention_kernel(
     denom = tl.zeros((), tl.float32)
     acc = tl.zeros((BLOCK_D,), tl.float32)
     offs = tl.arange(0, BLOCK_N)
-    for j in range(0, num_blocks):
+    first = tl.maximum(pos - window + 1, 0) // BLOCK_N
+    for j in range(first, pos // BLOCK_N + 1):
         cols = j * BLOCK_N + offs
         valid = (cols <= pos) & (cols > pos - window)
         slots = tl.load(page_table_ptr + row * stride_pt + cols, mask=valid, other=0).to(tl.int64)
@@ -86,14 +88,12 @@ def deterministic_attention(
     page_table: torch.Tensor,
     rows: torch.Tensor,
     positions: torch.Tensor,
-    num_blocks: int | None = None,
     sm_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k/v_cache: [slots, Hk, D]; rows/positions: [T]. Returns [T, Hq, D].
-    `num_blocks`: BLOCK-key blocks of the longest query, known on the host (None: read from
-    `positions`, a device sync). sm_scale: None = head_dim^-0.5; window: the layer's sliding
+    sm_scale: None = head_dim^-0.5; window: the layer's sliding
     window (None: none); softcap: the score soft-cap (None: none)."""
     num_tokens, hq, head_dim = q.shape
     hk = k_cache.shape[1]
@@ -103,7 +103,6 @@ def deterministic_attention(
     _deterministic_attention_kernel[(num_tokens, hq)](
         q, k_cache, v_cache, out, page_table, rows, positions,
         sm_scale if sm_scale is not None else head_dim**-0.5, window if window is not None else NO_WINDOW,
-        num_blocks if num_blocks is not None else int(positions.max().item()) // BLOCK + 1,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=hq // hk, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK,

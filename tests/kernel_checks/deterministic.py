@@ -1,6 +1,8 @@
-"""The deterministic attention kernel (minisgl/kernel/triton_deterministic.py) on random paged
-inputs: against float64 attention, and batch-invariant (a query alone gives the same bits as inside
-a larger launch, at a different place, with another chunking). On CUDA
+"""The deterministic mode's CUDA kernels on random inputs. The attention kernel
+(minisgl/kernel/triton_deterministic.py) on paged K/V: against float64 attention, and
+batch-invariant (a query alone gives the same bits as inside a larger launch, at a different
+place, with another chunking). The GEMM (minisgl/kernel/triton_bi_matmul.py): against a float64
+product, and (on the GPU) a row alone gives the same bits as inside 3, 70 or 300 rows. On CUDA
 (tests/test_deterministic.py, MINISGL_TEST_DEVICE=cuda) and, float32 only, on the CPU through
 `TRITON_INTERPRET=1 python -m kernel_checks.deterministic`."""
 
@@ -48,12 +50,41 @@ def check(dev: torch.device) -> bool:
     return ok
 
 
+def check_matmul(dev: torch.device) -> bool:
+    """Prints one line per case; True when every case is within tolerance and batch-invariant."""
+    from minisgl.kernel.triton_bi_matmul import bi_matmul
+
+    gen = torch.Generator().manual_seed(1)
+    cuda = dev.type == "cuda"
+    # (rows, K, N, dtype): on CUDA Qwen3-0.6B's qkv, down and a wide (BLOCK_N 64) shape, bf16 and fp32
+    cases = [(300, 1024, 4096, torch.bfloat16), (300, 3072, 1024, torch.bfloat16), (300, 1024, 20000, torch.bfloat16),
+             (130, 200, 96, torch.float32)] if cuda else [(70, 80, 40, torch.float32), (70, 130, 96, torch.float32)]  # fmt: skip
+    ok = True
+    for m, k, n, dtype in cases:
+        x = torch.randn(m, k, generator=gen).to(dev, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(dev, dtype)
+        b = torch.randn(n, generator=gen).to(dev, dtype)
+        full = bi_matmul(x, w, b)
+        ref = (x.double() @ w.double().t() + b.double()).cpu()
+        err = (full.double().cpu() - ref).abs().max().item()
+        tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+        same = True
+        for lo, hi in ((0, 1), (m - 1, m), (5, 8), (2, 66), (0, m // 2)):
+            same &= torch.equal(bi_matmul(x[lo:hi], w, b), full[lo:hi])
+        print(f"GEMM M={m} K={k} N={n} {dtype}: max err vs float64 {err:.2e} (tol {tol}), batch-invariant: {same}")
+        # (the interpreter computes a tile's dot with numpy's BLAS, whose rounding depends on a
+        # row's place in the tile: there only the values are checked, the bits on the GPU)
+        ok &= err < tol and (same or not cuda)
+    return ok
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         from minisgl.kernel.interpreter import patch_interpreter
 
         patch_interpreter()
-    ok = check(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    ok = check(dev) & check_matmul(dev)
     print("deterministic kernels:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

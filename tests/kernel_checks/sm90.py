@@ -186,9 +186,19 @@ def ops() -> int:
 
     det = {n: "i32" for n in TD._deterministic_attention_kernel.arg_names if n.startswith("stride")}
     det.update({"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "o_ptr": "*bf16", "page_table_ptr": "*i32",
-                "rows_ptr": "*i64", "positions_ptr": "*i64", "sm_scale": "fp32", "window": "i32", "num_blocks": "i32"})  # fmt: skip
+                "rows_ptr": "*i64", "positions_ptr": "*i64", "sm_scale": "fp32", "window": "i32"})  # fmt: skip
     for cap in (0.0, 50.0):
         build(TD._deterministic_attention_kernel, det, dict(GROUP=2, HEAD_DIM=256, BLOCK_D=256, BLOCK_N=64, SOFTCAP=cap))
+    # the mode's batch-invariant GEMM: its one tile per weight, bf16 on wgmma (64 rows), fp32 exact
+    from minisgl.kernel import triton_bi_matmul as BI
+
+    for dt, block_n in (("bf16", 32), ("bf16", 64), ("fp32", 32)):
+        bi = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", **i32("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
+        consts = dict(HAS_BIAS=True, IEEE=dt == "fp32", BLOCK_M=BI.BLOCK_M, BLOCK_N=block_n, BLOCK_K=BI.BLOCK_K, GROUP_M=BI.GROUP_M)
+        kern = build(BI._bi_matmul_kernel, bi, {**consts, "stride_xk": 1}, 4, 4)
+        if kern is not None and dt == "bf16" and "wgmma" not in kern.asm["ptx"]:
+            print("FAIL _bi_matmul_kernel: no wgmma in the bf16 tile")
+            failures.append("bi_matmul wgmma")
     # the CUDA-core fp8 decode (int32 words of the pool, inline-PTX widening): the loop must keep
     # the load layout (no layout conversion, no shared memory) and widen with the packed cvt
     cc = {n: "i32" for n in A._decode_cc_kernel.arg_names if n.startswith("stride")}
