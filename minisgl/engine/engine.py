@@ -297,11 +297,10 @@ class Engine:
         )
         self.page_table[self.dummy_req.table_idx].fill_(num_tokens)  # the dummy page
         self.skinny_plan = self._build_skinny_plan(config)
-        # deterministic mode: F.linear as batch-invariant GEMMs (layers/batch_invariant.py), unless
-        # every GEMM runs a batch-invariant C kernel (and no MoE layer calls F.linear itself); the
-        # graphs capture them (the mode is active while they are captured)
-        self.gemm_tiles = config.deterministic and (model_config.is_moe or not self._cpu_gemms_invariant())
-        with self._gemm_mode():
+        # deterministic mode on CUDA: the decode graphs capture the batch-invariant GEMMs
+        # (layers/batch_invariant.py), as the module path runs them (gemm_tiles, below)
+        capture_mode = BatchInvariantMode() if config.deterministic and is_cuda(self.device) else contextlib.nullcontext()
+        with capture_mode:
             self.graph_runner = GraphRunner(
                 stream=self.stream,
                 device=self.device,
@@ -317,6 +316,9 @@ class Engine:
                 moe_backend=self.moe_backend,
             )
         self.cpu_runner = self._build_cpu_runner(config)
+        # deterministic mode: F.linear as batch-invariant GEMMs, unless every GEMM runs a
+        # batch-invariant C kernel (and no MoE layer calls F.linear itself)
+        self.gemm_tiles = config.deterministic and (model_config.is_moe or not self._cpu_gemms_invariant())
         # the step runners, tried in this order (engine/runners.py); the module path takes the rest
         self.runners: List[StepRunner] = [self.graph_runner]
         if self.cpu_runner is not None:
@@ -494,9 +496,8 @@ class Engine:
                              verify_logprobs=verify_lp)  # fmt: skip
 
     def _gemm_mode(self) -> Any:
-        """The deterministic mode's batch-invariant GEMMs around model calls outside ModuleRunner: the
-        decode graphs' capture, and an LM head call outside the forward (prompt-logprob and verify
-        rows), so those rows' logits are the decode rows' bits."""
+        """The deterministic mode's batch-invariant GEMMs around an LM head call outside the model's
+        forward (prompt-logprob and verify rows), so those rows' logits are the decode rows' bits."""
         return BatchInvariantMode() if self.gemm_tiles else contextlib.nullcontext()
 
     def _embed_batch(self, batch: Batch, pooler: Pooler) -> ForwardOutput:
