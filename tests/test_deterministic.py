@@ -144,10 +144,17 @@ def mixed_runs(path: Any, deterministic: bool, chunks: Tuple[int, ...] = CHUNKS)
         try:
             engine = llm.scheduler.engine
             loop = None
-            if deterministic and TEST_DEVICE == "cpu":  # the C kernels' path: attention, GEMMs and the decode loop
-                assert engine.config.attention_backend == "cpu_deterministic" and not engine.gemm_tiles
-                i = engine.runners.index(engine.cpu_runner)
-                engine.runners[i] = loop = CountingRunner(engine.cpu_runner)
+            if deterministic and TEST_DEVICE == "cpu":
+                # the C kernels' path: attention, and where the CPU has AVX512-BF16 the GEMMs and
+                # the decode loop too (else the GEMMs run as fixed-shape tiles)
+                from minisgl.kernel.cpu import cpu_kernels
+
+                kern = cpu_kernels()
+                assert engine.config.attention_backend == "cpu_deterministic"
+                assert engine.gemm_tiles == (kern is None or not kern.has_gemv)
+                if engine.cpu_runner is not None:
+                    i = engine.runners.index(engine.cpu_runner)
+                    engine.runners[i] = loop = CountingRunner(engine.cpu_runner)
             alone = []
             for p, sp in zip(prompts, ps):
                 llm.scheduler.reset_prefix_cache()
