@@ -83,6 +83,7 @@ def make_verify_args(
     mins: List[float] = []
     qs: List[torch.Tensor] = []
     has_q = draft_probs is not None and any(q is not None for q in draft_probs)
+    no_draft = torch.zeros(1, vocab_size, dtype=torch.float32, device=device) if has_q else None  # a row's last position
     for i, (p, d) in enumerate(zip(params, drafts)):
         if not p.is_greedy:
             n = len(d) + 1
@@ -93,13 +94,13 @@ def make_verify_args(
             mins += [p.min_p] * n
             if has_q:
                 assert draft_probs is not None
-                qs.append(_draft_rows(draft_probs[i], d, vocab_size, device))
+                qs += _draft_rows(draft_probs[i], d, no_draft)
         flat += d + [-1]
     args = VerifyArgs(make_device_tensor(flat, torch.int64, device), None)
     if sampled:
         args.sampled = make_device_tensor(sampled, torch.int64, device)
         if has_q:
-            args.draft_probs = torch.cat(qs)
+            args.draft_probs = torch.cat(qs).to(device=device, dtype=torch.float32)
         args.temperatures = make_device_tensor(ts, torch.float32, device)
         if any(k != vocab_size for k in ks):
             args.top_k = make_device_tensor(ks, torch.int32, device)
@@ -119,15 +120,15 @@ def make_verify_args(
     return args
 
 
-def _draft_rows(q: torch.Tensor | None, draft: List[int], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """A sampled row's q at each of its verify positions: its drafts' distributions (one-hot
-    for a deterministic draft), zeros at the last position (no draft: p itself is drawn)."""
-    rows = torch.zeros(len(draft) + 1, vocab_size, dtype=torch.float32, device=device)
-    if q is None:
-        rows[torch.arange(len(draft), device=device), torch.tensor(draft, dtype=torch.int64, device=device)] = 1.0
-    else:
-        rows[: len(draft)] = q[: len(draft)].to(device=device, dtype=torch.float32)
-    return rows
+def _draft_rows(q: torch.Tensor | None, draft: List[int], no_draft: Any) -> List[torch.Tensor]:
+    """A sampled row's q at each of its verify positions, as pieces to concatenate: its drafts'
+    distributions (one-hot for a deterministic draft), then `no_draft` (zeros) at its last
+    position (no draft there: p itself is drawn)."""
+    if q is not None:
+        return [q if q.shape[0] == len(draft) else q[: len(draft)], no_draft]  # (a cut draft: its first rows)
+    rows = torch.zeros(len(draft), no_draft.shape[1], dtype=torch.float32, device=no_draft.device)
+    rows[torch.arange(len(draft), device=no_draft.device), torch.tensor(draft, dtype=torch.int64, device=no_draft.device)] = 1.0
+    return [rows, no_draft]
 
 
 def _position_masks(reqs: List[Any], drafts: List[List[int]], grammar: Any) -> Tuple[torch.Tensor, List[int]]:
