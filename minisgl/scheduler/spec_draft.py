@@ -71,6 +71,12 @@ def memory_reserve(config: SchedulerConfig) -> MemoryReserve:
 
 def build_draft_engine(config: SchedulerConfig, target: Engine) -> Engine:
     """The draft engine beside `target`: as many KV pages and as long a context as the target's."""
+    longest = config.model_config.rotary_config.max_position
+    if target.max_seq_len > longest:
+        raise ValueError(
+            f"the draft model {config.model_path} takes {longest} positions, fewer than the context of {target.max_seq_len} "
+            "tokens served: pass --max-seq-len of at most that"
+        )
     draft = dataclasses.replace(config, num_page_override=target.num_pages, max_seq_len_override=target.max_seq_len)
     if draft.device != "cpu" and target.device.type == "cuda":
         logger.info("speculative draft model %s runs eagerly (no CUDA graphs for draft steps yet)", config.model_path)
