@@ -264,16 +264,19 @@ def accept_or_resample(probs: torch.Tensor, drafts: torch.Tensor, draft_probs: t
     probs = probs / probs.sum(dim=-1, keepdim=True)
     has_draft = drafts >= 0
     safe = drafts.clamp_min(0)
-    if draft_probs is None:  # the one-hot draft (n-gram): q(d) = 1
-        q = torch.zeros_like(probs).scatter_(1, safe.unsqueeze(1), has_draft.to(probs.dtype).unsqueeze(1))
+    p_draft = probs.gather(1, safe.unsqueeze(1)).squeeze(1)
+    if draft_probs is None:
+        # q = onehot(d) (an n-gram draft), without a [M, V] q: q(d) = 1, and max(0, p - q) is p
+        # with d's entry zeroed (p(d) <= 1)
+        q_draft = has_draft.to(probs.dtype)
+        residual = probs.scatter(1, safe.unsqueeze(1), torch.zeros_like(p_draft).unsqueeze(1))
     else:
         q = draft_probs.to(probs.dtype)
         q = q / q.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # (a last position's zeros stay zeros)
-    p_draft = probs.gather(1, safe.unsqueeze(1)).squeeze(1)
-    q_draft = q.gather(1, safe.unsqueeze(1)).squeeze(1)
+        q_draft = q.gather(1, safe.unsqueeze(1)).squeeze(1)
+        residual = (probs - q).clamp_min_(0.0)
     # u < p/q written as u * q < p: no division, and q(d) = 0 (never drawn) never accepts
     accept = has_draft & (torch.rand(probs.shape[0], device=probs.device) * q_draft < p_draft)
-    residual = (probs - q).clamp_min_(0.0)
     # p <= q everywhere means p = q: the draft is always accepted and the residual is never used;
     # rounding can leave it (near) all-zero, so p stands in rather than a draw from nothing
     empty = residual.sum(dim=-1, keepdim=True) <= 0
