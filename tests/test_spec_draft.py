@@ -41,9 +41,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Path]:
 def llm(request: pytest.FixtureRequest, models: Dict[str, Path]) -> Iterator[LLM]:
     """The target with the draft model `self` (the target itself: every draft is accepted) or
     `other` (a different random model: few are), page size 4; `tight`: the target as its draft
-    with 40 pages (160 tokens) in each pool, so that requests are retracted and resumed."""
+    with 40 pages (160 tokens) in each pool, so that requests are retracted and resumed, and
+    steps of 16 tokens at most (prompts prefilled in chunks, the draft's catch-up too)."""
     draft = models["other"] if request.param == "other" else models["target"]
-    pages = {"num_page_override": 40} if request.param == "tight" else {}
+    pages = {"num_page_override": 40, "max_extend_tokens": 16} if request.param == "tight" else {}
     llm = LLM(str(models["target"]), **llm_kwargs(speculative_algorithm="draft", speculative_draft_model=str(draft), page_size=4,
                                                   max_running_req=16, **pages))  # fmt: skip
     llm.draft_kind = request.param  # type: ignore[attr-defined]

@@ -119,6 +119,8 @@ class DraftModelProposer:
         self.page_size = engine.config.page_size
         self.vocab_size = engine.config.model_config.vocab_size
         self.allocator = PageAllocator(engine.num_pages)
+        # tokens per draft forward at most while catching up (the target's prefill chunk size)
+        self.max_extend_tokens = int(getattr(engine.config, "max_extend_tokens", 8192))
         self._rows: Dict[int, _Row] = {}
 
     # ---- Proposer ----------------------------------------------------------------------------
@@ -141,12 +143,8 @@ class DraftModelProposer:
         if not live:
             return drafts
         with self.engine.activated(), torch.inference_mode():
-            # catch up on the real tokens (the prompt at first, then the accepted run and the
-            # target's token): the logits after the last one give each row's first draft
-            feeds = [(row, row.cached, list(req.token_ids[row.cached : req.device_len])) for _, req, row, _ in live]
-            logits = self._forward(feeds)
+            logits = self._catch_up([(req, row) for _, req, row, _ in live])
             for _, req, row, k in live:
-                row.cached = req.device_len
                 row.end = req.device_len + k - 1
             qs: List[List[torch.Tensor]] = [[] for _ in live]
             active = list(range(len(live)))
@@ -217,6 +215,39 @@ class DraftModelProposer:
         with stream_context(self.engine.stream):
             self.engine.page_table[table_row, first : first + len(slots)] = make_device_tensor(slots, torch.int32, self.device)
         return True
+
+    def _catch_up(self, rows: List[Tuple[Any, _Row]]) -> torch.Tensor:
+        """Feed each row the real tokens the draft has no KV for (the prompt at a request's first
+        proposal, then the accepted run and the target's token): the logits after each row's
+        last token ([rows, V]) give its first draft. In forwards of at most max_extend_tokens
+        tokens, as the target chunks its prefills (a long prompt is fed over several; a row's
+        logits come from the forward that feeds its last token)."""
+        budget = self.max_extend_tokens
+        at = [row.cached for _, row in rows]
+        assert all(a < req.device_len for a, (req, _) in zip(at, rows)), "the draft's KV ran past the target's tokens"
+        last: List[torch.Tensor | None] = [None] * len(rows)
+        pending = list(range(len(rows)))
+        while pending:
+            feeds: List[Tuple[_Row, int, List[int]]] = []
+            fed: List[Tuple[int, bool]] = []  # (row, whether its last token is fed)
+            used = 0
+            for a in pending:
+                req, row = rows[a]
+                take = min(req.device_len - at[a], budget - used)
+                if take <= 0:
+                    break
+                feeds.append((row, at[a], list(req.token_ids[at[a] : at[a] + take])))
+                at[a] += take
+                used += take
+                fed.append((a, at[a] == req.device_len))
+            logits = self._forward(feeds)
+            for n, (a, done) in enumerate(fed):
+                if done:
+                    last[a] = logits[n]
+            pending = [a for a in pending if last[a] is None]
+        for req, row in rows:
+            row.cached = req.device_len
+        return torch.stack([t for t in last if t is not None])
 
     def _forward(self, feeds: List[Tuple[_Row, int, List[int]]]) -> torch.Tensor:
         """One draft forward: each row feeds `tokens` at positions from `start` (its KV written
