@@ -244,6 +244,8 @@ def test_retracted_requests_resume_with_their_draft_kv_recomputed(llm: LLM) -> N
     assert after.retractions - before.retractions > 1, "no retraction with speculation on"
     assert after.spec_verify_rows > before.spec_verify_rows
     assert after.spec_accepted_tokens - before.spec_accepted_tokens == after.spec_proposed_tokens - before.spec_proposed_tokens
+    # a request holds no more draft pages than target pages: the draft pool (as many pages) does not run out first
+    assert sched.proposer.pool_full == 0  # type: ignore[attr-defined]
 
 
 def test_config_refusals(models: Dict[str, Path], tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def build_draft_engine(config: SchedulerConfig, target: Engine) -> Engine:
             "tokens served: pass --max-seq-len of at most that"
         )
     draft = dataclasses.replace(config, num_page_override=target.num_pages, max_seq_len_override=target.max_seq_len)
-    if draft.device != "cpu" and target.device.type == "cuda":
+    if target.device.type == "cuda":
         logger.info("speculative draft model %s runs eagerly (no CUDA graphs for draft steps yet)", config.model_path)
     return Engine(draft, draft_of=target)
 
@@ -122,6 +122,7 @@ class DraftModelProposer:
         # tokens per draft forward at most while catching up (the target's prefill chunk size)
         self.max_extend_tokens = int(getattr(engine.config, "max_extend_tokens", 8192))
         self._rows: Dict[int, _Row] = {}
+        self.pool_full = 0  # rows that could not draft for want of draft pages (the sizing makes it rare)
 
     # ---- Proposer ----------------------------------------------------------------------------
     def propose(self, reqs: Sequence[Any], lengths: Sequence[int], grammar: Any) -> List[List[int]]:
@@ -137,7 +138,8 @@ class DraftModelProposer:
             row.q = None
             # KV for every real token and every draft but the last: positions [0, device_len + k - 1)
             if not self._ensure_pages(row, req.table_idx, req.device_len + k - 1):
-                logger.debug("draft pool full: request %d does not draft this step", req.uid)
+                self.pool_full += 1
+                logger.warning("draft model's KV pool is full: request %d does not draft this step", req.uid)
                 continue
             live.append((i, req, row, k))
         if not live:
@@ -201,7 +203,8 @@ class DraftModelProposer:
     # ---- the draft engine --------------------------------------------------------------------
     def _ensure_pages(self, row: _Row, table_row: int, positions: int) -> bool:
         """Pages for positions [0, positions) of the row (False: the pool cannot hold them; it
-        holds as many pages as the target's, so only a full target pool gets here)."""
+        holds as many pages as the target's, and a request never more draft pages than target
+        pages but for a grammar row's cut draft, so only a full target pool gets here)."""
         ps = self.page_size
         need = div_ceil(positions, ps) - len(row.pages)
         if need <= 0:
