@@ -146,8 +146,6 @@ class DraftModelProposer:
             return drafts
         with self.engine.activated(), torch.inference_mode():
             logits = self._catch_up([(req, row) for _, req, row, _ in live])
-            for _, req, row, k in live:
-                row.end = req.device_len + k - 1
             qs: List[List[torch.Tensor]] = [[] for _ in live]
             active = list(range(len(live)))
             for j in range(max(k for *_, k in live)):
@@ -171,6 +169,8 @@ class DraftModelProposer:
                 if not active:
                     break
             for a, (i, req, row, _k) in enumerate(live):
+                # KV of the drafts fed: all but the last (a grammar cut's popped one may have been
+                # fed too: leaving it out only costs recomputing it)
                 row.end = req.device_len + len(drafts[i]) - 1
                 row.q = torch.stack(qs[a]) if qs[a] else None
         return drafts
