@@ -146,34 +146,68 @@ class DraftModelProposer:
             return drafts
         with self.engine.activated(), torch.inference_mode():
             logits = self._catch_up([(req, row) for _, req, row, _ in live])
+            # Penalties, logit_bias, min_tokens and grammars adjust a draft's logits by the drafts
+            # before it, which are read on the host; without them the drafts stay on the device
+            # until the last one (one host copy, not one per draft position)
+            on_host = any(_adjusts(req) for _, req, _, _ in live)
             qs: List[List[torch.Tensor]] = [[] for _ in live]
             active = list(range(len(live)))
+            steps: List[Tuple[List[int], torch.Tensor]] = []  # on the device: (rows, their tokens) per position
+            tokens = torch.empty(0)
             for j in range(max(k for *_, k in live)):
                 if j > 0:  # feed each row's last draft: the next position's logits
-                    logits = self._forward([(live[a][2], live[a][1].device_len + j - 1, [drafts[live[a][0]][-1]]) for a in active])
-                tokens, probs = self._choose([live[a][1] for a in active], [drafts[live[a][0]] for a in active], logits, grammar)
+                    feeds = [(live[a][2], live[a][1].device_len + j - 1, 1) for a in active]
+                    logits = self._forward(feeds, [drafts[live[a][0]][-1] for a in active] if on_host else tokens.to(torch.int32))
+                prefixes = [drafts[live[a][0]] for a in active]  # (on the device path: not read)
+                tokens, probs = self._choose([live[a][1] for a in active], prefixes, logits, grammar)
                 keep: List[int] = []
                 for n, a in enumerate(active):
                     i, req, row, k = live[a]
                     if probs is not None and probs[n] is not None:
                         qs[a].append(probs[n])
-                    drafts[i].append(tokens[n])
-                    if req.grammar_matcher is not None and len(within_grammar(req.grammar_matcher, drafts[i])) < len(drafts[i]):
-                        drafts[i].pop()  # past the grammar's end: the row stops here (its q row with it)
-                        if qs[a]:
-                            qs[a].pop()
-                        continue
-                    if len(drafts[i]) < k:
+                    if j + 1 < k:
                         keep.append(n)
+                if on_host:
+                    keep = self._append_host(tokens.tolist(), active, live, drafts, qs)
+                else:
+                    steps.append((active, tokens))
+                    tokens = tokens[torch.tensor(keep, dtype=torch.int64, device=tokens.device)] if len(keep) < len(active) else tokens
                 active = [active[n] for n in keep]
                 if not active:
                     break
+            if steps:
+                flat = torch.cat([t for _, t in steps]).tolist()
+                at = 0
+                for rows, _ in steps:
+                    for a in rows:
+                        drafts[live[a][0]].append(flat[at])
+                        at += 1
             for a, (i, req, row, _k) in enumerate(live):
                 # KV of the drafts fed: all but the last (a grammar cut's popped one may have been
                 # fed too: leaving it out only costs recomputing it)
                 row.end = req.device_len + len(drafts[i]) - 1
                 row.q = torch.stack(qs[a]) if qs[a] else None
         return drafts
+
+    @staticmethod
+    def _append_host(
+        tokens: List[int], active: List[int], live: List[Tuple[int, Any, _Row, int]], drafts: List[List[int]], qs: List[List[torch.Tensor]]
+    ) -> List[int]:
+        """The host path: append each active row's new draft; a grammar row whose draft runs
+        past the grammar's end stops (the token and its q row dropped). The rows (indices into
+        `active`) that draft on."""
+        keep: List[int] = []
+        for n, a in enumerate(active):
+            i, req, _, k = live[a]
+            drafts[i].append(tokens[n])
+            if req.grammar_matcher is not None and len(within_grammar(req.grammar_matcher, drafts[i])) < len(drafts[i]):
+                drafts[i].pop()
+                if qs[a]:
+                    qs[a].pop()
+                continue
+            if len(drafts[i]) < k:
+                keep.append(n)
+        return keep
 
     def draft_probs(self, req: Any) -> Any:
         row = self._rows.get(req.uid)
@@ -231,19 +265,19 @@ class DraftModelProposer:
         last: List[torch.Tensor | None] = [None] * len(rows)
         pending = list(range(len(rows)))
         while pending:
-            feeds: List[Tuple[_Row, int, List[int]]] = []
+            feeds: List[Tuple[_Row, int, int]] = []
+            ids: List[int] = []
             fed: List[Tuple[int, bool]] = []  # (row, whether its last token is fed)
-            used = 0
             for a in pending:
                 req, row = rows[a]
-                take = min(req.device_len - at[a], budget - used)
+                take = min(req.device_len - at[a], budget - len(ids))
                 if take <= 0:
                     break
-                feeds.append((row, at[a], list(req.token_ids[at[a] : at[a] + take])))
+                feeds.append((row, at[a], take))
+                ids += req.token_ids[at[a] : at[a] + take]
                 at[a] += take
-                used += take
                 fed.append((a, at[a] == req.device_len))
-            logits = self._forward(feeds)
+            logits = self._forward(feeds, ids)
             for n, (a, done) in enumerate(fed):
                 if done:
                     last[a] = logits[n]
@@ -252,32 +286,31 @@ class DraftModelProposer:
             row.cached = req.device_len
         return torch.stack([t for t in last if t is not None])
 
-    def _forward(self, feeds: List[Tuple[_Row, int, List[int]]]) -> torch.Tensor:
-        """One draft forward: each row feeds `tokens` at positions from `start` (its KV written
-        there); the logits after each row's last fed token ([rows, V])."""
+    def _forward(self, feeds: List[Tuple[_Row, int, int]], ids: List[int] | torch.Tensor) -> torch.Tensor:
+        """One draft forward: each row `(row, start, n)` feeds n tokens at positions from `start`
+        (its KV written there), `ids` all the fed tokens in order (host ints, or int32 on the
+        device); the logits after each row's last fed token ([rows, V])."""
         engine = self.engine
         reqs: List[Req] = []
-        ids: List[int] = []
         rows: List[int] = []
         positions: List[int] = []
-        for row, start, tokens in feeds:
+        for row, start, n in feeds:
             view = row.view
-            view.cached_len, view.device_len = start, start + len(tokens)
+            view.cached_len, view.device_len = start, start + n
             reqs.append(view)
-            ids += tokens
-            rows += [view.table_idx] * len(tokens)
-            positions += range(start, start + len(tokens))
-        batch = Batch(reqs=reqs, phase="decode" if len(ids) == len(reqs) else "prefill")
+            rows += [view.table_idx] * n
+            positions += range(start, start + n)
+        batch = Batch(reqs=reqs, phase="decode" if len(positions) == len(reqs) else "prefill")
         engine.graph_runner.pad_batch(batch)
         with stream_context(engine.stream):
-            batch.input_ids = make_device_tensor(ids, torch.int32, self.device)
+            batch.input_ids = ids if isinstance(ids, torch.Tensor) else make_device_tensor(ids, torch.int32, self.device)
             pos = make_device_tensor(positions, torch.int64, self.device)
             batch.out_loc = engine.page_table[make_device_tensor(rows, torch.int64, self.device), pos]
             batch.positions = pos.to(torch.int32)
             engine.attn_backend.prepare_metadata(batch)
             return engine.logits(batch)
 
-    def _choose(self, reqs: List[Any], prefixes: List[List[int]], logits: torch.Tensor, grammar: Any) -> Tuple[List[int], List[Any] | None]:
+    def _choose(self, reqs: List[Any], prefixes: List[List[int]], logits: torch.Tensor, grammar: Any) -> Tuple[torch.Tensor, List[Any] | None]:
         """Each row's next draft after its drafts `prefixes` from the draft's `logits`, with the
         sampler's adjustments at that position (as verification applies them to the target's):
         the argmax for a greedy row; for a sampled row a draw from q (temperature, top-k, top-p,
@@ -293,7 +326,7 @@ class DraftModelProposer:
         tokens = greedy_tokens(adjusted).to(torch.int64)
         sampled = [n for n, r in enumerate(reqs) if not r.sampling_params.is_greedy]
         if not sampled:
-            return tokens.tolist(), None
+            return tokens, None
         params = [reqs[n].sampling_params for n in sampled]
         idx = make_device_tensor(sampled, torch.int64, self.device)
         temps = make_device_tensor([max(p.temperature, MIN_T) for p in params], torch.float32, self.device)
@@ -307,7 +340,7 @@ class DraftModelProposer:
         probs: List[Any] = [None] * len(reqs)
         for n, row in zip(sampled, q):
             probs[n] = row
-        return tokens.tolist(), probs
+        return tokens, probs
 
 
 def _adjusts(req: Any) -> bool:
