@@ -310,7 +310,9 @@ class DraftModelProposer:
             engine.attn_backend.prepare_metadata(batch)
             return engine.logits(batch)
 
-    def _choose(self, reqs: List[Any], prefixes: List[List[int]], logits: torch.Tensor, grammar: Any) -> Tuple[torch.Tensor, List[Any] | None]:
+    def _choose(
+        self, reqs: List[Any], prefixes: List[List[int]], logits: torch.Tensor, grammar: Any
+    ) -> Tuple[torch.Tensor, List[Any] | None]:
         """Each row's next draft after its drafts `prefixes` from the draft's `logits`, with the
         sampler's adjustments at that position (as verification applies them to the target's):
         the argmax for a greedy row; for a sampled row a draw from q (temperature, top-k, top-p,
