@@ -4,6 +4,14 @@
     python benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \\
         --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset 64      # the full GPU run
     (add --quantization fp8 on CUDA: the same run on per-channel FP8 weights, W8A8 FP8 GEMM)
+    python benchmark/offline.py --model benchmark/models/qwen3-0.6b --dummy-weights --num-requests 1 \
+        --max-input 512 --max-output 1024 --temperature 0 --speculative draft --peer none
+                                                      # speculation on vs off (one process, one engine)
+
+--speculative ngram|draft runs the timed requests twice on the same LLM: speculation off (the
+overlap loop where it would run) and then on, and reports both throughputs, the speed-up and the
+acceptance; `draft` takes --speculative-draft-model (default: the model itself, so every draft is
+accepted but for rounding: the upper bound of a draft model) and --speculative-num-tokens (4).
 
 The recipe (random.seed(0)): N prompts of randint(100, max_input) token ids, each randint(0, 10000);
 then N max_tokens of randint(100, max_output); temperature 0.6, EOS ignored. One warm-up request,
@@ -81,6 +89,11 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         config["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization is not None:
         config["quantization"] = args.quantization
+    if args.speculative is not None:
+        config["speculative_algorithm"] = args.speculative
+        config["speculative_num_tokens"] = args.speculative_num_tokens
+        if args.speculative == "draft":
+            config["speculative_draft_model"] = args.speculative_draft_model or args.model
     longest = max(len(p) + n for p, n in zip(prompts, max_tokens))
     config["max_seq_len_override"] = max(longest, 128)
 
@@ -104,6 +117,8 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
         synchronize(device)
         # The warm-up prompt is a prefix of request 0: drop it, so the timed run prefills every token.
         llm.scheduler.reset_prefix_cache()
+        if args.speculative is not None:
+            info.update(_speculation_off_run(llm, prompts, params, device))
         before = llm.scheduler.stats()
         compiles = _log_triton_compiles() if args.log_compiles else None
         t0, c0 = time.perf_counter(), time.process_time()
@@ -154,11 +169,50 @@ def run_minisgl(args: argparse.Namespace, prompts: List[List[int]], max_tokens: 
             host_s=round(after.host_s - before.host_s, 3),
             wait_s=round(after.wait_s - before.wait_s, 3),
         )
+        if args.speculative is not None:
+            proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
+            accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+            rows = after.spec_verify_rows - before.spec_verify_rows
+            info.update(
+                speculative=args.speculative,
+                spec_acceptance_rate=round(accepted / proposed, 4) if proposed else None,
+                spec_mean_accepted_length=round((accepted + rows) / rows, 3) if rows else None,  # tokens per verify row
+            )
     finally:
         llm.shutdown()
     out_tokens = sum(r.completion_tokens for r in results)
     assert out_tokens == sum(max_tokens), f"expected {sum(max_tokens)} output tokens, got {out_tokens}"
+    if args.speculative is not None:
+        info["spec_speedup"] = round(out_tokens / elapsed / info["spec_off_tok_s"], 3)
+        print(
+            f"speculative decoding ({args.speculative}): {out_tokens / elapsed:.1f} tok/s on vs {info['spec_off_tok_s']:.1f} off "
+            f"= {info['spec_speedup']:.2f}x; acceptance {info['spec_acceptance_rate']}, "
+            f"mean accepted length {info['spec_mean_accepted_length']} (tokens per verify row)"
+        )
     return dict(info, load_s=load_s, time_s=elapsed, cpu_s=cpu_s, output_tokens=out_tokens, tok_s=out_tokens / elapsed)
+
+
+def _speculation_off_run(llm: Any, prompts: List[List[int]], params: List[Any], device: str) -> Dict[str, Any]:
+    """The timed requests with speculation off on the same LLM (same engine, graphs and pool),
+    on the loop a server without speculation runs (overlap on CUDA), after a warm-up of that path;
+    the speculative run follows."""
+    from minisgl.core import SamplingParams
+
+    sched = llm.scheduler
+    algorithm, overlap = sched.speculative, sched.overlap
+    sched.speculative = None
+    sched.overlap = sched.config.overlap and sched.device.type != "cpu"
+    try:
+        llm.generate([prompts[0][:100]], SamplingParams(temperature=params[0].temperature, ignore_eos=True, max_tokens=16))
+        sched.reset_prefix_cache()
+        t0 = time.perf_counter()
+        results = llm.generate(prompts, params, use_tqdm=False)
+        synchronize(device)
+        elapsed = time.perf_counter() - t0
+        sched.reset_prefix_cache()
+    finally:
+        sched.speculative, sched.overlap = algorithm, overlap
+    return dict(spec_off_tok_s=sum(r.completion_tokens for r in results) / elapsed, spec_off_overlap=sched.config.overlap)
 
 
 def _log_triton_compiles() -> List[str]:
@@ -340,6 +394,14 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
     ap.add_argument("--quantization", default=None,
                     help="the engine's --quantization: fp8 (CUDA: per-channel FP8 weights, with --dummy-weights too) | none | int4 | int8 | gguf (CPU)")  # fmt: skip
+    ap.add_argument(
+        "--speculative",
+        choices=["ngram", "draft"],
+        default=None,
+        help="speculative decoding: time the requests with it off, then on (same LLM), and report the speed-up",
+    )
+    ap.add_argument("--speculative-draft-model", default=None, help="with --speculative draft: the draft model (default: --model itself)")
+    ap.add_argument("--speculative-num-tokens", type=int, default=4, help="with --speculative: drafts per row and step at most")
     ap.add_argument("--peer", choices=["hf", "none"], default="hf")
     ap.add_argument("--peer-subset", type=int, default=None, help="HF runs only the first N requests")
     ap.add_argument("--peer-batch", type=int, default=None, help="static batch size of HF generate (default: all)")

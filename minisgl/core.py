@@ -11,7 +11,7 @@ import torch
 
 from minisgl.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams", "Req", "Batch", "Context", "get_global_ctx", "set_global_ctx", "clear_global_ctx"]
+__all__ = ["SamplingParams", "Req", "Batch", "Context", "get_global_ctx", "set_global_ctx", "clear_global_ctx", "global_ctx"]
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
@@ -177,3 +177,18 @@ def get_global_ctx() -> Context:
 def clear_global_ctx() -> None:
     global _GLOBAL_CTX
     _GLOBAL_CTX = None
+
+
+@contextmanager
+def global_ctx(ctx: Context) -> Iterator[None]:
+    """`ctx` is the global Context inside the block, the previous one (or none) after it. A second
+    model in the process (the draft model of speculative decoding, scheduler/spec_draft.py) is
+    built and run inside this: every layer, attention backend and step runner reads the Context
+    of the model being run without being told which one it is. The scheduler loop is one thread,
+    so the swap is never seen by the other model's forwards."""
+    global _GLOBAL_CTX
+    previous, _GLOBAL_CTX = _GLOBAL_CTX, ctx
+    try:
+        yield
+    finally:
+        _GLOBAL_CTX = previous

@@ -16,7 +16,7 @@ from typing import Any, List, NamedTuple, Tuple
 import torch
 
 from minisgl.attention.registry import create_attention_backend, resolve_attention_backend
-from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, set_global_ctx
+from minisgl.core import Batch, Context, Req, SamplingParams, clear_global_ctx, global_ctx, set_global_ctx
 from minisgl.distributed import all_reduce_min_int, broadcast, destroy_process_group, init_process_group, set_tp_info
 from minisgl.distributed.info import clear_tp_info
 from minisgl.engine.config import EngineConfig
@@ -216,26 +216,56 @@ def _prompt_logprobs(lm_head: Any, hidden: torch.Tensor, targets: torch.Tensor, 
 WARMUP_PREFILL_TOKENS = 16
 
 
+class MemoryReserve(NamedTuple):
+    """What a second model in the process (the draft model of speculative decoding) takes from
+    this engine's memory budget: its weights, and per KV pool slot its own KV bytes (its pool
+    gets as many pages as this one's, so this pool's pages are sized for both)."""
+
+    weight_bytes: int
+    kv_bytes_per_slot: int
+
+
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
-        set_tp_info(rank=config.tp_info.rank, size=config.tp_info.size)
+    def __init__(self, config: EngineConfig, *, reserve: MemoryReserve | None = None, draft_of: Engine | None = None) -> None:
+        """`reserve`: a draft model's share of the budget (see `MemoryReserve`). `draft_of`: this
+        engine is that engine's draft model (tp 1): it shares its stream and lives under its own
+        Context, made global only around its own build and forwards (`activated`)."""
+        self.draft_of = draft_of
+        self.reserve = reserve
+        if draft_of is None:
+            set_tp_info(rank=config.tp_info.rank, size=config.tp_info.size)
         self.config = config = _adjust_config(config)
         self.device = _pick_device(config)
         if is_cuda(self.device):
             torch.cuda.set_device(self.device)
-        else:
+        elif draft_of is None:
             _set_cpu_threads(config.tp_info.size)
         torch.manual_seed(42)
-        self.stream = create_stream(self.device)
+        # a draft shares the target's stream: its forwards and the verify step are ordered by it
+        self.stream: Any = create_stream(self.device) if draft_of is None else draft_of.stream
         set_stream(self.stream)
         self.dtype = config.dtype
         self.ctx = Context(config.page_size)
-        set_global_ctx(self.ctx)
+        if draft_of is None:
+            set_global_ctx(self.ctx)
         try:
-            self._build(config)
+            with self.activated():
+                self._build(config)
         except BaseException:
             self.shutdown()
             raise
+
+    def activated(self) -> Any:
+        """This engine's Context as the global one (a no-op for the process's own engine, whose
+        Context is global already; a draft engine's forwards run inside it)."""
+        return global_ctx(self.ctx) if self.draft_of is not None else contextlib.nullcontext()
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The logits of each request's last fed token, nothing sampled and no request advanced
+        (the draft model's steps: the proposer picks its tokens). Call it inside `activated()`
+        with the batch's inputs and attention metadata prepared."""
+        with torch.inference_mode(), self.ctx.forward_batch(batch):
+            return pick_runner(self.runners, batch).run(batch)[: batch.size]
 
     def _build(self, config: EngineConfig) -> None:
         self.tp_cpu_group = self._init_communication(config)
@@ -432,12 +462,16 @@ class Engine:
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
         mc = config.model_config
         per_slot = model_kv_bytes_per_slot(mc, config.kv_cache_dtype, self.dtype, config.tp_info.size)
+        if self.reserve is not None:  # a draft model's pool holds as many pages: each page costs both
+            per_slot += self.reserve.kv_bytes_per_slot
         cache_per_page = per_slot * config.page_size
         num_pages = config.num_page_override
         if num_pages is None:
             new_free_memory = self._sync_get_memory()[1]
             model_memory = old_free_memory - new_free_memory
             available = int(config.memory_ratio * old_free_memory) - model_memory
+            if self.reserve is not None:  # the draft's weights, loaded after this pool is made
+                available -= self.reserve.weight_bytes
             if not is_cuda(self.device):
                 available = min(available, config.cpu_kv_cache_bytes)
             num_pages = available // cache_per_page
@@ -543,6 +577,8 @@ class Engine:
         ):
             if hasattr(self, name):
                 delattr(self, name)
+        if self.draft_of is not None:  # the process's state is the target engine's to clear
+            return
         clear_global_ctx()
         if self.config.tp_info.size > 1:
             destroy_process_group()

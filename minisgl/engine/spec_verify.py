@@ -2,11 +2,14 @@
 of a verify step, such that "accept the drafts while the target's token equals the draft, then
 take the target's token" is exact.
 
-Greedy positions take the argmax. A sampled position j with draft d (a deterministic, one-hot
-draft) keeps d with probability p(d) and otherwise draws from p with d removed, renormalised —
-standard speculative sampling with q = onehot(d), whose output is distributed exactly as p. The
-last position of a row (no draft after it) draws from p. p is the sampler's own distribution:
-softmax(logits / T) with min-p, top-k and top-p (`sample.filtered_probs`).
+Greedy positions take the argmax. A sampled position j with draft d drawn from the proposer's
+distribution q keeps d with probability min(1, p(d) / q(d)) and otherwise draws from the
+residual norm(max(0, p - q)) — speculative sampling, whose output is distributed exactly as p.
+A draft model's proposals come with their q rows (`VerifyArgs.draft_probs`); an n-gram draft is
+deterministic, q = onehot(d), where the same rule reads: keep d with probability p(d), else draw
+from p with d removed. The last position of a row (no draft after it) has q = 0: it draws from p.
+p is the sampler's own distribution: softmax(logits / T) with min-p, top-k and top-p
+(`sample.filtered_probs`).
 
 Before either, each position's logits get what the sampler would apply to that token (sample.py,
 in its order): penalties counted over the output so far plus the drafts before the position,
@@ -56,13 +59,21 @@ class VerifyArgs:
     # per position of the grammar rows: (host bitmask [N, words], the positions it constrains)
     grammar_mask: Tuple[torch.Tensor, List[int]] | None = None
     logprobs_k: int | None = None  # some row returns logprobs: at every position, with this many top ones
+    # [M, V] float32 per sampled position: the distribution its draft was drawn from (a row's last
+    # position: zeros); None: every draft is deterministic (q = onehot(draft), the n-gram's)
+    draft_probs: torch.Tensor | None = None
 
 
-def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device, grammar: Any = None) -> VerifyArgs:
+def make_verify_args(
+    reqs: List[Any], drafts: List[List[int]], vocab_size: int, device: torch.device, grammar: Any = None,
+    draft_probs: List[torch.Tensor | None] | None = None,
+) -> VerifyArgs:  # fmt: skip
     """Host side: the requests with drafts and their drafts, in batch order. A request's
     `token_ids` are its prompt and accepted output (the drafts are not among them; a TP follower
     keeps them for the rows with penalties, from the plans' history), its `device_len` counts
-    the drafts; `grammar` (scheduler/grammar.py's backend) masks the rows with a matcher."""
+    the drafts; `grammar` (scheduler/grammar.py's backend) masks the rows with a matcher.
+    `draft_probs`: per row the [>= len(draft), V] distributions its drafts were drawn from
+    (a draft model's sampled rows), or None for a deterministic draft."""
     params: List[SamplingParams] = [r.sampling_params for r in reqs]
     flat: List[int] = []
     sampled: List[int] = []
@@ -70,7 +81,10 @@ def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, 
     ks: List[int] = []
     ps: List[float] = []
     mins: List[float] = []
-    for p, d in zip(params, drafts):
+    qs: List[torch.Tensor] = []
+    has_q = draft_probs is not None and any(q is not None for q in draft_probs)
+    no_draft = torch.zeros(1, vocab_size, dtype=torch.float32, device=device) if has_q else None  # a row's last position
+    for i, (p, d) in enumerate(zip(params, drafts)):
         if not p.is_greedy:
             n = len(d) + 1
             sampled += range(len(flat), len(flat) + n)
@@ -78,10 +92,15 @@ def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, 
             ks += [p.top_k if p.top_k >= 1 else vocab_size] * n
             ps += [min(max(p.top_p, MIN_P), 1.0)] * n  # (as the sampler clamps it)
             mins += [p.min_p] * n
+            if has_q:
+                assert draft_probs is not None
+                qs += _draft_rows(draft_probs[i], d, no_draft)
         flat += d + [-1]
     args = VerifyArgs(make_device_tensor(flat, torch.int64, device), None)
     if sampled:
         args.sampled = make_device_tensor(sampled, torch.int64, device)
+        if has_q:
+            args.draft_probs = torch.cat(qs).to(device=device, dtype=torch.float32)
         args.temperatures = make_device_tensor(ts, torch.float32, device)
         if any(k != vocab_size for k in ks):
             args.top_k = make_device_tensor(ks, torch.int32, device)
@@ -99,6 +118,17 @@ def make_verify_args(reqs: List[Any], drafts: List[List[int]], vocab_size: int, 
     if any(p.logit_bias or p.min_tokens for p in params):
         args.bias = _position_bias(reqs, drafts, device, args.grammar_mask)
     return args
+
+
+def _draft_rows(q: torch.Tensor | None, draft: List[int], no_draft: Any) -> List[torch.Tensor]:
+    """A sampled row's q at each of its verify positions, as pieces to concatenate: its drafts'
+    distributions (one-hot for a deterministic draft), then `no_draft` (zeros) at its last
+    position (no draft there: p itself is drawn)."""
+    if q is not None:
+        return [q if q.shape[0] == len(draft) else q[: len(draft)], no_draft]  # (a cut draft: its first rows)
+    rows = torch.zeros(len(draft), no_draft.shape[1], dtype=torch.float32, device=no_draft.device)
+    rows[torch.arange(len(draft), device=no_draft.device), torch.tensor(draft, dtype=torch.int64, device=no_draft.device)] = 1.0
+    return [rows, no_draft]
 
 
 def _position_masks(reqs: List[Any], drafts: List[List[int]], grammar: Any) -> Tuple[torch.Tensor, List[int]]:
@@ -216,7 +246,7 @@ def verify_tokens(logits: torch.Tensor, args: VerifyArgs, grammar: Any = None) -
     assert args.temperatures is not None
     rows = args.sampled
     probs = filtered_probs(logits.index_select(0, rows).float(), args.temperatures, args.top_k, args.top_p, args.min_p)
-    tokens[rows] = accept_or_resample(probs, args.drafts.index_select(0, rows))
+    tokens[rows] = accept_or_resample(probs, args.drafts.index_select(0, rows), args.draft_probs)
     return tokens
 
 
@@ -226,17 +256,31 @@ def adjusted_logits(logits: torch.Tensor, args: VerifyArgs, grammar: Any = None)
     return adjust_logits(logits, args.penalties, args.bias, args.grammar_mask, grammar)
 
 
-def accept_or_resample(probs: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """Per row of `probs` ([M, V], unnormalised): the draft with probability p(draft), else a
-    draw from p without the draft; a row whose draft is -1 draws from p."""
+def accept_or_resample(probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of `probs` ([M, V] p, unnormalised) and its draft d drawn from q (`draft_probs`
+    [M, V]; None: q = onehot(d)): d with probability min(1, p(d) / q(d)), else a draw from
+    norm(max(0, p - q)). A row whose draft is -1 (q = 0) draws from p. Then the token is
+    distributed as p whatever q was: P(x) = min(q(x), p(x)) + P(reject) * residual(x) = p(x)."""
     probs = probs / probs.sum(dim=-1, keepdim=True)
     has_draft = drafts >= 0
     safe = drafts.clamp_min(0)
     p_draft = probs.gather(1, safe.unsqueeze(1)).squeeze(1)
-    accept = has_draft & (torch.rand(probs.shape[0], device=probs.device) < p_draft)
-    residual = probs.scatter(1, safe.unsqueeze(1), torch.zeros_like(p_draft).unsqueeze(1))
-    residual = torch.where(has_draft.unsqueeze(1), residual, probs)
-    # (a draft of probability 1 is always accepted: its all-zero residual is never used)
+    if draft_probs is None:
+        # q = onehot(d) (an n-gram draft), without a [M, V] q: q(d) = 1, and max(0, p - q) is p
+        # with d's entry zeroed (p(d) <= 1)
+        q_draft = has_draft.to(probs.dtype)
+        residual = probs.scatter(1, safe.unsqueeze(1), torch.zeros_like(p_draft).unsqueeze(1))
+    else:
+        q = draft_probs.to(probs.dtype)
+        q = q / q.sum(dim=-1, keepdim=True).clamp_min(1e-30)  # (a last position's zeros stay zeros)
+        q_draft = q.gather(1, safe.unsqueeze(1)).squeeze(1)
+        residual = (probs - q).clamp_min_(0.0)
+    # u < p/q written as u * q < p: no division, and q(d) = 0 (never drawn) never accepts
+    accept = has_draft & (torch.rand(probs.shape[0], device=probs.device) * q_draft < p_draft)
+    # p <= q everywhere means p = q: the draft is always accepted and the residual is never used;
+    # rounding can leave it (near) all-zero, so p stands in rather than a draw from nothing
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty | ~has_draft.unsqueeze(1), probs, residual)
     cdf = residual.cumsum(dim=-1)
     u = torch.rand(probs.shape[0], 1, device=probs.device)
     drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)

@@ -85,15 +85,25 @@ class SchedulerConfig(EngineConfig):
         choices=("fcfs", "priority"),
     )
 
-    # Speculative decoding (scheduler/spec_ngram.py): plain greedy decoding rows propose tokens by
-    # n-gram prompt lookup and verify them in one extend step; the rest of the batch decodes as usual.
+    # Speculative decoding (scheduler/spec_proposer.py): decoding rows get drafts (n-gram prompt
+    # lookup, or a smaller draft model) and verify them in one extend step; the rest of the batch
+    # decodes as usual.
     speculative_algorithm: str | None = knob(
         None,
-        "ngram: greedy rows propose the tokens that followed the latest earlier match of their last n tokens "
-        "(prompt + output) and verify them in one step (outputs are unchanged; forces the non-overlap loop)",
+        "ngram: rows propose the tokens that followed the latest earlier match of their last n tokens "
+        "(prompt + output); draft: a smaller model sharing the tokenizer (--speculative-draft-model) proposes them. "
+        "Drafts are verified in one step (outputs keep their distribution; forces the non-overlap loop)",
         group=SCHEDULING,
-        choices=("ngram",),
+        choices=("ngram", "draft"),
         default_text="off",
+    )
+    # The draft model of speculative_algorithm "draft" (a path or hub id, same vocabulary as the
+    # model): its own weights and KV pool, run eagerly at tp 1 (scheduler/spec_draft.py).
+    speculative_draft_model: str | None = knob(
+        None,
+        "the draft model of --speculative-algorithm draft: a smaller checkpoint with the same vocabulary",
+        group=SCHEDULING,
+        default_text="none",
     )
     speculative_num_tokens: int = knob(4, "draft tokens proposed per speculating row and step at most", group=SCHEDULING, type=positive_int)
     speculative_ngram_min: int = knob(1, "shortest n-gram the lookup matches", group=SCHEDULING, type=positive_int)
@@ -117,8 +127,20 @@ class SchedulerConfig(EngineConfig):
             )
         if self.new_token_ratio_decay_steps < 1:
             raise ValueError(f"new_token_ratio_decay_steps must be >= 1, got {self.new_token_ratio_decay_steps}")
-        if self.speculative_algorithm not in (None, "ngram"):
-            raise ValueError(f"speculative_algorithm must be None (off) or 'ngram', got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative_algorithm must be None (off), 'ngram' or 'draft', got {self.speculative_algorithm!r}")
+        if self.speculative_algorithm == "draft":
+            if self.speculative_draft_model is None:
+                raise ValueError("speculative_algorithm='draft' needs speculative_draft_model (--speculative-draft-model PATH)")
+            if self.tp_info.size > 1:
+                raise ValueError(
+                    f"speculative_algorithm='draft' runs the draft model at tp 1 only (got tp={self.tp_info.size}); use 'ngram' with tp > 1"
+                )
+        elif self.speculative_draft_model is not None:
+            raise ValueError(
+                f"speculative_draft_model={self.speculative_draft_model!r} is only used with speculative_algorithm='draft' "
+                f"(got {self.speculative_algorithm!r})"
+            )
         if self.speculative_num_tokens < 1:
             raise ValueError(f"speculative_num_tokens must be >= 1, got {self.speculative_num_tokens}")
         if not 1 <= self.speculative_ngram_min <= self.speculative_ngram_max:

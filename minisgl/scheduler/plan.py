@@ -57,6 +57,10 @@ class StepPlan:
     # A verify step (speculative decoding): per row its draft tokens, fed after its last token
     # ([] for a row that does not speculate: a one-token extend); empty for any other step.
     drafts: List[List[int]] = field(default_factory=list)
+    # ... and per row the distributions its drafts were drawn from (a draft model's sampled rows:
+    # a device tensor, in this process only; None: deterministic drafts). Never sent: a draft
+    # model runs at tp 1.
+    draft_probs: List[Any] = field(default_factory=list, repr=False, compare=False)
     # The policy's own request objects, for a runner in the same process (never sent: a
     # follower resolves `uids` to its own objects).
     reqs: List[Any] = field(default_factory=list, repr=False, compare=False)
@@ -76,4 +80,5 @@ class StepPlan:
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
         state["reqs"] = []
+        state["draft_probs"] = []
         return state

@@ -27,6 +27,7 @@ from minisgl.scheduler.plan import NewRow, PromptLogprobs, StepPlan, Write
 from minisgl.scheduler.queue import make_queue, retraction_order
 from minisgl.scheduler.request import SchedReq, Status, TokenOutput, UserRequest
 from minisgl.scheduler.spec_ngram import DraftLength, NgramIndex
+from minisgl.scheduler.spec_proposer import NgramProposer, Proposer, within_grammar
 from minisgl.scheduler.step_budget import StepBudget
 from minisgl.utils.logger import init_logger
 from minisgl.utils.misc import div_ceil
@@ -111,6 +112,9 @@ class Policy:
         if self.speculative is not None and limits.pooling is not None:
             raise ValueError(f"speculative_algorithm={self.speculative!r} needs the generate task (this model runs the embed task)")
         self._spec_proposed = self._spec_accepted = self._spec_rows = 0
+        # the n-gram lookup (NgramIndex looked up at each use: the tests swap in an oracle); a
+        # scheduler over an engine replaces it with the draft model's (scheduler/spec_draft.py)
+        self.proposer: Proposer = NgramProposer(lambda: NgramIndex(config.speculative_ngram_min, config.speculative_ngram_max))
         # the prompt-token cap of steps beside decoding streams: max_step_ms, by default on a CPU only
         target = config.max_step_ms
         self.step_budget = StepBudget(target or None) if (target or (target is None and on_cpu)) else None
@@ -350,44 +354,66 @@ class Policy:
         if self.speculative is None:
             return _Pick(reqs, "decode")
         cfg = self.config
-        ps = self.page_size
         optimistic = cfg.admission == "optimistic"
         spare = self.available_pages() - self._decode_need  # (worst case: reservations cover max_tokens)
         # the fast runner's capacity (the CPU decode loop's rows): a verify step past it would
         # run on the module path and cost more than the drafts save; every row feeds one token
         room = None if self.fast_step_tokens is None else self.fast_step_tokens - len(reqs)
+        proposer = self.proposer
         drafts: List[List[int]] = []
+        asked: List[int] = []  # a batched proposer: each row's length, asked in one call
         for req in reqs:
             draft: List[int] = []
-            spec = self._spec_state(req)
             # room for the drafts and the token after them within max_tokens
-            k = min(spec[1].want(), req.max_device_len - req.device_len - 1)
+            k = min(self._draft_length(req).want(), req.max_device_len - req.device_len - 1)
             if room is not None:
                 k = min(k, room)
-            if k > 0 and _can_speculate(req) and len(req.token_ids) == req.device_len:
-                draft = spec[0].propose(req.token_ids, k)
+            if not (k > 0 and _can_speculate(req) and len(req.token_ids) == req.device_len):
+                k = 0
+            if proposer.batched:
+                # the caps hold for the asked length (the rows draft together, after this loop)
+                if k and optimistic:
+                    extra = self._extra_pages(req, k)
+                    if extra > spare:
+                        k = 0
+                    else:
+                        spare -= extra
+                        self._decode_need += extra
+                if room is not None:
+                    room -= k
+                asked.append(k)
+                continue
+            if k > 0:
+                draft = proposer.propose([req], [k], self.grammar)[0]
                 if req.grammar_matcher is not None:
-                    draft = _within_grammar(req.grammar_matcher, draft)
+                    draft = within_grammar(req.grammar_matcher, draft)
                 if room is not None:
                     room -= len(draft)
             if draft and optimistic:
-                have = max(len(req.pages), div_ceil(req.device_len, ps))
-                extra = max(0, div_ceil(req.device_len + len(draft), ps) - have)
+                extra = self._extra_pages(req, len(draft))
                 if extra > spare:
                     draft = []
                 else:
                     spare -= extra
                     self._decode_need += extra
             drafts.append(draft)
+        if proposer.batched:
+            drafts = proposer.propose(reqs, asked, self.grammar) if any(asked) else [[] for _ in reqs]
+            drafts = [within_grammar(r.grammar_matcher, d) if d and r.grammar_matcher is not None else d for r, d in zip(reqs, drafts)]
         if not any(drafts):
             return _Pick(reqs, "decode")
         return _Pick(reqs, "prefill", drafts=drafts)
 
-    def _spec_state(self, req: SchedReq) -> Tuple[NgramIndex, DraftLength]:
-        """A speculating request's proposer index and draft length, made on first use."""
+    def _extra_pages(self, req: SchedReq, num_drafts: int) -> int:
+        """Pages a verify row of `num_drafts` drafts needs beyond what its decode step needs."""
+        ps = self.page_size
+        have = max(len(req.pages), div_ceil(req.device_len, ps))
+        return max(0, div_ceil(req.device_len + num_drafts, ps) - have)
+
+    def _draft_length(self, req: SchedReq) -> DraftLength:
+        """A speculating request's draft length, made on first use."""
         if req.spec is None:
-            cfg = self.config
-            req.spec = (NgramIndex(cfg.speculative_ngram_min, cfg.speculative_ngram_max), DraftLength(cfg.speculative_num_tokens))
+            req.spec = DraftLength(self.config.speculative_num_tokens)
         return req.spec
 
     # ---- admission and retraction ------------------------------------------------------------
@@ -598,6 +624,7 @@ class Policy:
         plan = StepPlan(pick.phase, [], [], [], [], [], pick.num_decode_rows, reqs=reqs)
         if pick.drafts is not None:  # the drafts follow each row's last token in the token pool
             plan.drafts = pick.drafts
+            plan.draft_probs = [self.proposer.draft_probs(r) if d else None for r, d in zip(reqs, pick.drafts)]
             for req, draft in zip(reqs, pick.drafts):
                 if draft:
                     self._tp_writes.append((req.table_idx, req.device_len, draft))
@@ -717,11 +744,12 @@ class Policy:
         self._spec_rows += 1
         self._spec_proposed += len(drafts)
         self._spec_accepted += accepted
-        self._spec_state(req)[1].observe(len(drafts), accepted)
+        self._draft_length(req).observe(len(drafts), accepted)
         # KV is sound for the fed last token and the accepted drafts; the rejected drafts'
         # slots are rewritten by the next steps (the pages stay the request's)
         req.cached_len = start + 1 + accepted
         req.device_len = req.cached_len + 1
+        self.proposer.accepted(req)  # (a draft model's KV past the accepted tokens is rolled back too)
         # the pool holds a rejected draft there, or the sampler's token (a sampled row's bonus
         # token is the verify draw, not the sampler's)
         self._tp_writes.append((req.table_idx, req.cached_len, [targets[accepted]]))
@@ -823,6 +851,7 @@ class Policy:
     def _release_pages(self, req: SchedReq) -> None:
         """Return a request's row and pages; its full pages go to the prefix cache (after a
         failed step only the prefix it found there: its own KV cannot be trusted)."""
+        self.proposer.release(req)  # (finished, aborted, retracted or failed: its draft KV too)
         if not req.holds_row:  # released when it was retracted
             return
         known = min(req.cached_len, len(req.token_ids)) if req.kv_trusted else req.matched_len
@@ -886,6 +915,7 @@ class Policy:
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
         assert self._num_penalized == 0, "a finished request is still counted as using penalties"
         assert self._num_constrained == 0, "a finished request is still counted as constrained"
+        self.proposer.check_idle()
 
     def reset_prefix_cache(self) -> int:
         """Drop every unpinned cached page; returns how many were freed."""
@@ -902,19 +932,6 @@ def _can_speculate(req: SchedReq) -> bool:
     drafts."""
     p = req.sampling_params
     return p.is_greedy or p.seed is None
-
-
-def _within_grammar(matcher: Any, draft: List[int]) -> List[int]:
-    """The longest prefix of `draft` the grammar accepts (a token past a rejected one, or past
-    the grammar's end, could never be emitted); the matcher is left where it was."""
-    accepted = 0
-    for token in draft:
-        if matcher.is_terminated() or not matcher.accept_token(token):
-            break
-        accepted += 1
-    if accepted:
-        matcher.rollback(accepted)
-    return draft[:accepted]
 
 
 def _wants_prompt_logprobs(req: SchedReq) -> bool:

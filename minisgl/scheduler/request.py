@@ -76,8 +76,10 @@ class SchedReq(Req):
         self.admit_seq = 0  # admission order: the latest admitted is retracted first
         self.num_retractions = 0
         self.trusted_len = 0  # cached_len before the current mixed step (a failure rolls back to it)
-        # speculative decoding: (n-gram index, draft length) of scheduler/spec_ngram.py, made on first use
+        # speculative decoding: its DraftLength (scheduler/spec_ngram.py), made on first use, and
+        # the n-gram proposer's index (scheduler/spec_proposer.py)
         self.spec: Any = None
+        self.draft_state: Any = None
 
     def admit(self, table_idx: int, match: MatchResult, page_size: int) -> None:
         """Take a row: prefill every token (prompt, or prompt + generated on a resume) but the

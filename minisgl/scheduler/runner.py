@@ -166,15 +166,16 @@ class Runner:
             if draft:
                 rows += range(offset, offset + end - start)
             offset += end - start
-        with_drafts = [(req, d) for req, d in zip(plan.reqs, plan.drafts) if d]
-        reqs, drafts = [r for r, _ in with_drafts], [d for _, d in with_drafts]
+        probs = plan.draft_probs or [None] * len(plan.drafts)
+        with_drafts = [(req, d, q) for req, d, q in zip(plan.reqs, plan.drafts, probs) if d]
+        reqs, drafts, qs = [r for r, _, _ in with_drafts], [d for _, d, _ in with_drafts], [q for _, _, q in with_drafts]
         with stream_context(self.stream):
             sampler = self.engine.sampler
-            batch.verify_args = make_verify_args(reqs, drafts, sampler.vocab_size, self.device, sampler.grammar)
+            batch.verify_args = make_verify_args(reqs, drafts, sampler.vocab_size, self.device, sampler.grammar, qs)
             batch.prompt_logprob_rows = make_device_tensor(rows, torch.int64, self.device)
         record_stream(batch.prompt_logprob_rows, self.engine.stream)
         args = batch.verify_args
-        tensors = [args.drafts, args.sampled, args.temperatures, args.top_k, args.top_p, args.min_p]
+        tensors = [args.drafts, args.sampled, args.temperatures, args.top_k, args.top_p, args.min_p, args.draft_probs]
         if args.penalties is not None:
             pen = args.penalties
             tensors += [pen.rows, pen.tokens, pen.output_counts, pen.presence, pen.frequency, pen.repetition]

@@ -67,8 +67,22 @@ class _InFlight:
 class Scheduler(Policy):
     def __init__(self, config: SchedulerConfig, runner: StepRunner | None = None, limits: Limits | None = None) -> None:
         runner_is_engine = runner is None
+        draft_engine: Engine | None = None
+        if config.speculative_algorithm == "draft" and runner is not None:
+            raise ValueError("speculative_algorithm='draft' needs the scheduler's own engine (its draft model runs beside it)")
         if runner is None:
-            self.engine = Engine(config)
+            if config.speculative_algorithm == "draft":
+                from minisgl.scheduler.spec_draft import build_draft_engine, draft_config, memory_reserve
+
+                draft = draft_config(config)  # (refuses another vocabulary before any weight loads)
+                self.engine = Engine(config, reserve=memory_reserve(draft))
+                try:
+                    draft_engine = build_draft_engine(draft, self.engine)
+                except BaseException:
+                    self.engine.shutdown()
+                    raise
+            else:
+                self.engine = Engine(config)
             self.device = self.engine.device
             model_config = self.engine.config.model_config
             eos = set(model_config.eos_token_ids) | _generation_eos(config.model_path)
@@ -91,6 +105,11 @@ class Scheduler(Policy):
         self.runner = runner
         on_cpu = runner_is_engine and self.device.type == "cpu"
         super().__init__(config, limits, share_rows=config.tp_info.size > 1, on_grammar=runner.use_grammar, on_cpu=on_cpu)
+        self.draft_engine = draft_engine
+        if draft_engine is not None:
+            from minisgl.scheduler.spec_draft import DraftModelProposer
+
+            self.proposer = DraftModelProposer(draft_engine)
         self.clock: Callable[[], float] = time.perf_counter  # times steps for the step budget (tests inject one)
         self._in_flight: _InFlight | None = None
         self._processing: _InFlight | None = None  # the step whose results are being read
@@ -215,6 +234,9 @@ class Scheduler(Policy):
         pool = getattr(self, "_compile_pool", None)  # (None too if __init__ failed before it)
         if pool is not None:
             pool.close()
+        draft = getattr(self, "draft_engine", None)
+        if draft is not None:  # (before the target's: the process's global state is cleared with it)
+            draft.shutdown()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
