@@ -135,24 +135,29 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132) -> GemmConfig:
-    """The tile for M rows, N outputs, K inputs in groups of `group`, on a GPU of `sms` SMs.
-    Decode (M <= 16): 16-row tiles (the mma.sync minimum) over 32 or 64 weight rows; prefill:
-    64 x 64 .. 128 x 128 tiles. Where the column tiles give fewer than 4 CTAs per SM (memory-bound
+def gemm_config(m: int, n: int, k: int, group: int, sms: int = 132, fp32: bool = False) -> GemmConfig:
+    """The tile for M rows, N outputs, K inputs in groups of `group`, on a GPU of `sms` SMs, for
+    16-bit activations (fp32: float32 ones). Decode (M <= 16): 16-row tiles (the mma.sync minimum)
+    over 32 or 64 weight rows; prefill: 64 x 64 .. 128 x 128 tiles. Where the column tiles give fewer than 4 CTAs per SM (memory-bound
     decode needs many loads in flight per SM), K is split in powers of two while each split keeps
-    at least MIN_GROUPS_PER_SPLIT groups."""
-    if m <= 16:
+    at least MIN_GROUPS_PER_SPLIT groups and the partials' traffic stays below the weight's."""
+    if fp32:  # IEEE float32 dots (exactness tests, not speed): the smallest tile, which spills least
+        bm, bn, gm, warps, stages = 16, 32, 1, 4, 2
+    elif m <= 16:
         bm, bn, gm, warps, stages = 16, (64 if n >= 8192 else 32), 1, 4, 4
     elif m <= 64:
         bm, bn, gm, warps, stages = 64, 64, 8, 4, 3
     elif m <= 256:
-        bm, bn, gm, warps, stages = 64, 128, 8, 4, 3
+        bm, bn, gm, warps, stages = 64, 128, 8, 8, 3  # (4 warps spill with the bias)
     else:
         bm, bn, gm, warps, stages = 128, 128, 8, 8, 3
     tiles = -(-m // bm) * -(-n // bn)
     groups = k // group
     split = 1
-    while tiles * split < 4 * sms and groups // (2 * split) >= MIN_GROUPS_PER_SPLIT and split < MAX_SPLIT:
+    # (the float32 partials cost 8 bytes per output and split, written and read back: at most the
+    # half byte per weight the codes cost, 16 * split * M <= K, so that prefill rarely splits)
+    while (tiles * split < 4 * sms and groups // (2 * split) >= MIN_GROUPS_PER_SPLIT and split < MAX_SPLIT
+           and 16 * 2 * split * m <= k):  # fmt: skip
         split *= 2
     return GemmConfig(bm, bn, gm, split, warps, stages)
 
@@ -173,7 +178,7 @@ def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zero
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = gemm_config(m, n, k, group, _sm_count(x.device))
+    cfg = gemm_config(m, n, k, group, _sm_count(x.device), x.dtype == torch.float32)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), cfg.split_k)
     out = y if cfg.split_k == 1 else torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
     stride_ys = out.stride(0) if cfg.split_k > 1 else 0

@@ -20,9 +20,10 @@ from typing import Iterable, List, Tuple
 import torch
 
 Shape = Tuple[int, int, int]  # (M, N, K)
-# (1, 96, 256) g32: split 2; (3, 160, 512) g32: split 4; (16, 64, 384) g128: split 1; (40, ..): 64 x 64 tiles;
-# (130, ..): 64 x 128 in 3 x 2 grouped tiles; (300, ..): 128 x 128
-INTERPRETER_SHAPES: List[Shape] = [(1, 96, 256), (3, 160, 512), (16, 64, 384), (40, 72, 256), (130, 136, 128), (300, 48, 128)]
+# (M, N, K, group): decode with K split over 2, 1, 1 and 4 CTAs (16-row tiles), then 64 x 64 tiles,
+# 64 x 128 ones in 3 x 2 grouped tiles, 128 x 128 ones; every group, symmetric and asymmetric
+INTERPRETER_CASES: List[Tuple[int, int, int, int]] = [(1, 96, 256, 32), (1, 96, 256, 128), (16, 64, 384, 64), (3, 160, 512, 32),
+                                                      (40, 72, 256, 128), (130, 136, 128, 64), (300, 48, 128, 32)]  # fmt: skip
 
 
 def make_weight(n: int, k: int, group: int, sym: bool, gen: torch.Generator, device: str):  # -> Int4Packed (float32 scales)
@@ -37,6 +38,12 @@ def make_weight(n: int, k: int, group: int, sym: bool, gen: torch.Generator, dev
 
 def run_checks(shapes: Iterable[Shape], device: str, seed: int = 0, sum_rtol: float = 1e-5,
                groups: Tuple[int, ...] = (32, 64, 128)) -> List[str]:  # fmt: skip
+    """Failures (empty: all passed); each comparison printed. Every shape with every group that
+    divides its K (see `run_cases`)."""
+    return run_cases([(m, n, k, g) for m, n, k in shapes for g in groups if k % g == 0], device, seed, sum_rtol)
+
+
+def run_cases(cases: Iterable[Tuple[int, int, int, int]], device: str, seed: int = 0, sum_rtol: float = 1e-5) -> List[str]:
     """Failures (empty: all passed); each comparison printed. Results are held to `sum_rtol` x max
     |ref| (the summation order differs from the oracle's) plus the output dtype's rounding."""
     from minisgl.kernel import triton_int4 as K
@@ -52,36 +59,35 @@ def run_checks(shapes: Iterable[Shape], device: str, seed: int = 0, sum_rtol: fl
         if not ok:
             failures.append(name)
 
-    for i, (m, n, k) in enumerate(shapes):
-        for j, group in enumerate(g for g in groups if k % g == 0):
-            sym = (i + j) % 2 == 0
-            what = f"M={m} N={n} K={k} g{group} {'sym' if sym else 'asym'}"
-            w = make_weight(n, k, group, sym, gen, device)
-            x = torch.randn(m, k, generator=gen, device=device)
-            bias = torch.randn(n, generator=gen, device=device)
-            # float32: the exact dequantized weight, an IEEE float32 dot
-            w32 = w.to(torch.device(device), torch.float32)
-            ref = x @ w32.dense().t()
-            y = K.w4a16_gemm(x, w32.qweight, w32.scale, w32.zero, group)
-            check(f"fp32 {what} (split {K.gemm_config(m, n, k, group).split_k})", y, ref, sum_rtol, 1e-5)
-            # bfloat16 + bias: the weight dequantized from bf16 scales, rounded to bf16 for the dot
-            wb = w.to(torch.device(device), torch.bfloat16)
-            xb, bb = x.bfloat16(), bias.bfloat16()
-            dense = wb.dense()
-            ref_rounded = xb.float() @ dense.bfloat16().float().t() + bb.float()
-            yb = K.w4a16_gemm(xb, wb.qweight, wb.scale, wb.zero, group, bb)
-            assert yb.dtype == torch.bfloat16
-            check(f"bf16 + bias {what}", yb, ref_rounded, sum_rtol, 2.0**-8)
-            check(f"bf16 vs exact weights {what}", yb, xb.float() @ dense.t() + bb.float(), 2.0**-6, 2.0**-7)
-            if i == 0 or m == 40:  # the 3-D entry point, and the op's torch implementation (layers/int4.py)
-                x3 = xb.reshape(1, m, k)
-                y3 = K.w4a16_linear(x3, wb.qweight, wb.scale, wb.zero, group, bb)
-                check(f"w4a16_linear 3-D {what}", y3.reshape(m, n), ref_rounded, sum_rtol, 2.0**-8)
-                if device == "cpu":
-                    from minisgl.layers.int4 import int4_linear
+    for i, (m, n, k, group) in enumerate(cases):
+        sym = i % 2 == 0  # (each group both ways over the cases)
+        what = f"M={m} N={n} K={k} g{group} {'sym' if sym else 'asym'}"
+        w = make_weight(n, k, group, sym, gen, device)
+        x = torch.randn(m, k, generator=gen, device=device)
+        bias = torch.randn(n, generator=gen, device=device)
+        # float32: the exact dequantized weight, an IEEE float32 dot
+        w32 = w.to(torch.device(device), torch.float32)
+        ref = x @ w32.dense().t()
+        y = K.w4a16_gemm(x, w32.qweight, w32.scale, w32.zero, group)
+        check(f"fp32 {what} (split {K.gemm_config(m, n, k, group, fp32=True).split_k})", y, ref, sum_rtol, 1e-5)
+        # bfloat16 + bias: the weight dequantized from bf16 scales, rounded to bf16 for the dot
+        wb = w.to(torch.device(device), torch.bfloat16)
+        xb, bb = x.bfloat16(), bias.bfloat16()
+        dense = wb.dense()
+        ref_rounded = xb.float() @ dense.bfloat16().float().t() + bb.float()
+        yb = K.w4a16_gemm(xb, wb.qweight, wb.scale, wb.zero, group, bb)
+        assert yb.dtype == torch.bfloat16
+        check(f"bf16 + bias {what}", yb, ref_rounded, sum_rtol, 2.0**-8)
+        check(f"bf16 vs exact weights {what}", yb, xb.float() @ dense.t() + bb.float(), 2.0**-6, 2.0**-7)
+        if i in (0, 4):  # the 3-D entry point, and the op's torch implementation (layers/int4.py)
+            x3 = xb.reshape(1, m, k)
+            y3 = K.w4a16_linear(x3, wb.qweight, wb.scale, wb.zero, group, bb)
+            check(f"w4a16_linear 3-D {what}", y3.reshape(m, n), ref_rounded, sum_rtol, 2.0**-8)
+            if device == "cpu":
+                from minisgl.layers.int4 import int4_linear
 
-                    got = int4_linear(x3, wb.qweight, wb.scale, wb.zero, group, bb).reshape(m, n)
-                    check(f"torch op vs kernel {what}", got, yb.float(), sum_rtol, 2.0**-8)
+                got = int4_linear(x3, wb.qweight, wb.scale, wb.zero, group, bb).reshape(m, n)
+                check(f"torch op vs kernel {what}", got, yb.float(), sum_rtol, 2.0**-8)
     return failures
 
 
@@ -92,7 +98,7 @@ def main() -> int:
     from minisgl.kernel.interpreter import patch_interpreter
 
     patch_interpreter()  # float32 -> bf16 rounds to nearest even, as on the GPU
-    failures = run_checks(INTERPRETER_SHAPES, "cpu")
+    failures = run_cases(INTERPRETER_CASES, "cpu")
     print("FAILED: " + ", ".join(failures) if failures else "all int4 kernel checks passed")
     return 1 if failures else 0
 
