@@ -2,6 +2,7 @@
 
     python benchmark/latency.py                                   # CPU, embedded model
     python benchmark/latency.py --model benchmark/models/qwen3-0.6b --dummy-weights --dtype bfloat16
+    (add --quantization int4 / fp8 on CUDA: the same run on online int4 W4A16 / FP8 W8A8 weights)
 
 1. TTFT / ITL at batch 1 through the real scheduler (overlap on, CUDA graphs on CUDA): a prompt of
    --prompt-len random tokens, --gen-len output tokens, EOS ignored.
@@ -49,10 +50,14 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 def weight_bytes(engine: Engine) -> int:
     """Bytes of weights a decode step reads: each storage once (a tied LM head shares the
-    embedding's)."""
+    embedding's), with the scales (and zeros) a quantized linear layer holds beside its weight."""
     seen = {}
     for p in engine.model.parameters():
         seen[p.data_ptr()] = p.numel() * p.element_size()
+    for m in engine.model.modules():
+        for t in (getattr(m, "weight_scale", None), getattr(m, "weight_zero", None)):
+            if isinstance(t, torch.Tensor):
+                seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
 
 
@@ -133,6 +138,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
+    p.add_argument("--quantization", default="auto", help="the engine's --quantization: int4 / fp8 on CUDA (online, also with "
+                   "--dummy-weights), auto (a 4-bit checkpoint's own codes), none")  # fmt: skip
     p.add_argument("--out", default=None, help="write the JSON summary here")
     a = p.parse_args()
 
@@ -155,6 +162,7 @@ def main() -> None:
         num_page_override=None if on_cuda else max(sizes) * (a.context + iters + 64) + 4096,
         cpu_kv_cache_bytes=8 << 30,
         kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
     )
     sched = Scheduler(cfg)
     engine = sched.engine
@@ -167,6 +175,7 @@ def main() -> None:
         "model": mcfg.architecture,
         "dtype": str(dtype),
         "kv_cache_dtype": a.kv_cache_dtype,
+        "quantization": a.quantization,
         "attention_backend": engine.config.attention_backend,
         "cuda_graph_sizes": engine.graph_runner.batch_sizes,
         "copy_bandwidth_GBps": bw / 1e9,

@@ -251,3 +251,15 @@ def build_checkpoint(name: str, root: Path, **config_changes: Any) -> Checkpoint
         q4_1=None if exact_q4 else _write(base, root / "q4_1", q4_state, None),
         layers=layers,
     )
+
+
+def online_int4_checkpoint(dense: Path, root: Path) -> Path:
+    """An HF checkpoint of what `--quantization int4` makes of `dense` (layers/int4.quantize_groups
+    of each projection, dequantized: per row, so the same as quantizing merged q/k/v and gate/up)."""
+    from minisgl.layers.int4 import ONLINE_GROUP, quantize_groups
+
+    state = load_file(str(dense / "model.safetensors"))
+    for key, w in state.items():
+        if key.endswith(".weight") and key.removesuffix(".weight").rpartition(".")[2] in PROJ:
+            state[key] = quantize_groups(w.float(), ONLINE_GROUP).dense()
+    return _write(dense, root / "online_int4", state, None)

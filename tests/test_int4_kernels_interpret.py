@@ -199,6 +199,29 @@ def test_kept_int4_weights_run_the_int4_op(name, quant_checkpoint, path_oracle, 
     assert any(m.endswith("weights kept as int4 (W4A16 GEMM, activations in float32)") for m in said), said
 
 
+def test_online_int4_layers_run_the_int4_op(quant_checkpoint, tmp_path) -> None:
+    """`--quantization int4`'s conversion (models/weight.quantize_linears_int4, which the engine
+    runs on CUDA) on a CPU engine in float32, through the op's torch implementation: tokens and
+    logits match HF float32 on the same group-128 int4 weights (tests/test_int4_cuda.py's oracle)."""
+    from helpers import LOGIT_ATOL, HFOracle, allocated_reqs, assert_greedy_match, prefill_logits, run_generation, running_engine
+    from quant_helpers import online_int4_checkpoint
+
+    from minisgl.models.weight import quantize_linears_int4
+
+    ck = quant_checkpoint("awq")
+    hf = HFOracle(online_int4_checkpoint(ck.dense, tmp_path))
+    with running_engine(ck.dense, device="cpu", cpu_fast_decode=False) as engine:
+        done = quantize_linears_int4(engine.model, torch.float32)
+        assert len(done) == 4 * len(engine.model.model.layers)
+        logits = prefill_logits(engine, allocated_reqs(engine, PROMPTS, 1))
+        for i, ids in enumerate(PROMPTS):
+            assert (logits[i] - hf.logits(ids)[-1]).abs().max().item() < LOGIT_ATOL
+        outs = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
+    for i, ids in enumerate(PROMPTS):
+        ref, ref_logits = hf.greedy(ids, STEPS)
+        assert assert_greedy_match(outs[i], ref, ref_logits, label=f"online int4 prompt {i}") == STEPS
+
+
 def test_int4_quantization_is_refused_where_it_cannot_run(tiny_dir) -> None:
     """The CPU's int4 is its decode GEMMs' (unchanged): refused where those cannot run, naming the flag."""
     from helpers import running_engine
