@@ -210,6 +210,14 @@ FORMATS: Dict[str, Format] = {
 }  # fmt: skip
 
 
+# Formats only some tests build (kept out of FORMATS, which test_quant_checkpoints.py runs whole)
+EXTRA_FORMATS: Dict[str, Format] = {
+    # a 4-bit Qwen3-MoE, experts quantized too; per-channel (group_size -1: the experts' in_features is 48)
+    "gptq_moe": Format("qwen3_moe", {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": True},
+                       lambda w: gptq(w, w.shape[1], 4, True, True)),
+}  # fmt: skip
+
+
 @dataclass
 class Checkpoint:
     quantized: Path  # the format's checkpoint
@@ -229,7 +237,7 @@ def _write(src: Path, dst: Path, state: Dict[str, torch.Tensor], quantization_co
 
 
 def build_checkpoint(name: str, root: Path, **config_changes: Any) -> Checkpoint:
-    fmt = FORMATS[name]
+    fmt = FORMATS[name] if name in FORMATS else EXTRA_FORMATS[name]
     base = build_tiny_model(fmt.arch, root / "base", seed=3, hidden_size=128, intermediate_size=256)
     state = load_file(str(base / "model.safetensors"))
     quant_state, dense_state, q4_state, layers = {}, {}, {}, {}

@@ -222,6 +222,34 @@ def test_online_int4_layers_run_the_int4_op(quant_checkpoint, tmp_path) -> None:
         assert assert_greedy_match(outs[i], ref, ref_logits, label=f"online int4 prompt {i}") == STEPS
 
 
+def test_moe_experts_are_dequantized(quant_checkpoint, monkeypatch) -> None:
+    """A 4-bit Qwen3-MoE with int4 kept: attention projections hold int4 codes, the experts are
+    dequantized (the fused MoE GEMM has no int4 path; logged) to the dense checkpoint's values."""
+    from transformers import AutoConfig
+
+    from minisgl.layers.linear import _Linear
+    from minisgl.layers.rotary import rope_tables
+    from minisgl.models import ModelConfig, create_model, weight
+    from minisgl.utils.torch_utils import torch_dtype
+
+    said: List[str] = []
+    monkeypatch.setattr(weight.logger, "info_rank0", lambda msg, *args: said.append(msg))
+    ck = quant_checkpoint("gptq_moe")
+    cfg = ModelConfig.from_hf(AutoConfig.from_pretrained(ck.dense))
+    cpu = torch.device("cpu")
+    with rope_tables(cpu), torch.device("meta"), torch_dtype(torch.float32):
+        model = create_model(cfg)
+    ours = weight.load_weights(model, str(ck.quantized), cpu, torch.float32, keep_int4=True)
+    ref = weight.load_weights(model, str(ck.dense), cpu, torch.float32)
+    kept = [k for k, t in ours.items() if t.dtype == torch.int32]
+    assert kept and all(isinstance(model.get_submodule(k.rpartition(".")[0]), _Linear) for k in kept)
+    assert any("experts" in k for k in ref) and not any("experts" in k for k in kept)
+    for key in ref:
+        if key not in kept:
+            torch.testing.assert_close(ours[key], ref[key], rtol=0, atol=1e-6, msg=key)
+    assert any("int4 weights of" in m and "the fused MoE GEMM has no int4 path" in m for m in said), said
+
+
 def test_int4_quantization_is_refused_where_it_cannot_run(tiny_dir) -> None:
     """The CPU's int4 is its decode GEMMs' (unchanged): refused where those cannot run, naming the flag."""
     from helpers import running_engine
