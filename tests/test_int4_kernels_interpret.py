@@ -156,18 +156,18 @@ def _tp2_check(name: str, quant_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
 
 
 def test_tp2_int4_shards_are_the_dense_checkpoints_shards(quant_checkpoint, monkeypatch) -> None:
-    said = _tp2_check("gptq_asym_v2", quant_checkpoint, monkeypatch)  # group 32: every shard keeps int4
+    said = _tp2_check("ct_w4a16_sym", quant_checkpoint, monkeypatch)  # group 32: every shard keeps int4
     assert not any("cannot stay int4" in m for m in said), said
     said = _tp2_check("awq", quant_checkpoint, monkeypatch)  # group 128, K 128 split in 64s: row-parallel dequantized
     assert any("o_proj.weight: this rank's shard cannot stay int4" in m for m in said), said
 
 
-@pytest.mark.parametrize("name", ["awq", "ct_w4a16_asym"])
+@pytest.mark.parametrize("name", ["awq", "ct_w4a16_sym"])
 def test_kept_int4_weights_run_the_int4_op(name, quant_checkpoint, path_oracle, monkeypatch) -> None:
     """The kept-int4 path end to end on the CPU in float32, the op's torch implementation standing
     in for the CUDA kernel: every projection holds packed int32 codes and runs the int4 op, the
     log says `kept as int4`, prefill logits and greedy tokens match HF float32 on the dequantized
-    weights (tie-aware). compressed-tensors channel strategy: per-channel scales as group 128."""
+    weights (tie-aware)."""
     from helpers import LOGIT_ATOL, allocated_reqs, assert_greedy_match, prefill_logits, run_generation, running_engine
 
     from minisgl.engine import engine as engine_mod

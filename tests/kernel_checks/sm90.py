@@ -564,7 +564,7 @@ def int4(sweep: bool = False) -> int:
     """The W4A16 kernels (kernel/triton_int4.py): tensor-core dots (mma.sync below 64 rows, wgmma
     from 64), within the H200's shared memory, no register spills; and the split-K reduce. By
     default (the CPU suite: each compile takes seconds) one kernel per tile family in bf16 at the
-    Qwen3-14B shapes: decode split-K and not, 64 x 128, 128 x 128 (group 32), and the float32 decode tile;
+    Qwen3-14B shapes: decode with split-K, 64 x 128 with bias, 128 x 128 (group 32);
     `int4_all`: every tile gemm_config picks for the Qwen3-0.6B and 14B projections (bf16, fp16
     and fp32 activations, each group size, split-K and not). Float32 (IEEE dots, the exactness
     tests' dtype, not a speed path) may spill: printed, not a failure."""
@@ -603,8 +603,7 @@ def int4(sweep: bool = False) -> int:
     fn = K._w4a16_kernel
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "K", "stride_xm", "stride_ym", "stride_ys")
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (7168, 5120), (5120, 5120), (34816, 5120), (5120, 17408)]
-    cases = [("bf16", 128, 1, 5120, 5120), ("bf16", 128, 1, 34816, 5120), ("bf16", 128, 200, 5120, 5120),
-             ("bf16", 32, 2048, 5120, 5120), ("fp32", 128, 1, 1024, 2048)]  # fmt: skip
+    cases = [("bf16", 128, 1, 5120, 5120), ("bf16", 128, 200, 5120, 5120), ("bf16", 32, 2048, 5120, 5120)]
     if sweep:
         cases = [(dt, group, m, n, k) for dt, groups in (("bf16", (128, 64, 32)), ("fp16", (128,)), ("fp32", (128,)))
                  for group in groups for m in (1, 16, 64, 256, 2048) for n, k in shapes]  # fmt: skip
