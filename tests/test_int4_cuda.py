@@ -117,7 +117,7 @@ def test_int4_checkpoint_keeps_int4_weights_on_cuda(name, quant_checkpoint, path
     ck = quant_checkpoint(name)
     said: List[str] = []
     monkeypatch.setattr(weight.logger, "info_rank0", lambda msg, *args: said.append(msg))
-    with running_engine(ck.quantized) as engine:  # float32, quantization "auto"
+    with running_engine(ck.quantized, attention_backend="triton") as engine:  # float32, quantization "auto"
         kept = _int4_linears(engine)
         layers = engine.model.model.layers
         assert len(kept) == 4 * len(layers), f"every projection should keep int4 codes, got {kept}"
@@ -128,7 +128,7 @@ def test_int4_checkpoint_keeps_int4_weights_on_cuda(name, quant_checkpoint, path
         assert engine.graph_runner.batch_sizes, "no decode graphs captured"
         graphs = _assert_exact(engine, path_oracle(ck.dense), f"{name} (graphs)")
     assert any(m.endswith("weights kept as int4 (W4A16 GEMM, activations in float32)") for m in said), said
-    with running_engine(ck.quantized, cuda_graph_bs=[], cuda_graph_max_tokens=0) as engine:
+    with running_engine(ck.quantized, attention_backend="triton", cuda_graph_bs=[], cuda_graph_max_tokens=0) as engine:
         assert len(_int4_linears(engine)) == len(kept)
         eager = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
     assert graphs == eager, "CUDA graphs changed the tokens"
@@ -166,16 +166,17 @@ def test_int4_checkpoint_in_bf16(name, quant_checkpoint, path_oracle) -> None:
 def test_online_int4_quantization(quant_checkpoint, tmp_path) -> None:
     ck = quant_checkpoint("awq")  # its dense checkpoint: a plain float32 HF model
     oracle = HFOracle(online_int4_checkpoint(ck.dense, tmp_path))
-    with running_engine(ck.dense, quantization="int4") as engine:
+    with running_engine(ck.dense, quantization="int4", attention_backend="triton") as engine:
         kept = _int4_linears(engine)
         assert len(kept) == 4 * len(engine.model.model.layers), kept
         assert all(m.weight_group == 128 for n, m in engine.model.named_modules() if n in kept)
         _assert_exact(engine, oracle, "--quantization int4")
 
 
-def test_online_int4_with_dummy_weights_in_bf16(tiny_dir) -> None:
+def test_online_int4_with_dummy_weights_in_bf16(quant_checkpoint) -> None:
     """What `benchmark/offline.py --dummy-weights --quantization int4` builds."""
-    with running_engine(tiny_dir, dtype=torch.bfloat16, use_dummy_weight=True, quantization="int4") as engine:
-        assert _int4_linears(engine)
+    ck = quant_checkpoint("awq")
+    with running_engine(ck.dense, dtype=torch.bfloat16, use_dummy_weight=True, quantization="int4", attention_backend="triton") as engine:
+        assert len(_int4_linears(engine)) == 4 * len(engine.model.model.layers)
         outs = run_generation(engine, allocated_reqs(engine, PROMPTS, 4), 4)
     assert all(len(o) == 4 for o in outs)
