@@ -96,6 +96,10 @@ def test_narrow_cat_and_refusals() -> None:
         Int4Packed.from_groups(codes[:, :96], torch.rand(40, 1), zero[:, :1], 64, 4)
     with pytest.raises(Int4Unaligned, match="group size 96"):
         Int4Packed.from_groups(codes[:, :192], torch.rand(40, 2), zero[:, :2], 96, 4)
+    z16 = Int4Packed.from_groups(codes, torch.rand(40, 4), torch.full((40, 4), 16.0), 64, 4)  # GPTQ v1's stored 15
+    assert torch.equal(z16.dense(), (codes.float() - 16) * z16.scale.repeat_interleave(64, 1))
+    with pytest.raises(Int4Unaligned, match="not integers in"):
+        Int4Packed.from_groups(codes, torch.rand(40, 4), torch.full((40, 4), 17.0), 64, 4)
     with pytest.raises(Int4Unaligned, match="8-bit"):
         Int4Packed.from_groups(codes, torch.rand(40, 4), zero, 64, 8)
 

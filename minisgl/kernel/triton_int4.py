@@ -8,7 +8,7 @@ compressed-tensors, or quantized online by `--quantization int4`):
 - `qweight` int32 [N, K / 8]: the unsigned codes packed along K in order, code k of a row in
   bits [4 (k % 8), 4 (k % 8) + 4) of word k // 8 (the in-order packing GPTQ and compressed-tensors
   use along their own axes), so a row's codes are contiguous and a K step reads whole words;
-- `scale` and `zero` [N, K / G] in the activation dtype (zero an integer in [0, 15]: exact in
+- `scale` and `zero` [N, K / G] in the activation dtype (zero an integer in [0, 16]: exact in
   any float dtype; symmetric formats store 8), G in {32, 64, 128}.
 
 Each K step of the kernel is one group: it loads the group's [G / 8, BLOCK_N] words, splits every

@@ -3,7 +3,7 @@ shards it.
 
 A linear layer with an int4 weight holds `weight` int32 [N, K / 8] (the codes packed along K in
 order: code k of a row in bits [4 (k % 8), 4 (k % 8) + 4) of word k // 8), `weight_scale` and
-`weight_zero` [N, K / G] in the model dtype and `weight_group` G in {32, 64, 128}, so
+`weight_zero` [N, K / G] in the model dtype (integers, [0, 16]) and `weight_group` G in {32, 64, 128}, so
 w[o, i] = weight_scale[o, i // G] * (code[o, i] - weight_zero[o, i // G]); its forward runs the
 Triton W4A16 GEMM (kernel/triton_int4.py).
 
@@ -18,7 +18,8 @@ concatenation. A cut inside a group, K not a multiple of the group, or a group t
 the above cannot be kept: `Int4Unaligned`, and the loader dequantizes that layer (logged).
 
 The scale is rounded to the model dtype (a bf16 model: 8 significant bits, the rounding a dense
-bf16 weight gets anyway); the zero is an integer in [0, 15], exact in any float dtype.
+bf16 weight gets anyway); the zero is an integer in [0, 16] (16: GPTQ v1's stored 15 plus its
+offset), exact in any float dtype.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Int4Packed:
 
     qweight: torch.Tensor  # [N, K / 8] int32
     scale: torch.Tensor  # [N, K / group], float32 until `to` casts it to the model dtype
-    zero: torch.Tensor  # [N, K / group], integer values in [0, 15]
+    zero: torch.Tensor  # [N, K / group], integer values in [0, 16]
     group: int
 
     @property
@@ -81,8 +82,9 @@ class Int4Packed:
                 raise Int4Unaligned(f"group size {group} (the int4 GEMM takes {', '.join(map(str, GROUPS))} or multiples of 128)")
             rep = group // GROUPS[-1]  # per-channel or wide groups: the same scale and zero per 128 columns
             scale, zero, group = scale.repeat_interleave(rep, 1), zero.repeat_interleave(rep, 1), GROUPS[-1]
-        if not torch.equal(zero, zero.round()) or bool(((zero < 0) | (zero > 15)).any()):
-            raise Int4Unaligned("zero points outside the 4-bit codes' integers")
+        # integers in [0, 16]: GPTQ v1 reads a stored 15 as zero 16 (its zero - 1 wrapped), as every v1 reader does
+        if not torch.equal(zero, zero.round()) or bool(((zero < 0) | (zero > 16)).any()):
+            raise Int4Unaligned("zero points that are not integers in [0, 16]")
         return Int4Packed(pack_codes(codes), scale.float().contiguous(), zero.float().contiguous(), group)
 
     def regroup(self, group: int) -> "Int4Packed":
