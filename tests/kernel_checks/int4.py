@@ -27,12 +27,13 @@ INTERPRETER_CASES: List[Tuple[int, int, int, int]] = [(1, 96, 256, 32), (1, 96, 
 
 
 def make_weight(n: int, k: int, group: int, sym: bool, gen: torch.Generator, device: str):  # -> Int4Packed (float32 scales)
-    """A random int4 weight: codes, and per-group scales and zeros (zero 8 where symmetric)."""
+    """A random int4 weight: codes, and per-group scales and zeros (zero 8 where symmetric, else 0..16)."""
     from minisgl.layers.int4 import Int4Packed, pack_codes
 
     codes = torch.randint(0, 16, (n, k), generator=gen, device=device)
     scale = torch.rand(n, k // group, generator=gen, device=device) * 0.02 + 0.001
-    zero = torch.full_like(scale, 8.0) if sym else torch.randint(0, 16, (n, k // group), generator=gen, device=device).float()
+    # (asymmetric zeros up to 16: GPTQ v1's stored 15 reads as 16)
+    zero = torch.full_like(scale, 8.0) if sym else torch.randint(0, 17, (n, k // group), generator=gen, device=device).float()
     return Int4Packed(pack_codes(codes), scale, zero, group)
 
 
