@@ -42,14 +42,14 @@ def graph_time_us(fn: Callable[[], torch.Tensor], calls: int = 20, reps: int = 1
 
 
 def main() -> None:
-    from minisgl.kernel.triton_int4 import _sm_count, gemm_config, w4a16_gemm
-    from minisgl.layers.int4 import quantize_groups
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="14B", choices=sorted(SHAPES))
     p.add_argument("--rows", default="1,4,16,64,512")
     p.add_argument("--group", type=int, default=128)
     a = p.parse_args()
+    from minisgl.kernel.triton_int4 import _sm_count, gemm_config, w4a16_gemm
+    from minisgl.layers.int4 import quantize_groups
+
     dev = torch.device("cuda")
     sms = _sm_count(dev)
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, group {a.group}")
