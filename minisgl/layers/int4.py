@@ -148,13 +148,16 @@ def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, zer
                 bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The W4A16 linear op: x W^T (+ bias). CUDA: the Triton kernel (kernel/triton_int4.py);
     elsewhere the same arithmetic in float32 torch ops (the reference: the dequantized weight
-    rounded to x's dtype, as the kernel feeds its dots, then a float32 product)."""
+    rounded to x's dtype, as the kernel feeds its tensor-core dots, then a float32 product; one
+    row as the kernel's GEMV, on the float32 values unrounded)."""
     if x.is_cuda:
         from minisgl.kernel.triton_int4 import w4a16_linear
 
         return w4a16_linear(x, qweight, scale, zero, group, bias)
-    w = Int4Packed(qweight, scale, zero, group).dense().to(x.dtype).float()
-    y = x.reshape(-1, x.shape[-1]).float() @ w.t()
+    flat = x.reshape(-1, x.shape[-1])
+    w = Int4Packed(qweight, scale, zero, group).dense()
+    w = w if flat.shape[0] == 1 else w.to(x.dtype).float()
+    y = flat.float() @ w.t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], qweight.shape[0])

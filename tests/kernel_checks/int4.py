@@ -72,10 +72,11 @@ def run_cases(cases: Iterable[Tuple[int, int, int, int]], device: str, seed: int
         y = K.w4a16_gemm(x, w32.qweight, w32.scale, w32.zero, group)
         check(f"fp32 {what} (split {K.gemm_config(m, n, k, group, fp32=True).split_k})", y, ref, sum_rtol, 1e-5)
         # bfloat16 + bias: the weight dequantized from bf16 scales, rounded to bf16 for the dot
+        # (one row: the GEMV, which multiplies the float32 values, no rounding)
         wb = w.to(torch.device(device), torch.bfloat16)
         xb, bb = x.bfloat16(), bias.bfloat16()
         dense = wb.dense()
-        ref_rounded = xb.float() @ dense.bfloat16().float().t() + bb.float()
+        ref_rounded = xb.float() @ (dense if m == 1 else dense.bfloat16().float()).t() + bb.float()
         yb = K.w4a16_gemm(xb, wb.qweight, wb.scale, wb.zero, group, bb)
         assert yb.dtype == torch.bfloat16
         check(f"bf16 + bias {what}", yb, ref_rounded, sum_rtol, 2.0**-8)

@@ -562,9 +562,10 @@ def mla() -> int:
 
 def int4(sweep: bool = False) -> int:
     """The W4A16 kernels (kernel/triton_int4.py): tensor-core dots (mma.sync below 64 rows, wgmma
-    from 64), within the H200's shared memory, no register spills; and the split-K reduce. By
-    default (the CPU suite: each compile takes seconds) one kernel per tile family in bf16 at the
-    Qwen3-14B shapes: decode with split-K, 64 x 128 with bias, 128 x 128 (group 32);
+    from 64; the one-row GEMV: pipelined cp.async loads), within the H200's shared memory, no
+    register spills; and the split-K reduce. By default (the CPU suite: each compile takes
+    seconds) one kernel per family in bf16 at the Qwen3-14B shapes: the GEMV and the decode tile
+    with split-K, 64 x 128 with bias, 128 x 128 (group 32);
     `int4_all`: every tile gemm_config picks for the Qwen3-0.6B and 14B projections (bf16, fp16
     and fp32 activations, each group size, split-K and not). Float32 (IEEE dots, the exactness
     tests' dtype, not a speed path) may spill: printed, not a failure."""
@@ -603,10 +604,10 @@ def int4(sweep: bool = False) -> int:
     fn = K._w4a16_kernel
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "K", "stride_xm", "stride_ym", "stride_ys")
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (7168, 5120), (5120, 5120), (34816, 5120), (5120, 17408)]
-    cases = [("bf16", 128, 1, 5120, 5120), ("bf16", 128, 200, 5120, 5120), ("bf16", 32, 2048, 5120, 5120)]
+    cases = [("bf16", 128, 1, 5120, 5120), ("bf16", 128, 4, 5120, 5120), ("bf16", 128, 200, 5120, 5120), ("bf16", 32, 2048, 5120, 5120)]
     if sweep:
         cases = [(dt, group, m, n, k) for dt, groups in (("bf16", (128, 64, 32)), ("fp16", (128,)), ("fp32", (128,)))
-                 for group in groups for m in (1, 16, 64, 256, 2048) for n, k in shapes]  # fmt: skip
+                 for group in groups for m in (1, 4, 64, 256, 2048) for n, k in shapes]  # fmt: skip
     seen = set()
     for dt, group, m, n, k in cases:
         cfg = K.gemm_config(m, n, k, group, fp32=dt == "fp32")
@@ -621,14 +622,23 @@ def int4(sweep: bool = False) -> int:
         consts = {"GROUP": group, "SPLIT_K": cfg.split_k, "HAS_BIAS": cfg.split_k == 1, "IEEE": dt == "fp32",
                   "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_M": cfg.group_m}  # fmt: skip
         what = f"{dt} g{group} {tuple(cfg)}"
+        kfn = fn
+        if cfg.block_m == 1:  # one row: the GEMV kernel
+            kfn = K._w4a16_gemv_kernel
+            sig = {name: t for name, t in sig.items() if name not in ("M", "stride_xm", "stride_ym")}
+            consts = {"GROUP": group, "SPLIT_K": cfg.split_k, "HAS_BIAS": cfg.split_k == 1, "BLOCK_N": cfg.block_n,
+                      "NUM_STAGES": cfg.num_stages}  # fmt: skip
+            what = "gemv " + what
         try:
-            kern = compile_(fn, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+            kern = compile_(kfn, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
         except Exception as e:
             print("FAIL", what, type(e).__name__, str(e)[:1500])
             failures.append(what)
             continue
         ptx = kern.asm["ptx"]
-        mma = dt == "fp32" or bool(re.search(r"(wgmma\.mma_async|mma\.sync)\S*(bf16|f16)", ptx))
+        mma = dt == "fp32" or kfn is not fn or bool(re.search(r"(wgmma\.mma_async|mma\.sync)\S*(bf16|f16)", ptx))
+        if kfn is not fn and "async_copy_global_to_local" not in kern.asm["ttgir"]:
+            mma = False  # the GEMV must stream its words through the software pipeline (cp.async)
         sp = spills(kern)
         ok = mma and kern.metadata.shared <= 227 * 1024 and (sp in (0, "?") or dt == "fp32")
         print("ok  " if ok else "FAIL", what, "mma", mma, "wgmma", "wgmma" in ptx, "smem", kern.metadata.shared, "spills", sp)
