@@ -4,9 +4,9 @@ MINISGL_TEST_DEVICE=cuda; tests/test_int4_kernels_interpret.py is the CPU half.
 kernels: the W4A16 GEMM (groups 128, and 32 / 64 at one shape; symmetric and asymmetric; float32
          and bf16 + bias) against a dequantize-then-matmul float32 oracle (tests/kernel_checks/int4.py)
          at the Qwen3-0.6B and Qwen3-14B projection shapes, M in {1, 2, 4, 8, 16, 64, 512, 2048}
-         (decode tiles with and without split-K, prefill tiles).
-graph:   w4a16_linear captured in a CUDA graph (split-K decode, a prefill tile) and replayed on new
-         input == eager, bit for bit.
+         (the one-row GEMV and the decode tiles, with and without split-K; prefill tiles).
+graph:   w4a16_linear captured in a CUDA graph (the GEMV and a decode tile with split-K, a prefill
+         tile) and replayed on new input == eager, bit for bit.
 e2e:     tiny AWQ / GPTQ (v1 symmetric, v2 asymmetric) / compressed-tensors (group, channel)
          checkpoints (tests/quant_helpers.py) on CUDA in float32 (IEEE float32 dots): every
          projection keeps its codes as int4 (packed int32 weight, scales, zeros), prefill logits

@@ -2,8 +2,8 @@
 
 - kernels: the Triton GEMM (minisgl/kernel/triton_int4.py) through Triton's interpreter
   (tests/kernel_checks/int4.py, in a subprocess: TRITON_INTERPRET must be set before triton is
-  imported) against a dequantize-then-matmul float32 oracle: decode tiles with K split over 1,
-  2 and 4 CTAs, prefill tiles, groups 32 / 64 / 128, symmetric and asymmetric, bias, float32 and
+  imported) against a dequantize-then-matmul float32 oracle: the one-row GEMV and the decode
+  tiles with K split over 1, 2 and 4 CTAs, prefill tiles, groups 32 / 64 / 128, symmetric and asymmetric, bias, float32 and
   bf16 activations; and the tiles compiled for sm_90 (tensor-core dots, no spills).
 - layout: each 4-bit checkpoint format (AWQ, GPTQ v1 symmetric / v2 asymmetric,
   compressed-tensors group and channel), read by the loader and repacked into `Int4Packed`, is
