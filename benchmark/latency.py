@@ -2,6 +2,7 @@
 
     python benchmark/latency.py                                   # CPU, embedded model
     python benchmark/latency.py --model benchmark/models/qwen3-0.6b --dummy-weights --dtype bfloat16
+    (add --quantization int4 / fp8 on CUDA: the same run on online int4 W4A16 / FP8 W8A8 weights)
 
 1. TTFT / ITL at batch 1 through the real scheduler (overlap on, CUDA graphs on CUDA): a prompt of
    --prompt-len random tokens, --gen-len output tokens, EOS ignored.
@@ -50,8 +51,9 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 def weight_bytes(engine: Engine, batch_size: int) -> float:
     """Bytes of weights a decode step of `batch_size` rows reads: each storage once (a tied LM
-    head shares the embedding's); of an MoE layer's stacked experts only the expected share the
-    rows route to, 1 - (1 - top_k / experts)^batch (uniform routing, as random weights give)."""
+    head shares the embedding's), with the scales (and zeros) a quantized linear layer holds
+    beside its weight; of an MoE layer's stacked experts only the expected share the rows route
+    to, 1 - (1 - top_k / experts)^batch (uniform routing, as random weights give)."""
     cfg = engine.config.model_config
     seen: Dict[int, float] = {}
     for p in engine.model.parameters():
@@ -59,6 +61,10 @@ def weight_bytes(engine: Engine, batch_size: int) -> float:
         if cfg.is_moe and p.dim() == 3 and p.shape[0] == cfg.num_experts:
             nbytes *= 1 - (1 - cfg.num_experts_per_tok / cfg.num_experts) ** batch_size
         seen[p.data_ptr()] = nbytes
+    for m in engine.model.modules():
+        for t in (getattr(m, "weight_scale", None), getattr(m, "weight_zero", None)):
+            if isinstance(t, torch.Tensor):
+                seen[t.data_ptr()] = float(t.numel() * t.element_size())
     return sum(seen.values())
 
 
@@ -144,6 +150,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--gen-len", type=int, default=128)
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
+    p.add_argument("--quantization", default="auto", help="the engine's --quantization: int4 / fp8 on CUDA (online, also with "
+                   "--dummy-weights), auto (a 4-bit checkpoint's own codes), none")  # fmt: skip
     p.add_argument("--out", default=None, help="write the JSON summary here")
     a = p.parse_args()
 
@@ -166,6 +174,7 @@ def main() -> None:
         num_page_override=None if on_cuda else max(sizes) * (a.context + iters + 64) + 4096,
         cpu_kv_cache_bytes=8 << 30,
         kv_cache_dtype=a.kv_cache_dtype,
+        quantization=a.quantization,
     )
     sched = Scheduler(cfg)
     engine = sched.engine
@@ -176,6 +185,7 @@ def main() -> None:
         "model": mcfg.architecture,
         "dtype": str(dtype),
         "kv_cache_dtype": a.kv_cache_dtype,
+        "quantization": a.quantization,
         "attention_backend": engine.config.attention_backend,
         "cuda_graph_sizes": engine.graph_runner.batch_sizes,
         "copy_bandwidth_GBps": bw / 1e9,

@@ -3,7 +3,8 @@
     python benchmark/offline.py                       # 2-core CPU: embedded SmolLM2-135M, bf16 where fast
     python benchmark/offline.py --num-requests 256 --max-input 1024 --max-output 1024 \\
         --model benchmark/models/qwen3-0.6b --dummy-weights --peer-subset 64      # the full GPU run
-    (add --quantization fp8 on CUDA: the same run on per-channel FP8 weights, W8A8 FP8 GEMM)
+    (add --quantization fp8 on CUDA: the same run on per-channel FP8 weights, W8A8 FP8 GEMM;
+     --quantization int4: on group-128 int4 weights, the W4A16 GEMM)
     python benchmark/offline.py --model benchmark/models/qwen3-0.6b --dummy-weights --num-requests 1 \
         --max-input 512 --max-output 1024 --temperature 0 --speculative draft --peer none
                                                       # speculation on vs off (one process, one engine)
@@ -393,7 +394,8 @@ def main(argv: List[str] | None = None) -> int:
     ap.add_argument("--disable-mixed-batches", action="store_true", help="prefill and decode steps alternate")
     ap.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8_e4m3 (CUDA) | int8 (CPU): what the KV pool stores")
     ap.add_argument("--quantization", default=None,
-                    help="the engine's --quantization: fp8 (CUDA: per-channel FP8 weights, with --dummy-weights too) | none | int4 | int8 | gguf (CPU)")  # fmt: skip
+                    help="the engine's --quantization: fp8 (CUDA: per-channel FP8 weights, with --dummy-weights too) | int4 (CUDA: group-128 int4 weights, "
+                         "W4A16; CPU: the int4 decode GEMMs) | none | int8 | gguf (CPU)")  # fmt: skip
     ap.add_argument(
         "--speculative",
         choices=["ngram", "draft"],

@@ -210,6 +210,14 @@ FORMATS: Dict[str, Format] = {
 }  # fmt: skip
 
 
+# Formats only some tests build (kept out of FORMATS, which test_quant_checkpoints.py runs whole)
+EXTRA_FORMATS: Dict[str, Format] = {
+    # a 4-bit Qwen3-MoE, experts quantized too; per-channel (group_size -1: the experts' in_features is 48)
+    "gptq_moe": Format("qwen3_moe", {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": True},
+                       lambda w: gptq(w, w.shape[1], 4, True, True)),
+}  # fmt: skip
+
+
 @dataclass
 class Checkpoint:
     quantized: Path  # the format's checkpoint
@@ -229,7 +237,7 @@ def _write(src: Path, dst: Path, state: Dict[str, torch.Tensor], quantization_co
 
 
 def build_checkpoint(name: str, root: Path, **config_changes: Any) -> Checkpoint:
-    fmt = FORMATS[name]
+    fmt = FORMATS[name] if name in FORMATS else EXTRA_FORMATS[name]
     base = build_tiny_model(fmt.arch, root / "base", seed=3, hidden_size=128, intermediate_size=256)
     state = load_file(str(base / "model.safetensors"))
     quant_state, dense_state, q4_state, layers = {}, {}, {}, {}
@@ -251,3 +259,15 @@ def build_checkpoint(name: str, root: Path, **config_changes: Any) -> Checkpoint
         q4_1=None if exact_q4 else _write(base, root / "q4_1", q4_state, None),
         layers=layers,
     )
+
+
+def online_int4_checkpoint(dense: Path, root: Path) -> Path:
+    """An HF checkpoint of what `--quantization int4` makes of `dense` (layers/int4.quantize_groups
+    of each projection, dequantized: per row, so the same as quantizing merged q/k/v and gate/up)."""
+    from minisgl.layers.int4 import ONLINE_GROUP, quantize_groups
+
+    state = load_file(str(dense / "model.safetensors"))
+    for key, w in state.items():
+        if key.endswith(".weight") and key.removesuffix(".weight").rpartition(".")[2] in PROJ:
+            state[key] = quantize_groups(w.float(), ONLINE_GROUP).dense()
+    return _write(dense, root / "online_int4", state, None)

@@ -306,7 +306,8 @@ def build_cpu_runner(model: nn.Module, kv_cache: KVCachePool, device: torch.devi
     elif not config.cpu_fast_decode:
         why_not = "cpu_fast_decode=False"
     if why_not is not None:
-        if method not in ("auto", "none", "fp8"):  # (fp8 is CUDA's, checked at engine config)
+        # (fp8 is CUDA's, checked at engine config; int4 on CUDA is the W4A16 GEMM, layers/int4.py)
+        if method not in ("auto", "none", "fp8") and not (method == "int4" and device.type == "cuda"):
             raise ValueError(f"quantization={method!r} runs on the CPU decode path only, unavailable here: {why_not}")
         return None
     hugepage_pool(kv_cache)

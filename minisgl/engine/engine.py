@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 from typing import Any, List, NamedTuple, Tuple
 
@@ -33,9 +34,10 @@ from minisgl.kvcache import create_kvcache_pool
 from minisgl.kvcache.pool import check_kv_cache_dtype, model_kv_bytes_per_slot
 from minisgl.layers.batch_invariant import BatchInvariantMode
 from minisgl.layers.fp8 import keeps_fp8
+from minisgl.layers.int4 import keeps_int4
 from minisgl.layers.rotary import rope_tables
 from minisgl.models import create_model
-from minisgl.models.weight import dummy_weights, load_weights, quantize_linears_fp8
+from minisgl.models.weight import dummy_weights, load_weights, quantize_linears_fp8, quantize_linears_int4
 from minisgl.moe.base import BaseMoeBackend, MoeCap
 from minisgl.moe.registry import create_moe_backend
 from minisgl.utils.device import create_event, create_stream, is_cuda, set_stream, stream_context, synchronize
@@ -121,6 +123,8 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
         raise ValueError(
             f"quantization='fp8' (online FP8 W8A8 weights) needs a CUDA device, got {device}; on the CPU use quantization='int8' or 'int4'"
         )
+    if config.quantization == "int4" and is_cuda(device) and importlib.util.find_spec("triton") is None:
+        raise ValueError("quantization='int4' on CUDA (W4A16 weights) needs Triton (its int4 GEMM), which is not installed")
     if config.deterministic:
         if config.attention_backend not in ("auto", "deterministic", "cpu_deterministic"):
             raise ValueError(
@@ -279,6 +283,8 @@ class Engine:
         self.model.load_state_dict(self._load_weight_state_dict(config))
         if config.quantization == "fp8":  # online FP8: the dense linear weights become per-channel FP8
             quantize_linears_fp8(self.model)
+        if config.quantization == "int4" and is_cuda(self.device):  # online int4 (the CPU's int4 is its decode GEMMs')
+            quantize_linears_int4(self.model, self.dtype)
         self.model.eval()
 
         # ---- KV pool: what memory remains
@@ -457,7 +463,9 @@ class Engine:
         if config.use_dummy_weight:
             return dummy_weights(self.model, self.device, self.dtype)
         keep_fp8 = keeps_fp8(self.device, config.deterministic, config.quantization)  # CUDA + fp8: FP8 stays FP8
-        return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype, keep_fp8=keep_fp8)
+        keep_int4 = keeps_int4(self.device, config.deterministic, config.quantization)  # CUDA: 4-bit codes stay int4
+        return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype, keep_fp8=keep_fp8,
+                            keep_int4=keep_int4)  # fmt: skip
 
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
         mc = config.model_config

@@ -8,7 +8,10 @@ imports this. Three differences are mended:
     like an IEEE format (it has no infinities, and its top exponent holds finite values) and
     truncates; torch converts as the GPU's cvt.rn does;
   * scalars a kernel loads are one-element arrays there, and `int()` of one (a `range()` over
-    loaded bounds) fails under numpy 2: convert through `.item()`.
+    loaded bounds) fails under numpy 2: convert through `.item()`;
+  * tl.dot of bfloat16 operands: the interpreter multiplies their raw 16-bit patterns (numpy has
+    no bfloat16); the GPU's products of two bf16 values are exact in float32, so the operands
+    are widened to float32 first.
 """
 
 from __future__ import annotations
@@ -50,6 +53,15 @@ def patch_interpreter() -> None:
         patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
 
+    create_dot = interp.InterpreterBuilder.create_dot
+
+    def create_dot_bf16(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if a.dtype == tl.bfloat16 or b.dtype == tl.bfloat16:
+            a, b = (interp.TensorHandle(truncating(t.data, t.dtype, tl.float32, None).view(np.float32), tl.float32)
+                    if t.dtype == tl.bfloat16 else t for t in (a, b))  # fmt: skip
+        return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
     interp._convert_float = convert_float
+    interp.InterpreterBuilder.create_dot = create_dot_bf16
     interp._patch_lang_tensor = patch_tensor_scalars
     _state["patched"] = True

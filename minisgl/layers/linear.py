@@ -41,6 +41,11 @@ class _Linear(ShardedModule):
     # W8A8 FP8 GEMM (kernel/triton_fp8.py) instead of F.linear. None: a dense weight.
     weight_scale: torch.Tensor | None = None
     weight_block_n: int = 0
+    # An int4 weight kept as 4-bit codes (CUDA; layers/int4.py): `weight` is int32 [N, K / 8]
+    # packed codes, `weight_scale` its scales per (row, weight_group columns) in the model dtype
+    # and these its zero points; the projection then runs the W4A16 GEMM (kernel/triton_int4.py).
+    weight_zero: torch.Tensor | None = None
+    weight_group: int = 0
 
     def __init__(self, in_local: int, out_local: int, bias: bool) -> None:
         super().__init__()
@@ -59,7 +64,13 @@ class _Linear(ShardedModule):
         return None
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x W^T (+ bias) on this rank's weight: F.linear, or the FP8 GEMM for an FP8 weight."""
+        """x W^T (+ bias) on this rank's weight: F.linear, the W4A16 GEMM for an int4 weight or
+        the FP8 GEMM for an FP8 one."""
+        if self.weight_zero is not None:
+            from minisgl.layers.int4 import int4_linear
+
+            assert self.weight_scale is not None
+            return int4_linear(x, self.weight, self.weight_scale, self.weight_zero, self.weight_group, bias)
         if self.weight_scale is not None:
             from minisgl.layers.fp8 import fp8_linear
 

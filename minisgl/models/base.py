@@ -271,6 +271,11 @@ class CausalLM(nn.Module):
         if unexpected:
             raise ValueError(f"checkpoint has weights this {type(self).__name__} does not use: {', '.join(unexpected[:5])}")
         for name, param in expected.items():
-            if tuple(state[name].shape) != tuple(param.shape):
-                raise ValueError(f"weight {name} has shape {tuple(state[name].shape)}, expected {tuple(param.shape)}")
+            want = tuple(param.shape)
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if name.endswith(".weight") and getattr(owner, "weight_zero", None) is not None:
+                want = (want[0], want[1] // 8)  # an int4 weight (layers/int4.py): 8 codes per int32 word along K
+                owner.weight = nn.Parameter(torch.empty(want, dtype=torch.int32, device="meta"), requires_grad=False)
+            if tuple(state[name].shape) != want:
+                raise ValueError(f"weight {name} has shape {tuple(state[name].shape)}, expected {want}")
         return super().load_state_dict(state, strict=True, assign=True)

@@ -16,7 +16,11 @@ and keeps its slice) and merged like any other. With `keep_fp8` (CUDA) an FP8 la
 module stays FP8 instead: an `Fp8Weight` (layers/fp8.py) sharded and merged with its scales,
 whose scales are installed on the module and whose float8 weight goes into the state dict; a cut
 off its 128-column groups, or a module that is not a linear layer (MoE experts), dequantizes
-it. `load_int4_codes` reads a 4-bit checkpoint's codes a second time for the CPU's int4 decode
+it. With `keep_int4` (CUDA) a 4-bit layer (AWQ, GPTQ, compressed-tensors) of a linear module keeps
+its codes the same way: an `Int4Packed` (layers/int4.py) sharded and merged with its scales and
+zeros, whose packed codes go into the state dict as `weight`; a cut inside a group, a group
+size the W4A16 GEMM does not take, or MoE experts (the fused MoE GEMM has no int4 path)
+dequantize it. `load_int4_codes` reads a 4-bit checkpoint's codes a second time for the CPU's int4 decode
 GEMM (tp == 1).
 """
 
@@ -33,6 +37,8 @@ from torch import nn
 
 from minisgl.layers.base import ShardedModule
 from minisgl.layers.fp8 import FP8_E4M3, GROUP_K, Fp8Unaligned, Fp8Weight, quantize_per_row
+from minisgl.layers.int4 import ONLINE_GROUP, Int4Packed, Int4Unaligned
+from minisgl.layers.int4 import quantize_groups as quantize_int4_groups
 from minisgl.layers.linear import _Linear
 from minisgl.layers.quant import Int4Weight
 from minisgl.models.checkpoint_quant import Fp8Blocks, IntGroups, Mxfp4Blocks, quant_format, refuse_unannounced, unused_tensors
@@ -230,10 +236,23 @@ def _pieces(model: nn.Module, ckpt_name: str, full: Any) -> Tuple[str, Any, str,
     return name, module, param_name, pieces
 
 
-def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype, keep_fp8: bool) -> Iterator[Tuple[str, Any]]:
+# The quantized layouts a linear layer may keep (layers/fp8.py, layers/int4.py), and what each
+# raises where a cut or a group leaves it no layout (the layer is then dequantized)
+Kept = Fp8Weight | Int4Packed
+_KEPT = (Fp8Weight, Int4Packed)
+_UNALIGNED = (Fp8Unaligned, Int4Unaligned)
+
+
+def _kind(t: Kept) -> str:
+    return "FP8" if isinstance(t, Fp8Weight) else "int4"
+
+
+def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype, keep_fp8: bool,
+                        keep_int4: bool = False) -> Iterator[Tuple[str, Any]]:  # fmt: skip
     """(name, CheckpointTensor or dense tensor) of the checkpoint in file order: a quantized
     layer's tensors become one dequantized `<layer>.weight` (float32, on `device`), or with
-    `keep_fp8` an FP8 layer whose layout the FP8 GEMM takes one `Fp8Weight`."""
+    `keep_fp8` an FP8 layer whose layout the FP8 GEMM takes one `Fp8Weight`, with `keep_int4` a
+    4-bit layer whose groups the W4A16 GEMM takes one `Int4Packed`."""
     files = checkpoint_files(model_dir)
     index = checkpoint_index(files)
     fmt = quant_format(model_dir)
@@ -262,6 +281,15 @@ def _checkpoint_tensors(model_dir: str, device: torch.device, dtype: torch.dtype
                 continue
             except Fp8Unaligned as e:
                 logger.info_rank0(f"{fmt.label} layer {name}: {e}; dequantized to {str(dtype).removeprefix('torch.')}")
+        if isinstance(tensor, IntGroups) and keep_int4 and tensor.bits == 4:
+            try:
+                yield f"{name}.weight", Int4Packed.from_groups(tensor.codes, tensor.scale, tensor.zero, tensor.group, tensor.bits)
+                if "int4" not in said:
+                    logger.info_rank0(f"{fmt.label} weights kept as int4 (W4A16 GEMM, activations in {str(dtype).removeprefix('torch.')})")
+                    said.add("int4")
+                continue
+            except Int4Unaligned as e:
+                logger.info_rank0(f"{fmt.label} layer {name}: {e}; dequantized to {str(dtype).removeprefix('torch.')}")
         if isinstance(tensor, (IntGroups, Fp8Blocks)):
             if "dense" not in said:
                 logger.info_rank0(f"{fmt.label} weights dequantized to {str(dtype).removeprefix('torch.')} at load")
@@ -279,41 +307,49 @@ def _shards(module: Any, param_name: str, pieces: List[Tuple[Any, Any]]) -> List
     return [(part, module.shard(param_name, cast(Any, tensor), part)) for part, tensor in pieces]
 
 
-def _merge_fp8(module: Any, name: str, bucket: Dict[Any, Any], dtype: torch.dtype) -> Any:
-    """The merged parameter of parts some of which are FP8: one Fp8Weight where all are, else
-    (a part left dense by the checkpoint or by its cut) every part dense (logged)."""
+def _merge_kept(module: Any, name: str, bucket: Dict[Any, Any], dtype: torch.dtype) -> Any:
+    """The merged parameter of parts some of which are kept quantized (FP8 or int4): one
+    Fp8Weight / Int4Packed where all parts are of that layout, else (a part left dense by the
+    checkpoint or by its cut) every part dense (logged)."""
     parts = [bucket[p] for p in module.parts(name.rpartition(".")[2])]
-    if all(isinstance(p, Fp8Weight) for p in parts):
-        return Fp8Weight.cat(parts)
-    logger.info_rank0(f"{name}: some parts are not FP8; the merged weight is dequantized to {str(dtype).removeprefix('torch.')}")
-    return torch.cat([p.dense().to(dtype) if isinstance(p, Fp8Weight) else p for p in parts], dim=0)
+    for layout in _KEPT:
+        if all(isinstance(p, layout) for p in parts):
+            return layout.cat(parts)
+    kind = next(_kind(p) for p in parts if isinstance(p, _KEPT))
+    logger.info_rank0(f"{name}: some parts are not {kind}; the merged weight is dequantized to {str(dtype).removeprefix('torch.')}")
+    return torch.cat([p.dense().to(dtype) if isinstance(p, _KEPT) else p for p in parts], dim=0)
 
 
 def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: torch.dtype,
-                 keep_fp8: bool = False) -> Dict[str, torch.Tensor]:  # fmt: skip
+                 keep_fp8: bool = False, keep_int4: bool = False) -> Dict[str, torch.Tensor]:  # fmt: skip
     """The state dict of `model` (built on meta) for this rank, read from `model_dir`. With
     `keep_fp8` (CUDA, layers/fp8.py) an FP8 checkpoint's linear layers keep float8_e4m3fn weights:
-    their scales are installed on the layer (`weight_scale`), the weights are in the state dict."""
+    their scales are installed on the layer (`weight_scale`), the weights are in the state dict.
+    With `keep_int4` (CUDA, layers/int4.py) a 4-bit checkpoint's linear layers keep their codes:
+    packed int32 `weight` in the state dict, `weight_scale` / `weight_zero` / `weight_group` on
+    the layer."""
     out: Dict[str, torch.Tensor] = {}
     pending: Dict[str, Dict[Any, Any]] = {}
     said: set[str] = set()
-    for ckpt_name, full in _checkpoint_tensors(model_dir, device, dtype, keep_fp8):
+    for ckpt_name, full in _checkpoint_tensors(model_dir, device, dtype, keep_fp8, keep_int4):
         found = _pieces(model, ckpt_name, full)
         if found is None:
             continue
         name, module, param_name, pieces = found
-        if isinstance(full, Fp8Weight):
+        if isinstance(full, _KEPT):
             shards = None
+            kind = _kind(full)
             if isinstance(module, _Linear) and param_name == "weight":
                 try:
                     shards = _shards(module, param_name, pieces)
-                except Fp8Unaligned as e:
-                    logger.info_rank0(f"{ckpt_name}: this rank's shard cannot stay FP8 ({e}); dequantized")
-            if shards is None:  # not a linear layer's weight (MoE experts), or a cut off the 128-column groups
-                if not isinstance(module, _Linear) and "non-linear" not in said:
-                    logger.info_rank0(f"{ckpt_name}: FP8 weights of {type(module).__name__} are dequantized (only linear "
-                                      "layers run the FP8 GEMM); the same for the others")  # fmt: skip
-                    said.add("non-linear")
+                except _UNALIGNED as e:
+                    logger.info_rank0(f"{ckpt_name}: this rank's shard cannot stay {kind} ({e}); dequantized")
+            if shards is None:  # not a linear layer's weight (MoE experts), or a cut off the groups
+                if not isinstance(module, _Linear) and f"non-linear {kind}" not in said:
+                    logger.info_rank0(f"{ckpt_name}: {kind} weights of {type(module).__name__} are dequantized (only linear "
+                                      f"layers run the {kind} GEMM; the fused MoE GEMM has no {kind} path); the same "
+                                      "for the others")  # fmt: skip
+                    said.add(f"non-linear {kind}")
                 _, module, param_name, pieces = cast(Any, _pieces(model, ckpt_name, full.dense()))
                 shards = _shards(module, param_name, pieces)
         else:
@@ -322,6 +358,8 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
             local: Any
             if isinstance(piece, Fp8Weight):
                 local = piece.to(device)
+            elif isinstance(piece, Int4Packed):
+                local = piece.to(device, dtype)  # scales and zeros in the model dtype
             else:
                 if isinstance(piece, CheckpointTensor):
                     piece = piece.read()  # replicated
@@ -336,13 +374,16 @@ def load_weights(model: nn.Module, model_dir: str, device: torch.device, dtype: 
                 continue  # other parts of this parameter are still to come
             if part is None or parts is None:
                 merged = local
-            elif any(isinstance(t, Fp8Weight) for t in bucket.values()):
-                merged = _merge_fp8(module, name, bucket, dtype)
+            elif any(isinstance(t, _KEPT) for t in bucket.values()):
+                merged = _merge_kept(module, name, bucket, dtype)
             else:
                 merged = module.merge(param_name, bucket)
             if isinstance(merged, Fp8Weight):
                 merged.install(module)
                 merged = merged.weight
+            elif isinstance(merged, Int4Packed):
+                merged.install(module)
+                merged = merged.qweight
             out[name] = merged
     if pending:
         name, bucket = next(iter(pending.items()))
@@ -413,6 +454,33 @@ def quantize_linears_fp8(model: nn.Module) -> List[str]:
         logger.info_rank0(f"--quantization fp8: {len(skipped)} linear layers keep their dense weight (in_features not a "
                           f"multiple of {GROUP_K}), e.g. {skipped[0]}")  # fmt: skip
     logger.info_rank0(f"--quantization fp8: {len(done)} linear layers run per-channel FP8 weights (W8A8)")
+    return done
+
+
+ROUTERS = ("gate", "router", "shared_expert_gate")  # MoE routing layers: their logits choose experts
+
+
+def quantize_linears_int4(model: nn.Module, dtype: torch.dtype) -> List[str]:
+    """Turn every linear layer's dense weight into group-128 asymmetric int4 in place
+    (`--quantization int4` on CUDA, layers/int4.quantize_groups); layers whose K is not a multiple
+    of 128 and the MoE routers (an int4 error there flips expert choices) stay dense, logged; the
+    names of the layers converted."""
+    done: List[str] = []
+    skipped: List[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, _Linear) or not mod.weight.is_floating_point() or mod.weight.dtype == FP8_E4M3:
+            continue
+        if mod.weight.shape[1] % ONLINE_GROUP or name.rpartition(".")[2] in ROUTERS:
+            skipped.append(name)
+            continue
+        q = quantize_int4_groups(mod.weight.data, ONLINE_GROUP).to(mod.weight.device, dtype)
+        mod.weight = nn.Parameter(q.qweight, requires_grad=False)
+        q.install(mod)
+        done.append(name)
+    if skipped:
+        logger.info_rank0(f"--quantization int4: {len(skipped)} linear layers keep their dense weight (in_features not a "
+                          f"multiple of {ONLINE_GROUP}, or an MoE router), e.g. {skipped[0]}")  # fmt: skip
+    logger.info_rank0(f"--quantization int4: {len(done)} linear layers run group-{ONLINE_GROUP} int4 weights (W4A16)")
     return done
 
 

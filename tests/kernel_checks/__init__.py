@@ -82,4 +82,5 @@ CHECKS: Dict[str, List[Key]] = {
     "test_triton_kernels_interpret.py": [("ops", (), True), ("sm90", ("ops",), False)],
     "test_triton_gemv_interpret.py": [("gemv", (), True), ("sm90", ("gemv",), False)],
     "test_fp8_kernels_interpret.py": [("fp8", (), True), ("sm90", ("fp8",), False)],
+    "test_int4_kernels_interpret.py": [("int4", (), True), ("sm90", ("int4",), False)],
 }  # fmt: skip

@@ -3,7 +3,7 @@ launch gets (unit strides constant, 16-byte aligned pointers): the interpreter r
 accepts code the GPU compiler rejects; this catches that without a GPU, and checks properties of the
 compiled code (tensor-core dots, software pipelining, no layout change in a loop, no spills).
 
-    python -m kernel_checks.sm90 ops|sampling|gemv|fp8       (TRITON_INTERPRET unset)
+    python -m kernel_checks.sm90 ops|sampling|gemv|fp8|int4       (TRITON_INTERPRET unset)
 """
 
 from __future__ import annotations
@@ -570,7 +570,104 @@ def mla() -> int:
     return 1 if failures else 0
 
 
-CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv, "fp8": fp8, "mla": mla}
+def int4(sweep: bool = False) -> int:
+    """The W4A16 kernels (kernel/triton_int4.py): tensor-core dots (mma.sync below 64 rows, wgmma
+    from 64; the one-row GEMV: pipelined cp.async loads), within the H200's shared memory, no
+    register spills; and the split-K reduce. By default (the CPU suite: each compile takes
+    seconds) one kernel per family in bf16 at the Qwen3-14B shapes: the GEMV and the decode tile
+    with split-K, 64 x 128 with bias, 128 x 128 (group 32);
+    `int4_all`: every tile gemm_config picks for the Qwen3-0.6B and 14B projections (bf16, fp16
+    and fp32 activations, each group size, split-K and not). Float32 (IEEE dots, the exactness
+    tests' dtype, not a speed path) may spill: printed, not a failure."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minisgl.kernel import triton_int4 as K
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    failures = []
+
+    def compile_(fn, sig, consts, num_warps, num_stages, divisible):
+        full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in divisible}
+        return triton.compile(
+            ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": num_warps, "num_stages": num_stages},
+        )
+
+    def spills(kern) -> object:
+        if not os.path.exists(cuobjdump):
+            return "?"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kern.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True).stdout
+        return len(re.findall(r"\b(LDL|STL)\b", sass))
+
+    fn = K._w4a16_kernel
+    divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "bias_ptr", "y_ptr", "K", "stride_xm", "stride_ym", "stride_ys")
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (7168, 5120), (5120, 5120), (34816, 5120), (5120, 17408)]
+    cases = [("bf16", 128, 1, 5120, 5120), ("bf16", 128, 4, 5120, 5120), ("bf16", 128, 200, 5120, 5120), ("bf16", 32, 2048, 5120, 5120)]
+    if sweep:
+        cases = [(dt, group, m, n, k) for dt, groups in (("bf16", (128, 64, 32)), ("fp16", (128,)), ("fp32", (128,)))
+                 for group in groups for m in (1, 4, 64, 256, 2048) for n, k in shapes]  # fmt: skip
+    seen = set()
+    for dt, group, m, n, k in cases:
+        cfg = K.gemm_config(m, n, k, group, fp32=dt == "fp32")
+        key = (dt, group, cfg.block_m, cfg.block_n, cfg.split_k > 1, cfg.num_warps, cfg.num_stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        out = "fp32" if cfg.split_k > 1 else dt
+        sig = {"x_ptr": f"*{dt}", "qw_ptr": "*i32", "s_ptr": f"*{dt}", "z_ptr": f"*{dt}", "bias_ptr": f"*{dt}",
+               "y_ptr": f"*{out}", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_qn": "i32",
+               "stride_sn": "i32", "stride_ym": "i32", "stride_ys": "i32"}  # fmt: skip
+        consts = {"GROUP": group, "SPLIT_K": cfg.split_k, "HAS_BIAS": cfg.split_k == 1, "IEEE": dt == "fp32",
+                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "GROUP_M": cfg.group_m}  # fmt: skip
+        what = f"{dt} g{group} {tuple(cfg)}"
+        kfn = fn
+        if cfg.block_m == 1:  # one row: the GEMV kernel
+            kfn = K._w4a16_gemv_kernel
+            sig = {name: t for name, t in sig.items() if name not in ("M", "stride_xm", "stride_ym")}
+            consts = {"GROUP": group, "SPLIT_K": cfg.split_k, "HAS_BIAS": cfg.split_k == 1, "BLOCK_N": cfg.block_n,
+                      "NUM_STAGES": cfg.num_stages}  # fmt: skip
+            what = "gemv " + what
+        try:
+            kern = compile_(kfn, sig, consts, cfg.num_warps, cfg.num_stages, divisible)
+        except Exception as e:
+            print("FAIL", what, type(e).__name__, str(e)[:1500])
+            failures.append(what)
+            continue
+        ptx = kern.asm["ptx"]
+        mma = dt == "fp32" or kfn is not fn or bool(re.search(r"(wgmma\.mma_async|mma\.sync)\S*(bf16|f16)", ptx))
+        if kfn is not fn and "async_copy_global_to_local" not in kern.asm["ttgir"]:
+            mma = False  # the GEMV must stream its words through the software pipeline (cp.async)
+        sp = spills(kern)
+        ok = mma and kern.metadata.shared <= 227 * 1024 and (sp in (0, "?") or dt == "fp32")
+        print("ok  " if ok else "FAIL", what, "mma", mma, "wgmma", "wgmma" in ptx, "smem", kern.metadata.shared, "spills", sp)
+        if not ok:
+            failures.append(what)
+    sig = {"ws_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32", "stride_ws": "i32", "stride_wm": "i32",
+           "stride_ym": "i32"}  # fmt: skip
+    try:
+        compile_(K._splitk_reduce_kernel, sig, {"SPLIT_K": 4, "HAS_BIAS": True, "BLOCK": 1024}, 4, 1,
+                 ("ws_ptr", "bias_ptr", "y_ptr", "N", "stride_ws", "stride_wm", "stride_ym"))  # fmt: skip
+        print("ok   _splitk_reduce_kernel")
+    except Exception as e:
+        print("FAIL _splitk_reduce_kernel", type(e).__name__, str(e)[:1500])
+        failures.append("reduce")
+    print("FAILURES:", failures)
+    return 1 if failures else 0
+
+
+CHECKS = {"ops": ops, "sampling": sampling, "gemv": gemv, "fp8": fp8, "mla": mla, "int4": int4, "int4_all": lambda: int4(sweep=True)}
 
 if __name__ == "__main__":
     sys.exit(CHECKS[sys.argv[1]]())
