@@ -48,17 +48,20 @@ DECODE_AHEAD_TOKENS = 16
 WindowWrite = Tuple[int, int]
 
 
-def window_pool_pages(window: int, page_size: int, max_running_req: int, step_tokens: int, ahead_tokens: int) -> int:
+def window_pool_pages(
+    window: int, page_size: int, max_running_req: int, step_tokens: int, ahead_tokens: int, prefix_cache: bool = True
+) -> int:
     """Window pages the running set may hold at once (a bound, not an estimate).
 
-    A request holds the window pages of positions [cached_len - window + 1, allocated end): at
-    most div_ceil(window - 1, ps) + 1 pages of tail, plus those allocated ahead of its decode (or,
-    for a prompt chunk, the chunk's; the step's chunks total `step_tokens` at most), plus the
-    cached tail that its prefix match pins (another tail)."""
-    tail = div_ceil(window - 1, page_size) + 1
+    A request holds the window pages of positions [b - window + 1, allocated end), b its last
+    page boundary at or before cached_len (`Policy._drop_windows`): at most
+    div_ceil(window - 1, ps) + 2 pages of tail, plus those allocated ahead of its decode (or, for
+    a prompt chunk, the chunk's; the step's chunks total `step_tokens` at most), plus, with a
+    prefix cache, the cached tail that its prefix match pins (another tail)."""
+    tail = div_ceil(window - 1, page_size) + 2
     ahead = div_ceil(ahead_tokens, page_size) + 1
     step = div_ceil(step_tokens, page_size) + max_running_req  # (each chunk may start mid-page)
-    return max_running_req * (2 * tail + ahead) + step
+    return max_running_req * ((2 if prefix_cache else 1) * tail + ahead) + step
 
 
 def split_kv_budget(budget_bytes: int, main_page_bytes: int, window_page_bytes: int, window_need_pages: int) -> Tuple[int, int]:
@@ -89,7 +92,7 @@ class KVPageSizing:
 
 def kv_page_sizing(
     model_config: ModelConfig, kv_cache_dtype: str, dtype: torch.dtype, tp_size: int, page_size: int,
-    max_running_req: int, step_tokens: int, ahead_tokens: int,
+    max_running_req: int, step_tokens: int, ahead_tokens: int, prefix_cache: bool = True,
 ) -> KVPageSizing:  # fmt: skip
     """The page costs of `model_config`'s pool; a window pool where it has sliding layers (and a
     K/V pool: MLA models have none)."""
@@ -100,7 +103,7 @@ def kv_page_sizing(
     if not sliding or model_config.latent_attention is not None:
         return KVPageSizing(page, page, 0, None)
     window = max(w for w in windows if w is not None)
-    need = window_pool_pages(window, page_size, max_running_req, step_tokens, ahead_tokens)
+    need = window_pool_pages(window, page_size, max_running_req, step_tokens, ahead_tokens, prefix_cache)
     return KVPageSizing(page, per_layers(model_config.num_layers - sliding), per_layers(sliding), need)
 
 

@@ -671,12 +671,15 @@ class Policy:
     def _drop_windows(self, allocator: HybridPageAllocator, reqs: List[SchedReq]) -> None:
         """Free the window pages of each request's own pages whose tokens no query from this
         step on reads: positions below cached_len - window + 1 (a step in flight may still read
-        them; it finishes before this step writes into them: kvcache/window.py). Pages that came
+        them; it finishes before this step writes into them: kvcache/window.py), kept back to
+        the window before the last page boundary, where the prefix cache will take its pages
+        (so a conversation continued from the cache finds the window there). Pages that came
         from the prefix cache stay (they are the cache's, maybe read by other requests)."""
         ps, window = self.page_size, self.window
         assert window is not None
         for req in reqs:
-            dead = max(0, req.cached_len - window + 1) // ps  # pages wholly below the window
+            boundary = req.cached_len // ps * ps
+            dead = max(0, boundary - window + 1) // ps  # pages wholly below that window
             own = req.matched_len // ps
             if dead > req.window_from:
                 allocator.drop_window(req.pages[max(own, req.window_from) : dead])
