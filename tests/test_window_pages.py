@@ -199,6 +199,8 @@ def poison_on_drop(sched: Any) -> None:
         drop(pages)
         slots = (wins[:, None] * ps + torch.arange(ps)).flatten()
         window_pool.buffer[:, :, slots.to(window_pool.buffer.device)] = POISON
+        if window_pool.buffer.is_cuda:  # (written on the default stream: done before the engine's next step)
+            torch.cuda.synchronize()
 
     allocator.drop_window = poisoning_drop  # type: ignore[method-assign]
 
@@ -315,3 +317,28 @@ def test_aborts_and_retractions_return_both_pools(model_dir, window_unaware):
     window_unaware()
     ref, _ = run()
     assert got == ref
+
+
+def test_engine_splits_its_page_budget(model_dir, monkeypatch):
+    """The engine's page budget for a model with sliding layers is `kv_page_sizing`'s split of
+    the same bytes; its pool holds the global layers per main slot and the sliding ones in the
+    window pool (+ the dummy page's twin); num_page_override sizes the main pool, the window pool
+    then the smaller of it and the bound."""
+    from helpers import running_engine
+
+    from minisgl.kvcache.pool import HybridKVCachePool
+
+    with running_engine(model_dir("gemma3"), page_size=4, max_running_req=2) as engine:
+        pool = engine.kv_cache
+        assert isinstance(pool, HybridKVCachePool) and engine.num_window_pages is not None
+        assert pool.window.num_slots == (engine.num_window_pages + 1) * 4 and pool.full.num_slots == pool.num_slots
+        assert [pool.sliding(i) for i in range(3)] == [True, True, False]  # (gemma3's layer_types)
+        monkeypatch.setattr(engine, "_sync_get_memory", lambda: (64 * GIB, 7 * GIB))
+        cfg = dataclasses.replace(engine.config, num_page_override=None, memory_ratio=0.5, cpu_kv_cache_bytes=1 << 40)
+        main, window = engine._determine_num_pages(10 * GIB, cfg)
+        sizing = kv_page_sizing(engine.config.model_config, "auto", torch.float32, 1, 4, 2, 8192, DECODE_AHEAD_TOKENS + 4)
+        assert (main, window) == sizing.pages(2 * GIB) and window is not None and window < main
+        # 2 of 3 layers slide: a main page costs a third of a plain one, and the window pool is small
+        assert main * sizing.main_page_bytes + window * sizing.window_page_bytes <= 2 * GIB < (main + window + 1) * sizing.page_bytes
+        cfg = dataclasses.replace(cfg, num_page_override=50)
+        assert engine._determine_num_pages(10 * GIB, cfg) == (50, min(50, sizing.window_need or 0))
