@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
-from helpers import HFOracle, random_prompts
+from helpers import TEST_DEVICE, HFOracle, random_prompts
 from sched_helpers import assert_greedy_consistent, running_llm
 from test_gemma import build_gemma
 from test_gpt_oss import build_gpt_oss
@@ -342,3 +342,51 @@ def test_engine_splits_its_page_budget(model_dir, monkeypatch):
         assert main * sizing.main_page_bytes + window * sizing.window_page_bytes <= 2 * GIB < (main + window + 1) * sizing.page_bytes
         cfg = dataclasses.replace(cfg, num_page_override=50)
         assert engine._determine_num_pages(10 * GIB, cfg) == (50, min(50, sizing.window_need or 0))
+
+
+# ---- CUDA (MINISGL_TEST_DEVICE=cuda) -----------------------------------------------------------
+CUDA = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="CUDA paths (MINISGL_TEST_DEVICE=cuda)")
+
+
+@CUDA
+def test_cuda_kernels_through_a_translation():
+    """kernel_checks/gemma.py's translation check on the GPU: decode, extend and deterministic
+    kernels over a window pool through a translation give the untranslated pool's bits."""
+    from kernel_checks import gemma as G
+
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(512, 2, 16, generator=gen), torch.randn(512, 2, 16, generator=gen)
+    lens = [1, 9, 40, 110]
+    table = torch.stack([torch.randperm(512, generator=gen)[:160] for _ in lens]).int()
+    errors = G.check_translation(k, v, table, lens, 4, 0.3, torch.device("cuda"))
+    assert not errors, errors
+
+
+@CUDA
+@pytest.mark.parametrize("name", MODELS)
+def test_cuda_graphs_over_window_pages(name, model_dir, window_unaware):
+    """On CUDA (triton backend): decode steps and mixed steps replay CUDA graphs while window
+    pages are dropped and reused (the translation is read inside the captured step); greedy
+    tokens and logprobs equal the eager run's, and those of the graphs over the pool without
+    window pages bit for bit."""
+    from helpers import record_runners
+
+    prompts = random_prompts([17, 30, 41], seed=530 + MODELS.index(name))
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    kw: Dict[str, Any] = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128,
+                              attention_backend="triton")  # fmt: skip
+    runs: Dict[str, List[Any]] = {}
+    for label, extra in (("graphs", {}), ("eager", dict(cuda_graph_bs=[], cuda_graph_max_tokens=0)), ("unaware", {})):
+        if label == "unaware":
+            window_unaware()
+        with running_llm(model_dir(name), **kw, **extra) as llm:
+            engine = llm.scheduler.engine
+            assert (engine.num_window_pages is None) == (label == "unaware")
+            log = record_runners(engine)
+            runs[label] = [(r.token_ids, r.logprobs) for r in llm.generate(prompts, params)]
+        want = "ModuleRunner" if label == "eager" else "GraphRunner"
+        assert {cls for cls, phase in log if phase == "decode"} == {want}, (label, log)
+    assert runs["graphs"] == runs["unaware"]
+    for (ta, la), (tb, lb) in zip(runs["graphs"], runs["eager"]):
+        assert ta == tb
+        assert (torch.tensor(la) - torch.tensor(lb)).abs().max().item() < 1e-4
