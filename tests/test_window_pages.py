@@ -64,10 +64,10 @@ def _gpt_oss_20b() -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
-def capacity(cfg: ModelConfig, budget: int, max_running_req: int, prefix_cache: bool, page_size: int = 16) -> Tuple[int, int, int]:
+def capacity(cfg: ModelConfig, budget: int, max_running_req: int, page_size: int = 16) -> Tuple[int, int, int]:
     """(tokens with window pages, tokens without, window pool tokens) of a bf16 pool of `budget`
     bytes as the engine sizes it (the server's 8192-token chunks, 4 draft tokens ahead)."""
-    sizing = kv_page_sizing(cfg, "auto", torch.bfloat16, 1, page_size, max_running_req, 8192, DECODE_AHEAD_TOKENS + 4, prefix_cache)
+    sizing = kv_page_sizing(cfg, "auto", torch.bfloat16, 1, page_size, max_running_req, 8192, DECODE_AHEAD_TOKENS + 4)
     main, window = sizing.pages(budget)
     assert window is not None
     plain = KVPageSizing(sizing.page_bytes, sizing.page_bytes, 0, None).pages(budget)[0]
@@ -80,26 +80,26 @@ def test_layer_patterns_of_the_documented_models() -> None:
     assert sum(w is None for w in oss.layer_windows) == 12 and set(oss.layer_windows) == {128, None}
 
 
-# The table of docs/MODELS.md ("Window pages"): (model, KV budget GiB, max running requests,
-# prefix cache) -> (tokens with window pages, tokens without, window pool tokens); 16-token pages.
+# The table of docs/MODELS.md ("Window pages"): (model, KV budget GiB, max running requests) ->
+# (tokens with window pages, tokens without, window pool tokens); 16-token pages.
 DOCUMENTED = {
-    ("gemma3-12b", 40, 16, True): (440_320, 109_216, 43_008),
-    ("gemma3-12b", 40, 64, True): (109_216, 109_216, 109_216),
-    ("gemma3-12b", 40, 64, False): (256_000, 109_216, 79_872),
-    ("gemma3-12b", 100, 16, True): (1_423_360, 273_056, 43_008),
-    ("gemma3-12b", 100, 64, True): (901_120, 273_056, 147_456),
-    ("gemma3-12b", 100, 256, True): (273_056, 273_056, 273_056),
-    ("gpt-oss-20b", 40, 64, True): (1_714_848, 873_808, 32_768),
-    ("gpt-oss-20b", 40, 256, True): (1_641_120, 873_808, 106_496),
-    ("gpt-oss-20b", 100, 256, True): (4_262_560, 2_184_528, 106_496),
+    ("gemma3-12b", 40, 16): (524_800, 109_216, 26_112),
+    ("gemma3-12b", 40, 64): (256_000, 109_216, 79_872),
+    ("gemma3-12b", 40, 128): (109_216, 109_216, 109_216),
+    ("gemma3-12b", 100, 64): (1_239_040, 273_056, 79_872),
+    ("gemma3-12b", 100, 128): (880_640, 273_056, 151_552),
+    ("gemma3-12b", 100, 256): (273_056, 273_056, 273_056),
+    ("gpt-oss-20b", 40, 64): (1_725_088, 873_808, 22_528),
+    ("gpt-oss-20b", 40, 256): (1_682_080, 873_808, 65_536),
+    ("gpt-oss-20b", 100, 256): (4_303_520, 2_184_528, 65_536),
 }
 
 
 @pytest.mark.parametrize("key", sorted(DOCUMENTED))
-def test_documented_capacity_numbers(key: Tuple[str, int, int, bool]) -> None:
-    name, budget, running, prefix_cache = key
+def test_documented_capacity_numbers(key: Tuple[str, int, int]) -> None:
+    name, budget, running = key
     cfg = _gemma3_12b() if name == "gemma3-12b" else _gpt_oss_20b()
-    assert capacity(cfg, budget * GIB, running, prefix_cache) == DOCUMENTED[key]
+    assert capacity(cfg, budget * GIB, running) == DOCUMENTED[key]
 
 
 def test_split_rule() -> None:
@@ -107,10 +107,9 @@ def test_split_rule() -> None:
     assert split_kv_budget(1000, 10, 50, 4) == ((1000 - 4 * 50) // 10, 4)
     # unless the main pool would then be the smaller: both even (no gain, never short)
     assert split_kv_budget(1000, 10, 50, 100) == (16, 16)
-    # a window's tail (7 positions back from the last page boundary, +2 pages) twice (own + the
-    # cached prefix a match pins), the pages ahead, a step's chunks
-    assert window_pool_pages(8, 1, 2, 16, 20) == 2 * (2 * 9 + 21) + 16 + 2
-    assert window_pool_pages(8, 1, 2, 16, 20, prefix_cache=False) == 2 * (9 + 21) + 16 + 2
+    # per row a window's tail (7 positions back from the last page boundary, +2 pages) and the
+    # pages ahead; a step's chunks
+    assert window_pool_pages(8, 1, 2, 16, 20) == 2 * (9 + 21) + 16 + 2
 
 
 def test_match_is_cut_where_the_window_has_kv() -> None:
@@ -260,6 +259,36 @@ def test_tokens_equal_the_window_unaware_pool_and_hf(name, page_size, model_dir,
     turns = [p + c + [7, 8, 9] for p, c in zip(prompts, cold[0])]
     for ids, got in zip(prompts + turns, cold[0] + warm[0]):
         assert_greedy_consistent(hf, ids, got, f"{name} ps={page_size}")
+
+
+def test_cached_windows_are_reclaimed_when_the_window_pool_is_short(model_dir, hf_oracle, monkeypatch):
+    """A window pool sized for 2 rows (a main pool far larger): a dozen finished requests leave
+    their tails' window pages in the prefix cache until the pool runs short; then those no
+    admitted request reads are freed (`Policy._reclaim_windows`) and their prefixes match
+    shorter. Every token is still HF's (window pages poisoned the moment they are freed), and
+    both pools end whole."""
+    from minisgl.scheduler.policy import Policy
+
+    reclaimed: List[int] = []
+    real = Policy._reclaim_windows
+    monkeypatch.setattr(Policy, "_reclaim_windows", lambda self, a, short: (reclaimed.append(short), real(self, a, short))[1])
+    prompts = random_prompts([18, 23, 13, 30, 21, 16, 27, 19, 25, 14, 22, 29], seed=540)
+    kw: Dict[str, Any] = dict(page_size=4, max_extend_tokens=16, cache_type="radix", max_running_req=2, max_seq_len_override=96,
+                              num_page_override=400)  # fmt: skip
+    with running_llm(model_dir("gemma2"), enable_overlap=False, **kw) as llm:
+        sched = llm.scheduler
+        pool = _window_pool(llm)
+        assert pool.window.num_pages < 60, pool.window.num_pages
+        poison_on_drop(sched)
+        cold = _generate(sched, prompts, 12, 0)
+        # (the newest first: the oldest cached windows are the first reclaimed)
+        turns = [p + t + [7, 8, 9] for p, t in zip(prompts, cold[0])][::-1]
+        warm = _generate(sched, turns, 12, len(prompts))
+    assert reclaimed, "the window pool never ran short"
+    assert 0 < sum(warm[2]) < sum(len(t) - 3 for t in turns), f"cache hits {warm[2]}: all or none"
+    hf = hf_oracle("gemma2")
+    for ids, got in zip(prompts + turns, cold[0] + warm[0]):
+        assert_greedy_consistent(hf, ids, got, "reclaimed")
 
 
 def test_window_pages_are_freed_while_decoding(model_dir):

@@ -431,13 +431,12 @@ class Engine:
     def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> Tuple[int, int | None]:
         """(main pages, window pages: None unless the model has sliding layers, kvcache/window.py)."""
         mc = config.model_config
-        # (a scheduler's config bounds a step's prompt tokens and drafts and names the prefix
-        # cache; a bare engine's steps are the caller's: SchedulerConfig's defaults)
+        # (a scheduler's config bounds a step's prompt tokens and drafts; a bare engine's steps are
+        # the caller's: SchedulerConfig's defaults)
         step_tokens = getattr(config, "max_extend_tokens", 8192)
         ahead = DECODE_AHEAD_TOKENS + getattr(config, "speculative_num_tokens", 4)
-        prefix_cache = getattr(config, "cache_type", "radix") != "naive"
         sizing = kv_page_sizing(mc, config.kv_cache_dtype, self.dtype, config.tp_info.size, config.page_size,
-                                config.max_running_req, step_tokens, ahead, prefix_cache)  # fmt: skip
+                                config.max_running_req, step_tokens, ahead)  # fmt: skip
         num_pages = config.num_page_override
         window_pages = None if sizing.window_need is None else min(num_pages or 0, sizing.window_need)
         if num_pages is None:

@@ -13,17 +13,18 @@ Who owns what:
   records the (main page, window page) pairs the device's translation must learn (the plan carries
   them, the runner writes them), and frees a main page's window page with it, or alone
   (`drop_window`) once its tokens fell out of the window of the request that computed them.
-- The policy drops those windows at planning time (`Policy._drop_windows`) and truncates a prefix
-  cache match to the last point whose preceding window still has K/V (`window_match_pages`).
+- The policy drops those windows at planning time (`Policy._drop_windows`), truncates a prefix
+  cache match to the last point whose preceding window still has K/V (`window_match_pages`), and,
+  when the window pool runs short, frees the window pages of cached pages that no admitted
+  request reads (`Policy._reclaim_windows`: those prefixes then match shorter).
 - Dropping never rewrites the device translation: a dropped main slot keeps pointing at its old
   window slot, which a later owner overwrites. Only masked (out-of-window) reads ever go through
   such a stale entry, and their weight is exactly zero; and a step in flight that still reads a
   dropped page finishes before the next step (same stream) writes into it.
 
-Sizing (`window_pool_pages`, `split_kv_budget`): the window pool holds what the running set can
-hold at most, so a window page is never missing: per table row twice a window's pages (its own
-tail, and the cached tail its prefix match pins) plus the pages a decode step allocates ahead, and
-one step's prompt tokens. The main pool takes the rest of the budget at the global layers' cost
+Sizing (`window_pool_pages`, `split_kv_budget`): the window pool holds what the admitted
+requests can read at once, so a window page is never missing: per table row a window's pages
+plus the pages a decode step allocates ahead, and one step's prompt tokens. The main pool takes the rest of the budget at the global layers' cost
 per token; where that would leave it smaller than the window pool, both get the same number of
 pages (today's sizing: every token keeps every layer's K/V).
 """
@@ -48,20 +49,18 @@ DECODE_AHEAD_TOKENS = 16
 WindowWrite = Tuple[int, int]
 
 
-def window_pool_pages(
-    window: int, page_size: int, max_running_req: int, step_tokens: int, ahead_tokens: int, prefix_cache: bool = True
-) -> int:
-    """Window pages the running set may hold at once (a bound, not an estimate).
+def window_pool_pages(window: int, page_size: int, max_running_req: int, step_tokens: int, ahead_tokens: int) -> int:
+    """Window pages the admitted requests may read at once (a bound, not an estimate).
 
-    A request holds the window pages of positions [b - window + 1, allocated end), b its last
-    page boundary at or before cached_len (`Policy._drop_windows`): at most
-    div_ceil(window - 1, ps) + 2 pages of tail, plus those allocated ahead of its decode (or, for
-    a prompt chunk, the chunk's; the step's chunks total `step_tokens` at most), plus, with a
-    prefix cache, the cached tail that its prefix match pins (another tail)."""
+    A request reads the window pages of positions [b - window + 1, allocated end), b its last
+    page boundary at or before cached_len (`Policy._window_dead`), its own pages or cached ones
+    it matched: at most div_ceil(window - 1, ps) + 2 pages of tail, plus those allocated ahead
+    of its decode (or, for a prompt chunk, the chunk's; the step's chunks total `step_tokens` at
+    most). Every other window page (a cached prefix's tail, pinned or not) may be reclaimed."""
     tail = div_ceil(window - 1, page_size) + 2
     ahead = div_ceil(ahead_tokens, page_size) + 1
     step = div_ceil(step_tokens, page_size) + max_running_req  # (each chunk may start mid-page)
-    return max_running_req * ((2 if prefix_cache else 1) * tail + ahead) + step
+    return max_running_req * (tail + ahead) + step
 
 
 def split_kv_budget(budget_bytes: int, main_page_bytes: int, window_page_bytes: int, window_need_pages: int) -> Tuple[int, int]:
@@ -92,7 +91,7 @@ class KVPageSizing:
 
 def kv_page_sizing(
     model_config: ModelConfig, kv_cache_dtype: str, dtype: torch.dtype, tp_size: int, page_size: int,
-    max_running_req: int, step_tokens: int, ahead_tokens: int, prefix_cache: bool = True,
+    max_running_req: int, step_tokens: int, ahead_tokens: int,
 ) -> KVPageSizing:  # fmt: skip
     """The page costs of `model_config`'s pool; a window pool where it has sliding layers (and a
     K/V pool: MLA models have none)."""
@@ -103,7 +102,7 @@ def kv_page_sizing(
     if not sliding or model_config.latent_attention is not None:
         return KVPageSizing(page, page, 0, None)
     window = max(w for w in windows if w is not None)
-    need = window_pool_pages(window, page_size, max_running_req, step_tokens, ahead_tokens, prefix_cache)
+    need = window_pool_pages(window, page_size, max_running_req, step_tokens, ahead_tokens)
     return KVPageSizing(page, per_layers(model_config.num_layers - sliding), per_layers(sliding), need)
 
 
@@ -129,6 +128,10 @@ class HybridPageAllocator(PageAllocator):
         super().__init__(num_pages)
         self.window = PageAllocator(num_window_pages)
         self.win_of: List[int] = [-1] * num_pages
+        # when each main page got its window page (an allocation count): reclaiming cached
+        # windows takes the oldest first
+        self.win_age: List[int] = [0] * num_pages
+        self._allocs = 0
         self._writes: List[WindowWrite] = []
 
     @property
@@ -139,8 +142,10 @@ class HybridPageAllocator(PageAllocator):
         if n > self.window.num_free:  # (the pool is sized so that the running set never gets here)
             raise MemoryError(f"asked for {n} window KV pages, {self.window.num_free} free")
         pages = super().alloc(n)
+        self._allocs += 1
         for p, w in zip(pages, self.window.alloc(n)):
             self.win_of[p] = w
+            self.win_age[p] = self._allocs
             self._writes.append((p, w))
         return pages
 

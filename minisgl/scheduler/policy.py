@@ -601,11 +601,8 @@ class Policy:
         if self.allocator.num_free < need:
             self.allocator.free(self.cache.evict(need - self.allocator.num_free))
         allocator = self.allocator
-        if isinstance(allocator, HybridPageAllocator):
-            # cached pages hold window pages too (the tails of their prefixes): evict until the
-            # window pool has room (the pool holds what the running set can hold, so it will)
-            while allocator.num_window_free < need and self.cache.evictable_pages > 0:
-                allocator.free(self.cache.evict(need - allocator.num_window_free))
+        if isinstance(allocator, HybridPageAllocator) and allocator.num_window_free < need:
+            self._reclaim_windows(allocator, need - allocator.num_window_free)
         start = len(req.pages)
         req.pages += self.allocator.alloc(need)
         take = min(need, req.reserved_pages)
@@ -668,18 +665,38 @@ class Policy:
             plan.history, self._history = self._history, {}
         return plan
 
+    def _window_dead(self, req: SchedReq) -> int:
+        """Pages of `req` before this one are read by no query of its from the next step on:
+        they lie wholly below the window before its last page boundary at or before cached_len
+        (that window is kept for the prefix cache: a conversation continued from the cache finds
+        it there)."""
+        assert self.window is not None
+        ps = self.page_size
+        return max(0, req.cached_len // ps * ps - self.window + 1) // ps
+
+    def _reclaim_windows(self, allocator: HybridPageAllocator, short: int) -> None:
+        """Free `short` window pages that no admitted request reads: cached pages' windows (the
+        tails of cached prefixes, pinned or not) outside every admitted request's live window,
+        the oldest first. The window pool holds every admitted request's live window
+        (kvcache/window.py), so there are always enough. Those prefixes then no longer match
+        there (`_match` cuts)."""
+        live = set()
+        for r in self.active.values():
+            if r.holds_row:  # (finished ones awaiting release too: a step in flight may read them)
+                live.update(r.pages[self._window_dead(r) :])
+        victims = [p for p, w in enumerate(allocator.win_of) if w >= 0 and p not in live]
+        assert len(victims) >= short, f"window pool: {short} pages short, {len(victims)} reclaimable"
+        victims.sort(key=allocator.win_age.__getitem__)
+        allocator.drop_window(victims[:short])
+
     def _drop_windows(self, allocator: HybridPageAllocator, reqs: List[SchedReq]) -> None:
-        """Free the window pages of each request's own pages whose tokens no query from this
-        step on reads: positions below cached_len - window + 1 (a step in flight may still read
-        them; it finishes before this step writes into them: kvcache/window.py), kept back to
-        the window before the last page boundary, where the prefix cache will take its pages
-        (so a conversation continued from the cache finds the window there). Pages that came
-        from the prefix cache stay (they are the cache's, maybe read by other requests)."""
-        ps, window = self.page_size, self.window
-        assert window is not None
+        """Free the window pages of each request's own pages that no query of its reads from this
+        step on (`_window_dead`; a step in flight may still read them: it finishes before this
+        step writes into them, kvcache/window.py). Pages that came from the prefix cache stay
+        (the cache's; `_reclaim_windows` frees theirs when no admitted request reads them)."""
+        ps = self.page_size
         for req in reqs:
-            boundary = req.cached_len // ps * ps
-            dead = max(0, boundary - window + 1) // ps  # pages wholly below that window
+            dead = self._window_dead(req)
             own = req.matched_len // ps
             if dead > req.window_from:
                 allocator.drop_window(req.pages[max(own, req.window_from) : dead])
