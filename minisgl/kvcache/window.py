@@ -24,9 +24,10 @@ Who owns what:
 
 Sizing (`window_pool_pages`, `split_kv_budget`): the window pool holds what the admitted
 requests can read at once, so a window page is never missing: per table row a window's pages
-plus the pages a decode step allocates ahead, and one step's prompt tokens. The main pool takes the rest of the budget at the global layers' cost
-per token; where that would leave it smaller than the window pool, both get the same number of
-pages (today's sizing: every token keeps every layer's K/V).
+plus the pages a decode step allocates ahead, and one step's prompt tokens. The main pool takes
+the rest of the budget at the global layers' cost per token; where that would leave it smaller
+than the window pool, both get the same number of pages (today's sizing: every token keeps every
+layer's K/V).
 """
 
 from __future__ import annotations

@@ -687,7 +687,9 @@ class Policy:
         victims = [p for p, w in enumerate(allocator.win_of) if w >= 0 and p not in live]
         assert len(victims) >= short, f"window pool: {short} pages short, {len(victims)} reclaimable"
         victims.sort(key=allocator.win_age.__getitem__)
-        allocator.drop_window(victims[:short])
+        # an eighth of the pool at least: the scan walks every main page, so it should not run
+        # again at the next allocation
+        allocator.drop_window(victims[: max(short, allocator.window.num_pages // 8)])
 
     def _drop_windows(self, allocator: HybridPageAllocator, reqs: List[SchedReq]) -> None:
         """Free the window pages of each request's own pages that no query of its reads from this
