@@ -291,6 +291,38 @@ def test_cached_windows_are_reclaimed_when_the_window_pool_is_short(model_dir, h
         assert_greedy_consistent(hf, ids, got, "reclaimed")
 
 
+def test_reclaim_spares_the_cached_window_a_request_reads(model_dir, hf_oracle, monkeypatch):
+    """The oldest cached tail is the first reclaimed, unless an admitted request reads it: A's
+    conversation is cached first, five others' tails after it, the rest of the window pool is
+    held aside; then B continues A's conversation (its match ends on A's tail) beside a new
+    prompt, which makes the pool short in B's first step. B's tokens are HF's (reclaimed pages
+    are poisoned)."""
+    from minisgl.scheduler.policy import Policy
+
+    reclaimed: List[int] = []
+    real = Policy._reclaim_windows
+    monkeypatch.setattr(Policy, "_reclaim_windows", lambda self, a, short: (reclaimed.append(short), real(self, a, short))[1])
+    prompts = random_prompts([22] + [13] * 5 + [40], seed=550)
+    kw: Dict[str, Any] = dict(page_size=4, max_extend_tokens=16, cache_type="radix", max_running_req=2, max_seq_len_override=96,
+                              num_page_override=400)  # fmt: skip
+    with running_llm(model_dir("gemma2"), enable_overlap=False, **kw) as llm:
+        sched = llm.scheduler
+        pool = _window_pool(llm)
+        poison_on_drop(sched)
+        a = _generate(sched, prompts[:1], 12, 0)[0][0]
+        _generate(sched, prompts[1:6], 4, 1)
+        aside = pool.window.alloc(pool.num_window_free - 2)  # (as if other requests held them)
+        turn = prompts[0] + a + [7, 8, 9]
+        assert not reclaimed
+        b, _, hits = _generate(sched, [turn, prompts[6]], 12, 100)
+        assert reclaimed, "the window pool never ran short"
+        pool.window.free(aside)
+    assert hits[0] >= 28, f"B did not continue from A's cached tail: {hits}"
+    hf = hf_oracle("gemma2")
+    assert_greedy_consistent(hf, turn, b[0], "B")
+    assert_greedy_consistent(hf, prompts[6], b[1], "the new prompt")
+
+
 def test_window_pages_are_freed_while_decoding(model_dir):
     """One request decoding 8 windows past a 3-window prompt: the window pages it holds never
     exceed its window's tail plus the pages allocated ahead, while its main pages grow."""
