@@ -165,6 +165,8 @@ class HybridPageAllocator(PageAllocator):
         return [self.win_of[p] >= 0 for p in pages]
 
     def take_writes(self) -> List[WindowWrite]:
-        """The translation entries allocated since the last call, for the next plan."""
+        """The translation entries allocated since the last call, for the next plan (one per
+        main page, the latest: a page freed and allocated again in between, as after a failed
+        plan, must not reach the device's scatter twice, whose order is undefined)."""
         writes, self._writes = self._writes, []
-        return writes
+        return list(dict(writes).items())
