@@ -243,6 +243,10 @@ class PageAllocator:
         self.page_size = engine.config.page_size
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(engine.num_pages, generator=gen).tolist()  # dummy page excluded
+        # a hybrid pool (a model with sliding layers, kvcache/window.py): each page also gets a
+        # window page, out of order too, written into the pool's translation as the runner does
+        window_pages = engine.num_window_pages
+        self.window_free = [] if window_pages is None else torch.randperm(window_pages, generator=gen).tolist()
 
     def _pages(self, n: int) -> torch.Tensor:
         assert n <= len(self.free), "test ran out of KV pages"
@@ -261,8 +265,15 @@ class PageAllocator:
             assert share_from is not None
             table[row, :shared_tokens] = table[share_from, :shared_tokens]
         rest = num_tokens - shared_tokens
-        slots = self._slots(self._pages(-(-rest // self.page_size)))[:rest]
+        pages = self._pages(-(-rest // self.page_size))
+        slots = self._slots(pages)[:rest]
         table[row, shared_tokens:num_tokens] = slots.to(table.device, torch.int32)
+        translation = getattr(self.engine.kv_cache, "translation", None)
+        if translation is not None:
+            assert len(pages) <= len(self.window_free), "test ran out of window KV pages"
+            win = torch.tensor(self.window_free[: len(pages)], dtype=torch.int64)
+            self.window_free = self.window_free[len(pages) :]
+            translation[self._slots(pages).to(translation.device)] = self._slots(win).to(translation.device)
 
 
 def make_req(

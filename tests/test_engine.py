@@ -357,29 +357,30 @@ def test_second_engine_needs_shutdown_of_the_first(tiny_model_dir):
 
 def test_page_budget_formula(tiny_model_dir, monkeypatch):
     """num_pages = (memory_ratio * free_before_load - model_bytes) // bytes_per_page; on CPU
-    capped by cpu_kv_cache_bytes; num_page_override wins; <= 1 page is an error."""
+    capped by cpu_kv_cache_bytes; num_page_override wins; <= 1 page is an error. (None: no
+    window pool, the model has no sliding layers; tests/test_window_pages.py sizes those.)"""
     gib = 1 << 30
     with running_engine(tiny_model_dir("llama"), page_size=4) as engine:
         per_page = 2 * 16 * 2 * 4 * 4 * 3  # K+V * head_dim * kv_heads * page_size * fp32 bytes * layers
         free_before, model_bytes = 10 * gib, 3 * gib
         monkeypatch.setattr(engine, "_sync_get_memory", lambda: (64 * gib, free_before - model_bytes))
         cfg = dataclasses.replace(engine.config, num_page_override=None, memory_ratio=0.5, cpu_kv_cache_bytes=1 << 62)
-        assert engine._determine_num_pages(free_before, cfg) == (5 * gib - 3 * gib) // per_page
+        assert engine._determine_num_pages(free_before, cfg) == ((5 * gib - 3 * gib) // per_page, None)
 
         cfg = dataclasses.replace(cfg, memory_ratio=0.9)
-        assert engine._determine_num_pages(free_before, cfg) == (int(0.9 * free_before) - model_bytes) // per_page
+        assert engine._determine_num_pages(free_before, cfg) == ((int(0.9 * free_before) - model_bytes) // per_page, None)
 
         capped = dataclasses.replace(cfg, cpu_kv_cache_bytes=100 * per_page + 7)
         if TEST_DEVICE == "cpu":
-            assert engine._determine_num_pages(free_before, capped) == 100
+            assert engine._determine_num_pages(free_before, capped) == (100, None)
         else:  # the cap is for host memory only
-            assert engine._determine_num_pages(free_before, capped) == (int(0.9 * free_before) - model_bytes) // per_page
+            assert engine._determine_num_pages(free_before, capped) == ((int(0.9 * free_before) - model_bytes) // per_page, None)
 
         def no_memory_reading():
             raise AssertionError("memory must not be read when num_page_override is set")
 
         monkeypatch.setattr(engine, "_sync_get_memory", no_memory_reading)
-        assert engine._determine_num_pages(free_before, dataclasses.replace(cfg, num_page_override=7)) == 7
+        assert engine._determine_num_pages(free_before, dataclasses.replace(cfg, num_page_override=7)) == (7, None)
 
         # the model took nearly everything: not even two pages left
         monkeypatch.setattr(engine, "_sync_get_memory", lambda: (64 * gib, 2 * gib - per_page))

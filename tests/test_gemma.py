@@ -169,8 +169,10 @@ def test_decode_logits_match_hf(name, backend, gemma_dir, gemma_hf):
 @pytest.mark.parametrize("name", NAMES)
 def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
     """Greedy tokens through the offline API (16-token chunks of prefill, 16-token pages, the
-    radix cache, a cold then a warm run) equal HF generate's, tie-aware; on a CPU every decode
-    step ran on the module path (ModuleRunner)."""
+    radix cache, a cold run then a warm one that continues each conversation: the sliding
+    layers keep K/V only for the window before a request's end, so that is where a cached prefix
+    is reusable, kvcache/window.py) equal HF generate's, tie-aware; on a CPU every decode step
+    ran on the module path (ModuleRunner)."""
     hf = gemma_hf(name)
     prompts = random_prompts([3, 9, 20, 37], seed=410 + NAMES.index(name))
     max_tokens = 12
@@ -178,13 +180,15 @@ def test_llm_greedy_matches_hf(name, gemma_dir, gemma_hf):
     with running_llm(gemma_dir(name), **kw) as llm:
         log = record_runners(llm.scheduler.engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        results = llm.generate(prompts, params) + llm.generate(prompts, params)
+        results = llm.generate(prompts, params)
+        turns = [p + r.token_ids for p, r in zip(prompts, results)]
+        results += llm.generate(turns, params)
     if TEST_DEVICE == "cpu":
         assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
     assert sum(r.cached_tokens for r in results[len(prompts) :]) >= 16, "the warm run hit no cache"
     compared = 0
     for i, res in enumerate(results):
-        ids = prompts[i % len(prompts)]
+        ids = (prompts + turns)[i]
         ref, ref_logits = hf.greedy(ids, max_tokens)
         compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"{name} prompt {i}")
     assert compared >= 0.8 * max_tokens * len(results)

@@ -173,21 +173,24 @@ def test_every_parameter_matters(oss_dir, oss_hf):
 
 def test_llm_greedy_matches_hf(oss_dir, oss_hf):
     """Greedy tokens through the offline API (16-token prefill chunks, 16-token pages, the radix
-    cache cold then warm) equal HF generate's, tie-aware; on a CPU every decode step ran on the
-    module path."""
+    cache cold, then warm: each conversation continued, where the sliding layers still hold the
+    window's K/V, kvcache/window.py) equal HF generate's, tie-aware; on a CPU every decode step
+    ran on the module path."""
     prompts = random_prompts([3, 9, 20, 37], seed=910)
     max_tokens = 10
     kw = dict(page_size=16, max_extend_tokens=16, cache_type="radix", max_running_req=4, max_seq_len_override=128)
     with running_llm(oss_dir, **kw) as llm:
         log = record_runners(llm.scheduler.engine)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-        results = llm.generate(prompts, params) + llm.generate(prompts, params)
+        results = llm.generate(prompts, params)
+        turns = [p + r.token_ids for p, r in zip(prompts, results)]
+        results += llm.generate(turns, params)
     if TEST_DEVICE == "cpu":
         assert {cls for cls, phase in log if phase == "decode"} == {"ModuleRunner"}
     assert sum(r.cached_tokens for r in results[len(prompts) :]) >= 16, "the warm run hit no cache"
     compared = 0
     for i, res in enumerate(results):
-        ref, ref_logits = oss_hf.greedy(prompts[i % len(prompts)], max_tokens)
+        ref, ref_logits = oss_hf.greedy((prompts + turns)[i], max_tokens)
         compared += assert_greedy_match(res.token_ids, ref, ref_logits, label=f"prompt {i}")
     assert compared >= 0.8 * max_tokens * len(results)
 

@@ -97,7 +97,8 @@ reps() { seq "${REPS:-1}"; }  # REPS=N: each offline run N times, one process ea
 CUDA_TESTS="tests/test_attention_cuda.py tests/test_triton_ops_cuda.py tests/test_sampling_cuda.py tests/test_kv_fp8_cuda.py
   tests/test_models.py tests/test_engine.py tests/test_llm.py tests/test_scheduler.py tests/test_step_failure.py
   tests/test_sampling_extras.py tests/test_kv_dtype.py tests/test_deterministic.py tests/test_retraction.py
-  tests/test_prompt_logprobs.py tests/test_structured_output.py tests/test_phi3.py tests/test_models_round2.py tests/test_gemma.py"
+  tests/test_prompt_logprobs.py tests/test_structured_output.py tests/test_phi3.py tests/test_models_round2.py tests/test_gemma.py
+  tests/test_window_pages.py"
 
 # the device's copy carries the working tree but not its .git: the caller names the commit (COMMIT=)
 { echo "date $(date -u +%FT%TZ) commit ${COMMIT:-unnamed (pass COMMIT=)} parts: $*"

@@ -74,8 +74,10 @@ class DeterministicAttnBackend(BaseAttnBackend):
             return deterministic_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.positions,
                 sm_scale=self.model_config.softmax_scale, window=window, softcap=self.model_config.attn_logit_softcapping,
+                translation=self.kv_cache.translation_of(layer_id),
             )  # fmt: skip
-        return attend_walk(q, meta.rows, meta.positions, meta.chunk_blocks, k_cache, v_cache, self.page_table, self.model_config, window)
+        return attend_walk(q, meta.rows, meta.positions, meta.chunk_blocks, k_cache, v_cache, self.page_table, self.model_config, window,
+                           self.kv_cache.translation_of(layer_id))  # fmt: skip
 
     # ---- CUDA graphs of decode steps: the kernel reads each query's row and position from device
     # memory and derives its own key range, so one captured launch serves every batch of its size
@@ -107,13 +109,16 @@ def chunk_blocks(positions: List[int]) -> List[int]:
 
 
 def attend_walk(q: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, blocks: List[int], k_cache: torch.Tensor,
-                v_cache: torch.Tensor, page_table: torch.Tensor, cfg: ModelConfig, window: int | None) -> torch.Tensor:  # fmt: skip
+                v_cache: torch.Tensor, page_table: torch.Tensor, cfg: ModelConfig, window: int | None,
+                translation: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The walk in torch ops (CPU): query token t ([T, Hq, D]) attends the keys of page-table row
-    rows[t] at positions [0, positions[t]], QUERY_CHUNK queries at a time (`blocks`: chunk_blocks)."""
+    rows[t] at positions [0, positions[t]], QUERY_CHUNK queries at a time (`blocks`: chunk_blocks);
+    `translation`: the page table's slot -> a slot of k/v_cache (a hybrid pool's sliding layer)."""
     out = torch.empty_like(q)
     for c, num_blocks in enumerate(blocks):
         lo, hi = c * QUERY_CHUNK, min((c + 1) * QUERY_CHUNK, q.shape[0])
-        out[lo:hi] = _attend_chunk(q[lo:hi], rows[lo:hi], positions[lo:hi], num_blocks, k_cache, v_cache, page_table, cfg, window)
+        out[lo:hi] = _attend_chunk(q[lo:hi], rows[lo:hi], positions[lo:hi], num_blocks, k_cache, v_cache, page_table, cfg, window,
+                                   translation)  # fmt: skip
     return out
 
 
@@ -127,6 +132,7 @@ def _attend_chunk(
     page_table: torch.Tensor,
     cfg: ModelConfig,
     window: int | None = None,
+    translation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     n, hq, d = q.shape
     hk = k_cache.shape[1]
@@ -147,6 +153,8 @@ def _attend_chunk(
         if window is not None:
             valid &= cols[None, :] > positions[:, None] - window
         slots = page_table[rows[:, None], cols.clamp(max=width - 1)[None, :]].long()
+        if translation is not None:
+            slots = translation[slots]
         keys = k_cache[slots].float()  # [n, BLOCK, Hk, D]
         scores = _tree(qf * keys[:, :, :, None, :], -1, torch.add)  # [n, BLOCK, Hk, G]
         if cap is not None:

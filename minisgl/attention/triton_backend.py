@@ -164,12 +164,17 @@ class TritonAttnBackend(BaseAttnBackend):
     # ---- compute -------------------------------------------------------------------------------
     def store_kv(self, k: torch.Tensor, v: torch.Tensor | None, layer_id: int, batch: Batch) -> None:
         assert v is not None  # (a latent pool: this backend refuses latent_attention at init)
-        store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, batch.out_loc)
+        trans = self.kv_cache.translation_of(layer_id)
+        # a sliding layer of a hybrid pool stores at the window slots of this step's main slots
+        # (a gather on the device: captured by CUDA graphs like the rest of the step)
+        loc = batch.out_loc if trans is None else trans[batch.out_loc.long()]
+        store_kv(self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id), k, v, loc)
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch, sinks: torch.Tensor | None = None) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         meta: TritonAttnMetadata = batch.attn_metadata
         window, cap = self.model_config.window_of(layer_id), self.softcap
+        trans = self.kv_cache.translation_of(layer_id)  # (a hybrid pool's sliding layer: kvcache/window.py)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if meta.num_splits is not None:
@@ -181,6 +186,7 @@ class TritonAttnBackend(BaseAttnBackend):
             decode_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.seq_lens, meta.num_splits,
                 meta.mid_o, meta.mid_lse, out, self.sm_scale, order=meta.order, window=window, softcap=cap, sinks=sinks,
+                translation=trans,
             )  # fmt: skip
             return out
         if meta.num_decode > 0:
@@ -193,13 +199,14 @@ class TritonAttnBackend(BaseAttnBackend):
                 q[:nd], k_cache, v_cache, self.page_table, meta.dec_rows, meta.dec_seq_lens, meta.dec_num_splits,
                 mid_o, mid_lse, out[:nd], self.sm_scale,
                 block_n=decode_tile(MIXED_DECODE_TILE_BS, q.dtype), order=meta.dec_order, window=window, softcap=cap,
-                sinks=sinks,
+                sinks=sinks, translation=trans,
             )  # fmt: skip
         if meta.max_extend_len > 0:
             assert meta.q_start is not None and meta.cached_lens is not None and meta.extend_lens is not None
             extend_attention(
                 q, k_cache, v_cache, self.page_table, meta.rows, meta.q_start, meta.cached_lens,
                 meta.extend_lens, meta.max_extend_len, out, self.sm_scale, window=window, softcap=cap, sinks=sinks,
+                translation=trans,
             )  # fmt: skip
         return out
 

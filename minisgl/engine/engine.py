@@ -31,7 +31,8 @@ from minisgl.kernel.fused import use_fused_on
 from minisgl.kernel.skinny import SkinnyPlan
 from minisgl.kernel.skinny import build_plan as build_skinny_plan
 from minisgl.kvcache import create_kvcache_pool
-from minisgl.kvcache.pool import check_kv_cache_dtype, model_kv_bytes_per_slot
+from minisgl.kvcache.pool import check_kv_cache_dtype
+from minisgl.kvcache.window import DECODE_AHEAD_TOKENS, kv_page_sizing
 from minisgl.layers.batch_invariant import BatchInvariantMode
 from minisgl.layers.fp8 import keeps_fp8
 from minisgl.layers.int4 import keeps_int4
@@ -288,7 +289,7 @@ class Engine:
         self.model.eval()
 
         # ---- KV pool: what memory remains
-        self.num_pages = self._determine_num_pages(init_free_memory, config)
+        self.num_pages, self.num_window_pages = self._determine_num_pages(init_free_memory, config)
         num_tokens = self.num_pages * config.page_size
         self.ctx.kv_cache = self.kv_cache = create_kvcache_pool(
             model_config=model_config,
@@ -297,6 +298,8 @@ class Engine:
             device=self.device,
             dtype=self.dtype,
             kv_cache_dtype=config.kv_cache_dtype,
+            # (the window pool's last page is the dummy page's twin)
+            num_window_pages=None if self.num_window_pages is None else self.num_window_pages + 1,
         )
 
         # ---- page table: a row per request, each entry the pool slot of that token's KV
@@ -467,13 +470,20 @@ class Engine:
         return load_weights(self.model, resolve_model_path(config.model_path), self.device, self.dtype, keep_fp8=keep_fp8,
                             keep_int4=keep_int4)  # fmt: skip
 
-    def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> int:
+    def _determine_num_pages(self, old_free_memory: int, config: EngineConfig) -> Tuple[int, int | None]:
+        """(main pages, window pages: None unless the model has sliding layers, kvcache/window.py)."""
         mc = config.model_config
-        per_slot = model_kv_bytes_per_slot(mc, config.kv_cache_dtype, self.dtype, config.tp_info.size)
-        if self.reserve is not None:  # a draft model's pool holds as many pages: each page costs both
-            per_slot += self.reserve.kv_bytes_per_slot
-        cache_per_page = per_slot * config.page_size
+        # (a scheduler's config bounds a step's prompt tokens and drafts; a bare engine's steps are
+        # the caller's: SchedulerConfig's defaults)
+        step_tokens = getattr(config, "max_extend_tokens", 8192)
+        ahead = DECODE_AHEAD_TOKENS + getattr(config, "speculative_num_tokens", 4)
+        sizing = kv_page_sizing(mc, config.kv_cache_dtype, self.dtype, config.tp_info.size, config.page_size,
+                                config.max_running_req, step_tokens, ahead)  # fmt: skip
+        if self.reserve is not None:  # a draft model's pool holds as many pages: each main page costs both
+            extra = self.reserve.kv_bytes_per_slot * config.page_size
+            sizing = dataclasses.replace(sizing, page_bytes=sizing.page_bytes + extra, main_page_bytes=sizing.main_page_bytes + extra)
         num_pages = config.num_page_override
+        window_pages = None if sizing.window_need is None else min(num_pages or 0, sizing.window_need)
         if num_pages is None:
             new_free_memory = self._sync_get_memory()[1]
             model_memory = old_free_memory - new_free_memory
@@ -482,14 +492,23 @@ class Engine:
                 available -= self.reserve.weight_bytes
             if not is_cuda(self.device):
                 available = min(available, config.cpu_kv_cache_bytes)
-            num_pages = available // cache_per_page
+            num_pages, window_pages = sizing.pages(available)
         if num_pages <= 1:
             raise ValueError(
-                f"not enough memory for the KV cache: num_pages={num_pages} (need > 1, {cache_per_page} bytes each); "
+                f"not enough memory for the KV cache: num_pages={num_pages} (need > 1, {sizing.page_bytes} bytes each); "
                 "raise memory_ratio / cpu_kv_cache_bytes or set num_page_override"
             )
-        logger.info_rank0(f"KV cache: {num_pages * config.page_size} tokens, {gib(num_pages * cache_per_page)}")
-        return num_pages
+        tokens, ps = num_pages * config.page_size, config.page_size
+        if window_pages is None:
+            logger.info_rank0(f"KV cache: {tokens} tokens, {gib(num_pages * sizing.page_bytes)}")
+        else:
+            used = num_pages * sizing.main_page_bytes + window_pages * sizing.window_page_bytes
+            logger.info_rank0(
+                f"KV cache: {tokens} tokens ({gib(num_pages * sizing.main_page_bytes)} for the global layers), the sliding "
+                f"layers' in a window pool of {window_pages * ps} tokens ({gib(window_pages * sizing.window_page_bytes)}); "
+                f"{gib(used)} would hold {used // sizing.page_bytes * ps} tokens with every layer keeping every token"
+            )
+        return num_pages, window_pages
 
     # ---- the one method callers use ----------------------------------------------------------
     def forward_batch(self, batch: Batch, args: BatchSamplingArgs) -> ForwardOutput:

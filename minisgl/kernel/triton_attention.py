@@ -119,6 +119,8 @@ def _decode_partial_kernel(
     F16_DOT: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
     HAS_SINKS: tl.constexpr = False,
+    Trans=None,  # (always passed) [main slots] int64: the page table's slot -> a K/V slot (a hybrid pool's sliding layer; read with HAS_TRANS)
+    HAS_TRANS: tl.constexpr = False,
 ):
     if USE_PDL:  # minisgl/kernel/pdl.py: every program waits for the prologue's K/V and q
         tl.extra.cuda.gdc_launch_dependents()
@@ -167,6 +169,8 @@ def _decode_partial_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            if HAS_TRANS:
+                slots = tl.load(Trans + slots, mask=mask_n, other=0)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(kdt)  # fp8 pool: exact widening (no-op otherwise)
@@ -478,6 +482,8 @@ def _extend_kernel(
     HEAVY_FIRST: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0,
     HAS_SINKS: tl.constexpr = False,
+    Trans=None,  # (always passed) as the decode kernel's
+    HAS_TRANS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -519,6 +525,8 @@ def _extend_kernel(
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < kv_end
             slots = tl.load(pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            if HAS_TRANS:
+                slots = tl.load(Trans + slots, mask=mask_n, other=0)
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(K + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             k = k.to(Q.dtype.element_ty)  # fp8 pool: exact widening to the model dtype (no-op otherwise)
@@ -627,6 +635,7 @@ def decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    translation: torch.Tensor | None = None,
 ) -> None:
     """q/out: [B, Hq, D]; k/v_cache: [slots, Hk, D]; rows/seq_lens/num_splits: [B];
     order: [B] the batch rows in the order their programs should start (longest first), or None;
@@ -636,7 +645,9 @@ def decode_attention(
     `use_cc_decode`) takes CC_TILE. window: the layer's sliding window (None: none); softcap: the
     score soft-cap (None: none); sinks: [Hq] attention sinks (None: none; read as float32), which join the
     denominator where the softmax completes (the direct first stage or the reduce; the CUDA-core
-    fp8 kernel has no sinks: the tensor-core one runs then)."""
+    fp8 kernel has no sinks: the tensor-core one runs then); translation: [main slots] int64, the
+    page table's slot -> a slot of k/v_cache (a hybrid pool's sliding layer, kvcache/window.py; the
+    CUDA-core fp8 kernel has none: the tensor-core one runs then)."""
     B, Hq, D = q.shape
     Hk = k_cache.shape[1]
     group = Hq // Hk
@@ -655,7 +666,7 @@ def decode_attention(
     win, cap = window if window is not None else NO_WINDOW, float(softcap or 0.0)
     has_sinks = sinks is not None
     sinks_arg = sinks if sinks is not None else mid_lse  # (a pointer the kernels never read)
-    if use_cc_decode(q.dtype, k_cache.dtype, group, D) and not has_sinks:
+    if use_cc_decode(q.dtype, k_cache.dtype, group, D) and not has_sinks and translation is None:
         _decode_cc(q, k_cache, v_cache, page_table, rows, seq_lens, num_splits, order, dst, dst_strides, mid_lse,
                    sm_scale, pdl, win, cap)  # fmt: skip
     else:
@@ -669,8 +680,8 @@ def decode_attention(
             mid_lse.stride(0), mid_lse.stride(1), sinks_arg,
             GROUP=group, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n,
             BLOCK_D=block_d, PRECISION=_precision(q.dtype), DIRECT=direct, HAS_ORDER=order is not None,
-            USE_PDL=pdl, F16_DOT=f16_dot, SOFTCAP=cap, HAS_SINKS=has_sinks, num_warps=num_warps, num_stages=num_stages,
-            **launch_kwargs(pdl),
+            USE_PDL=pdl, F16_DOT=f16_dot, SOFTCAP=cap, HAS_SINKS=has_sinks, Trans=rows if translation is None else translation,
+            HAS_TRANS=translation is not None, num_warps=num_warps, num_stages=num_stages, **launch_kwargs(pdl),
         )  # fmt: skip
     if direct:
         return
@@ -701,11 +712,12 @@ def extend_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    translation: torch.Tensor | None = None,
 ) -> None:
     """q/out: [T, Hq, D] (requests' new tokens back to back); per-request [B] metadata.
     config: (BLOCK_M, BLOCK_N, num_warps, num_stages) to override the default tiles;
     heavy_first: start the query blocks nearest the end of each chunk first (see the kernel);
-    window / softcap / sinks: as decode_attention's."""
+    window / softcap / sinks / translation: as decode_attention's."""
     T, Hq, D = q.shape
     B = rows.shape[0]
     Hk = k_cache.shape[1]
@@ -728,7 +740,8 @@ def extend_attention(
         page_table.stride(0), sinks if sinks is not None else q,
         GROUP=Hq // Hk, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=_precision(q.dtype), HEAVY_FIRST=heavy_first, SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
-        num_warps=warps, num_stages=stages,
+        Trans=rows if translation is None else translation, HAS_TRANS=translation is not None, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
 
 

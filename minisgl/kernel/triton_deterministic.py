@@ -47,6 +47,8 @@ def _deterministic_attention_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SOFTCAP: tl.constexpr = 0.0,
+    Trans=None,  # (always passed) [main slots] int64: main slot -> window slot (a hybrid pool's sliding layer; read with HAS_TRANS)
+    HAS_TRANS: tl.constexpr = False,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -65,6 +67,8 @@ def _deterministic_attention_kernel(
         cols = j * BLOCK_N + offs
         valid = (cols <= pos) & (cols > pos - window)
         slots = tl.load(page_table_ptr + row * stride_pt + cols, mask=valid, other=0).to(tl.int64)
+        if HAS_TRANS:
+            slots = tl.load(Trans + slots, mask=valid, other=0)
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_h * stride_kh + d[None, :], mask=valid[:, None] & d_ok[None, :], other=0.0)
         scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
         if SOFTCAP > 0:
@@ -91,8 +95,10 @@ def deterministic_attention(
     sm_scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    translation: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D]; k/v_cache: [slots, Hk, D]; rows/positions: [T]. Returns [T, Hq, D].
+    translation: the page table's slot -> a slot of k/v_cache (a hybrid pool's sliding layer).
     sm_scale: None = head_dim^-0.5; window: the layer's sliding
     window (None: none); softcap: the score soft-cap (None: none)."""
     num_tokens, hq, head_dim = q.shape
@@ -106,6 +112,6 @@ def deterministic_attention(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=hq // hk, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=BLOCK,
-        SOFTCAP=float(softcap or 0.0),
+        SOFTCAP=float(softcap or 0.0), Trans=rows if translation is None else translation, HAS_TRANS=translation is not None,
     )  # fmt: skip
     return out

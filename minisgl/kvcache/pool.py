@@ -24,7 +24,7 @@ compressed latent and its rotary key, and no V buffer: V is a view of K's first 
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Dict, Tuple
 
 import torch
 
@@ -69,10 +69,14 @@ def pool_geometry(model_config: ModelConfig, tp_size: int) -> Tuple[int, int, in
     return div_even(model_config.num_kv_heads, tp_size, allow_replicate=True), model_config.head_dim, None
 
 
-def model_kv_bytes_per_slot(model_config: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype, tp_size: int) -> int:
-    """Bytes one token takes in this rank's pool for `model_config` (the engine sizes the pool by it)."""
+def model_kv_bytes_per_slot(
+    model_config: ModelConfig, kv_cache_dtype: str, model_dtype: torch.dtype, tp_size: int, num_layers: int | None = None
+) -> int:
+    """Bytes one token takes in this rank's pool for `model_config` (the engine sizes the pool by
+    it); `num_layers`: of that many of its layers only (a hybrid pool's global or sliding ones)."""
     heads, head_dim, v_dim = pool_geometry(model_config, tp_size)
-    return kv_bytes_per_slot(kv_cache_dtype, model_dtype, model_config.num_layers, heads, head_dim, latent=v_dim is not None)
+    layers = model_config.num_layers if num_layers is None else num_layers
+    return kv_bytes_per_slot(kv_cache_dtype, model_dtype, layers, heads, head_dim, latent=v_dim is not None)
 
 
 class KVCachePool:
@@ -97,6 +101,11 @@ class KVCachePool:
         self.scales: torch.Tensor | None = None
         if kv_cache_dtype == "int8":
             self.scales = torch.zeros(planes, num_layers, num_slots, num_kv_heads, device=device, dtype=torch.float32)
+
+    def translation_of(self, layer_id: int) -> torch.Tensor | None:
+        """The main slot -> window slot map a reader of layer `layer_id` applies to the page
+        table's slots (HybridKVCachePool's sliding layers); None: the slots are this layer's."""
+        return None
 
     @property
     def latent(self) -> bool:
@@ -187,11 +196,89 @@ def quantize_int8_per_head(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]
     return codes, amax / 127.0
 
 
+class HybridKVCachePool(KVCachePool):
+    """The pool of a model with sliding-window layers (kvcache/window.py): the global layers'
+    K/V in `full`, one slot per main slot; the sliding layers' K/V in `window`, a smaller pool
+    reached through `translation` ([main slots] int64 on the device: main slot -> window slot).
+    Layer ids stay the model's: `k_cache`, `store_kv` and `gather` of a sliding layer go to the
+    window pool (store and gather translate the slots they are given), so a backend that reads
+    through them needs nothing else; a kernel that walks the page table itself applies the
+    layer's `translation_of` to each slot it loads."""
+
+    def __init__(
+        self, layer_windows: Tuple[int | None, ...], num_slots: int, num_window_slots: int, page_size: int,
+        num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+    ) -> None:  # fmt: skip
+        full = [i for i, w in enumerate(layer_windows) if w is None]
+        sliding = [i for i, w in enumerate(layer_windows) if w is not None]
+        # (this object's own buffer is empty: every layer lives in one of the two pools)
+        super().__init__(0, num_slots, num_kv_heads, head_dim, device, dtype, kv_cache_dtype)
+        self.num_layers = len(layer_windows)
+        self.full = KVCachePool(len(full), num_slots, num_kv_heads, head_dim, device, dtype, kv_cache_dtype)
+        self.window = KVCachePool(len(sliding), num_window_slots, num_kv_heads, head_dim, device, dtype, kv_cache_dtype)
+        self.scales = self.full.scales  # (what a reader checks to know the pool is int8)
+        # layer id -> (its pool, its index there)
+        self._where: Dict[int, Tuple[KVCachePool, int]] = {}
+        for local, i in enumerate(full):
+            self._where[i] = (self.full, local)
+        for local, i in enumerate(sliding):
+            self._where[i] = (self.window, local)
+        # every main slot starts pointing at the window pool's last page (the dummy page's twin):
+        # an entry is rewritten when its main page is allocated; stale ones are only read masked
+        dummy = num_window_slots - page_size
+        self.translation = dummy + torch.arange(num_slots, device=device, dtype=torch.int64) % page_size
+
+    def sliding(self, layer_id: int) -> bool:
+        return self._where[layer_id][0] is self.window
+
+    def translation_of(self, layer_id: int) -> torch.Tensor | None:
+        return self.translation if self.sliding(layer_id) else None
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        pool, local = self._where[layer_id]
+        return pool.k_cache(local)
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        pool, local = self._where[layer_id]
+        return pool.v_cache(local)
+
+    def k_scale(self, layer_id: int) -> torch.Tensor:
+        pool, local = self._where[layer_id]
+        return pool.k_scale(local)
+
+    def v_scale(self, layer_id: int) -> torch.Tensor:
+        pool, local = self._where[layer_id]
+        return pool.v_scale(local)
+
+    def _slots(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        return self.translation[slots.long()] if self.sliding(layer_id) else slots
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor | None, out_loc: torch.Tensor, layer_id: int) -> None:
+        pool, local = self._where[layer_id]
+        pool.store_kv(k, v, self._slots(layer_id, out_loc), local)
+
+    def gather(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        pool, local = self._where[layer_id]
+        return pool.gather(local, self._slots(layer_id, slots), dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.full.nbytes + self.window.nbytes + self.translation.numel() * self.translation.element_size()
+
+
 def create_kvcache_pool(
     model_config: ModelConfig, num_pages: int, page_size: int, device: torch.device, dtype: torch.dtype,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", num_window_pages: int | None = None,
 ) -> KVCachePool:  # fmt: skip
+    """`num_window_pages` (pages counted as `num_pages`, the dummy page included): a hybrid pool
+    for a model with sliding layers (kvcache/window.py); None: every layer keeps every token."""
     heads, head_dim, v_dim = pool_geometry(model_config, get_tp_info().size)
+    if num_window_pages is not None:
+        assert v_dim is None and model_config.layer_windows, "a window pool needs sliding layers and a K/V pool"
+        return HybridKVCachePool(
+            model_config.layer_windows, num_pages * page_size, num_window_pages * page_size, page_size, heads, head_dim,
+            device, dtype, kv_cache_dtype,
+        )  # fmt: skip
     return KVCachePool(
         num_layers=model_config.num_layers,
         num_slots=num_pages * page_size,

@@ -8,6 +8,8 @@ backend may take the whole step from the qkv rows itself (`forward_qkv`: the CPU
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -15,6 +17,9 @@ from minisgl.core import get_global_ctx
 from minisgl.kernel.fused import triton_ops, use_fused
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from minisgl.kvcache.pool import KVCachePool
 
 
 class AttentionLayer(nn.Module):
@@ -70,6 +75,12 @@ class AttentionLayer(nn.Module):
         # (the kernel computes plain RMSNorm, not Gemma's unit-offset kind)
         return self._qk_norm is None or all(n.weight.dtype == qkv.dtype and not n.unit_offset for n in self._qk_norm)
 
+    def _store_loc(self, kv: KVCachePool, out_loc: torch.Tensor) -> torch.Tensor:
+        """Where this layer's K/V of the step go: `out_loc`, or a hybrid pool's window slots of it
+        for a sliding layer (kvcache/window.py; a device gather, inside CUDA graphs)."""
+        trans = kv.translation_of(self.layer_id)
+        return out_loc if trans is None else trans[out_loc.long()]
+
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         batch = ctx.batch
@@ -84,7 +95,7 @@ class AttentionLayer(nn.Module):
             q = triton_ops().attention_prologue(  # type: ignore[union-attr]
                 qkv, batch.positions, norm[0].weight if norm else None, norm[1].weight if norm else None,
                 norm[0].eps if norm else 0.0, self.rotary.cos, self.rotary.sin,
-                kv.k_cache(self.layer_id), kv.v_cache(self.layer_id), batch.out_loc,
+                kv.k_cache(self.layer_id), kv.v_cache(self.layer_id), self._store_loc(kv, batch.out_loc),
                 self.num_q_heads, self.num_kv_heads, self.head_dim,
             )  # fmt: skip
             return backend.attend(q, self.layer_id, batch, self.sinks).reshape(-1, self.q_size)

@@ -49,6 +49,9 @@ class StepPlan:
     num_decode_rows: int = 0  # a mixed step's decode rows (one token each) come first
     page_writes: List[Write] = field(default_factory=list)
     token_writes: List[Write] = field(default_factory=list)
+    # (main page, window page) pairs of the pages allocated for this step (a model with sliding
+    # layers: kvcache/window.py): the runner writes each slot's entry of the pool's translation
+    window_writes: List[Tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     # For runners with their own request objects (TP followers), applied before the rows:
     releases: List[int] = field(default_factory=list)  # uids that finished: forget them

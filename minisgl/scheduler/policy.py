@@ -18,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Tuple
 
-from minisgl.kvcache import PageAllocator, create_cache_manager
+from minisgl.kvcache import MatchResult, PageAllocator, create_cache_manager
+from minisgl.kvcache.window import DECODE_AHEAD_TOKENS, HybridPageAllocator, window_match_pages
 from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
 from minisgl.scheduler.config import SchedulerConfig
@@ -95,6 +96,10 @@ class Limits:
     # the most tokens a step may feed and still run on the engine's fast runner (the CPU decode
     # loop's rows, engine/cpu_decode.py); None: no such bound. Verify steps stay within it.
     fast_step_tokens: int | None = None
+    # a model with sliding layers (kvcache/window.py): the window pool's pages (the dummy page's
+    # twin not counted) and the longest sliding window; None: one pool, every layer every token
+    window_pages: int | None = None
+    window: int | None = None
 
 
 class Policy:
@@ -120,13 +125,17 @@ class Policy:
         self.step_budget = StepBudget(target or None) if (target or (target is None and on_cpu)) else None
         self._on_grammar = on_grammar  # told the GrammarBackend when the first grammar arrives
         self.page_size = config.page_size
-        self.alloc_ahead = max(0, 16 - self.page_size)  # decode tokens of pages allocated ahead
+        self.alloc_ahead = max(0, DECODE_AHEAD_TOKENS - self.page_size)  # decode tokens of pages allocated ahead
         self.max_seq_len = limits.max_seq_len
         self.vocab_size = limits.vocab_size
         self.eos_ids = set(limits.eos_ids)
         self.pooling = limits.pooling
         self.fast_step_tokens = limits.fast_step_tokens
+        self.window = limits.window if limits.window_pages is not None else None
         self.allocator = PageAllocator(limits.num_pages)
+        if limits.window_pages is not None:
+            assert limits.window is not None, "a window pool needs its window"
+            self.allocator = HybridPageAllocator(limits.num_pages, limits.window_pages)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
         self._group_rows: Dict[int, int] = {}  # group -> table rows its requests hold (fair admission)
@@ -510,7 +519,7 @@ class Policy:
                 if any(r is req for r in flying):
                     break  # (after a failed step) its last token is still on the way: resume after it
                 ids = req.token_ids
-                match = self.cache.match_prefix(ids[: len(ids) - 1])
+                match = self._match(ids[: len(ids) - 1])
                 need = div_ceil(len(ids), ps) - match.num_pages
                 future = self._future_pages(len(ids), req.output_len - req.num_output, div_ceil(len(ids), ps))
             else:
@@ -518,7 +527,7 @@ class Policy:
                 # a request that wants its prompt's logprobs needs every prompt token's logits, and
                 # mean/cls pooling every row from position 0: no cache hit
                 every_row = params.prompt_logprobs is not None or self.pooling in ("mean", "cls")
-                match = self.cache.match_prefix(req.token_ids[: 0 if every_row else req.prompt_len - 1])
+                match = self._match(req.token_ids[: 0 if every_row else req.prompt_len - 1])
                 prompt_pages = div_ceil(req.prompt_len, ps)
                 if optimistic:  # the prompt is reserved; its decoding is an estimate
                     need = prompt_pages - match.num_pages
@@ -556,6 +565,21 @@ class Policy:
         for r in decoding:
             r.trusted_len = r.cached_len  # what survives if this step fails (see _recover)
         return _Pick(decoding + reqs, "prefill", len(decoding))
+
+    def _match(self, ids: List[int]) -> MatchResult:
+        """The prefix cache's match, cut (with window pages) to the last point whose preceding
+        window still has the sliding layers' K/V (kvcache/window.py); the handle still pins the
+        whole path matched, released as usual."""
+        match = self.cache.match_prefix(ids)
+        allocator = self.allocator
+        if not isinstance(allocator, HybridPageAllocator) or not match.pages:
+            return match
+        assert self.window is not None
+        k = window_match_pages(allocator.has_window(match.pages), self.window, self.page_size)
+        if k == 0:
+            self.cache.unlock(match.handle)
+            return MatchResult(None, [])
+        return MatchResult(match.handle, match.pages[:k])
 
     def _start(self, req: SchedReq) -> None:
         """A new request's first admission: it becomes active."""
@@ -602,6 +626,9 @@ class Policy:
             return
         if self.allocator.num_free < need:
             self.allocator.free(self.cache.evict(need - self.allocator.num_free))
+        allocator = self.allocator
+        if isinstance(allocator, HybridPageAllocator) and allocator.num_window_free < need:
+            self._reclaim_windows(allocator, need - allocator.num_window_free)
         start = len(req.pages)
         req.pages += self.allocator.alloc(need)
         take = min(need, req.reserved_pages)
@@ -636,6 +663,8 @@ class Policy:
             spare = self.available_pages() - self._decode_need
             if spare < 2 * len(reqs) * div_ceil(ahead, ps):
                 ahead = 0
+        if isinstance(self.allocator, HybridPageAllocator):
+            self._drop_windows(self.allocator, reqs)
         for req in reqs:
             if req.device_len > len(req.pages) * ps:
                 # Allocate a few steps ahead: with page_size 1 a decode step would otherwise
@@ -654,12 +683,53 @@ class Policy:
             plan.emits = [r.device_len >= r.prefill_len for r in reqs]
             plan.prompt_logprobs = None if plan.drafts else _prompt_logprob_plan(reqs)
         plan.page_writes, self._pt_writes = self._pt_writes, []
+        if isinstance(self.allocator, HybridPageAllocator):
+            plan.window_writes = self.allocator.take_writes()
         plan.token_writes, self._tp_writes = self._tp_writes, []
         if self._share_rows:
             plan.releases, self._releases = self._releases, []
             plan.new_rows, self._new_rows = self._new_rows, []
             plan.history, self._history = self._history, {}
         return plan
+
+    def _window_dead(self, req: SchedReq) -> int:
+        """Pages of `req` before this one are read by no query of its from the next step on:
+        they lie wholly below the window before its last page boundary at or before cached_len
+        (that window is kept for the prefix cache: a conversation continued from the cache finds
+        it there)."""
+        assert self.window is not None
+        ps = self.page_size
+        return max(0, req.cached_len // ps * ps - self.window + 1) // ps
+
+    def _reclaim_windows(self, allocator: HybridPageAllocator, short: int) -> None:
+        """Free `short` window pages that no admitted request reads: cached pages' windows (the
+        tails of cached prefixes, pinned or not) outside every admitted request's live window,
+        the oldest first. The window pool holds every admitted request's live window
+        (kvcache/window.py), so there are always enough. Those prefixes then no longer match
+        there (`_match` cuts)."""
+        live = set()
+        for r in self.active.values():
+            if r.holds_row:  # (finished ones awaiting release too: a step in flight may read them)
+                live.update(r.pages[self._window_dead(r) :])
+        victims = [p for p, w in enumerate(allocator.win_of) if w >= 0 and p not in live]
+        assert len(victims) >= short, f"window pool: {short} pages short, {len(victims)} reclaimable"
+        victims.sort(key=allocator.win_age.__getitem__)
+        # an eighth of the pool at least: the scan walks every main page, so it should not run
+        # again at the next allocation
+        allocator.drop_window(victims[: max(short, allocator.window.num_pages // 8)])
+
+    def _drop_windows(self, allocator: HybridPageAllocator, reqs: List[SchedReq]) -> None:
+        """Free the window pages of each request's own pages that no query of its reads from this
+        step on (`_window_dead`; a step in flight may still read them: it finishes before this
+        step writes into them, kvcache/window.py). Pages that came from the prefix cache stay
+        (the cache's; `_reclaim_windows` frees theirs when no admitted request reads them)."""
+        ps = self.page_size
+        for req in reqs:
+            dead = self._window_dead(req)
+            own = req.matched_len // ps
+            if dead > req.window_from:
+                allocator.drop_window(req.pages[max(own, req.window_from) : dead])
+                req.window_from = dead
 
     def launched(self, plan: StepPlan) -> None:
         """After the runner launched `plan` (its rows advanced by complete_one): where each
@@ -912,6 +982,16 @@ class Policy:
         assert len(self.free_rows) == self.config.max_running_req, "a table row leaked"
         assert not self._group_rows, f"rows still counted for groups {self._group_rows}"
         assert len(set(self.allocator._free)) == self.allocator.num_free, "a page was freed twice"
+        allocator = self.allocator
+        if isinstance(allocator, HybridPageAllocator):  # window pages: free, or held by a cached page
+            held = [w for w in allocator.win_of if w >= 0]
+            window = allocator.window
+            assert window.num_free + len(held) == window.num_pages, (
+                f"window page leak: {window.num_free} free + {len(held)} held by cached pages != {window.num_pages}"
+            )
+            assert len(set(window._free) | set(held)) == window.num_pages, "a window page was freed twice or is both free and held"
+            free = set(allocator._free)
+            assert not any(allocator.win_of[p] >= 0 for p in free), "a free page still holds a window page"
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
         assert self._num_penalized == 0, "a finished request is still counted as using penalties"
         assert self._num_constrained == 0, "a finished request is still counted as constrained"

@@ -65,6 +65,8 @@ class SchedReq(Req):
         self.num_cached_prompt = 0
         self.matched_len = 0  # tokens whose pages came from the prefix cache (this admission)
         self.reserved_pages = 0  # pages promised to this request but not yet allocated
+        # with window pages (kvcache/window.py): pages before this one had their window dropped
+        self.window_from = 0
         self.finish_reason: str | None = None
         self.stop_ids: set[int] = set()
         self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache
@@ -87,6 +89,7 @@ class SchedReq(Req):
         self.table_idx = table_idx
         self.cache_handle = match.handle
         self.pages = list(match.pages)
+        self.window_from = 0
         self.cached_len = self.matched_len = match.num_pages * page_size
         if self.status is Status.WAITING:
             self.num_cached_prompt = self.cached_len

@@ -17,6 +17,7 @@ import torch
 from minisgl.core import Batch
 from minisgl.engine import Engine, ForwardOutput
 from minisgl.engine.spec_verify import make_verify_args
+from minisgl.kvcache.pool import HybridKVCachePool
 from minisgl.scheduler.plan import StepPlan, Write
 from minisgl.utils.device import create_stream, make_device_tensor, record_stream, stream_context
 
@@ -83,6 +84,8 @@ class Runner:
         engine = self.engine
         self._flush(engine.page_table, plan.page_writes)
         self._flush(self.token_pool, plan.token_writes)
+        if plan.window_writes:
+            self._flush_translation(plan.window_writes)
         batch = Batch(reqs=list(plan.reqs), phase="decode" if plan.is_decode else "prefill")
         batch.num_decode_rows = plan.num_decode_rows
         engine.graph_runner.pad_batch(batch)
@@ -126,6 +129,19 @@ class Runner:
                 tokens = torch.where(keep, tokens, self.token_pool[rows_w, pos_w])
             self.token_pool[rows_w, pos_w] = tokens
         return Flight(plan, batch, output)
+
+    def _flush_translation(self, pairs: List[Tuple[int, int]]) -> None:
+        """Point each slot of the step's new main pages at its window page's slot (the hybrid
+        pool's translation, kvcache/window.py): one scatter, on the staging stream like the
+        page-table writes (no step in flight reads these main pages)."""
+        pool = self.engine.kv_cache
+        assert isinstance(pool, HybridKVCachePool), "window writes for a pool without a window pool"
+        translation = pool.translation
+        ps = self.engine.config.page_size
+        with stream_context(self.stream):
+            pairs_t = make_device_tensor([p for pair in pairs for p in pair], torch.int64, self.device).view(-1, 2)
+            offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
+            translation[(pairs_t[:, :1] * ps + offsets).view(-1)] = (pairs_t[:, 1:] * ps + offsets).view(-1)
 
     def _flush(self, target: torch.Tensor, writes: List[Write]) -> None:
         """One scatter for a step's queued writes to the page table or the token pool."""

@@ -88,8 +88,10 @@ class Scheduler(Policy):
             eos = set(model_config.eos_token_ids) | _generation_eos(config.model_path)
             spec = self.engine.pooling_spec
             pooling = spec.method if spec is not None else None
+            windows = [w for w in model_config.layer_windows if w is not None]
             limits = Limits(self.engine.num_pages, self.engine.max_seq_len, model_config.vocab_size, frozenset(eos), pooling,
-                            fast_step_tokens=self.engine.fast_step_tokens)  # fmt: skip
+                            fast_step_tokens=self.engine.fast_step_tokens, window_pages=self.engine.num_window_pages,
+                            window=max(windows) if windows else None)  # fmt: skip
             runner = self._make_runner(self.engine)
             # On a CPU the forward runs to completion inside the launch: there is nothing for
             # the host to overlap, and reading results a step late only delays every token by a

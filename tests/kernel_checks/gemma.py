@@ -1,7 +1,8 @@
 """Gemma's attention options in the Triton kernels: a sliding window and score soft-capping in the
 triton backend's decode (split-K and direct; over an fp8 pool too, both of its kernels) and extend
 (over a cached prefix) kernels and in the
-deterministic kernel, against a dense float64 reference on random paged inputs; then an Engine
+deterministic kernel, against a dense float64 reference on random paged inputs, and the same
+kernels reading a sliding layer's window pool through its translation; then an Engine
 on the tiny Gemma 2 and Gemma 3 checkpoints of tests/test_gemma.py with the triton backend
 against HF (float32 logits, a prompt prefilled in two chunks, then decode steps).
 
@@ -91,6 +92,62 @@ def check_kernels(dev: torch.device = HOST) -> List[str]:
             errors.append(f"deterministic {tag}: max err {err:.3g}")
         print(f"kernels {tag}: checked")
     errors += check_fp8_decode(k, v, table, lens, hq, scale, dev)
+    errors += check_translation(k, v, table, lens, hq, scale, dev)
+    return errors
+
+
+def check_translation(k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, lens: List[int], hq: int, scale: float,
+                      dev: torch.device = HOST) -> List[str]:  # fmt: skip
+    """A hybrid pool's sliding layer (kvcache/window.py): K/V in a window pool twice the size,
+    each page-table slot reached through a translation (main slot -> window slot, a random
+    injection), the other window slots poisoned. Decode (split and direct), extend and the
+    deterministic kernel give the bits of the same kernels over the untranslated pool."""
+    from minisgl.kernel.triton_attention import decode_attention, extend_attention
+    from minisgl.kernel.triton_deterministic import deterministic_attention
+
+    gen = torch.Generator().manual_seed(11)
+    table, lens = table[1:3], lens[1:3]  # (9 and 40 tokens: the interpreter is slow)
+    slots, d = k.shape[0], k.shape[2]
+    trans = torch.randperm(2 * slots, generator=gen)[:slots]
+    kw = torch.full((2 * slots, *k.shape[1:]), 1.0e4)
+    vw = torch.full_like(kw, 1.0e4)
+    kw[trans], vw[trans] = k, v
+    rows = torch.arange(len(lens))
+    errors: List[str] = []
+    window, cap = 8, 5.0
+    q = torch.randn(len(lens), hq, d, generator=gen)
+    for splits in (3,):  # (the direct kernel is the same loop)
+        outs = []
+        for kk, vv, tr in ((k, v, None), (kw, vw, trans)):
+            out = torch.empty_like(q, device=dev)
+            mid_o = torch.empty(len(lens), hq, splits, d, device=dev)
+            mid_lse = torch.empty(len(lens), hq, splits, device=dev)
+            args = _on(dev, q, kk, vv, table, rows, torch.tensor(lens), torch.full((len(lens),), splits))
+            decode_attention(*args, mid_o, mid_lse, out, scale, window=window, softcap=cap,
+                             translation=None if tr is None else tr.to(dev))  # fmt: skip
+            outs.append(out.cpu())
+        if not torch.equal(*outs):
+            errors.append(f"decode through a translation, splits={splits}: differs by {(outs[0] - outs[1]).abs().max():.3g}")
+    cached = [4, 20]
+    new = [n - c for n, c in zip(lens, cached)]
+    starts = torch.tensor([sum(new[:i]) for i in range(len(new))])
+    qe = torch.randn(sum(new), hq, d, generator=gen)
+    pos = torch.tensor([p for n, c in zip(lens, cached) for p in range(c, n)])
+    row_of = torch.tensor([i for i, m in enumerate(new) for _ in range(m)])
+    ext, det = [], []
+    for kk, vv, tr in ((k, v, None), (kw, vw, trans)):
+        t = None if tr is None else tr.to(dev)
+        out = torch.empty_like(qe, device=dev)
+        args = _on(dev, qe, kk, vv, table, rows, starts, torch.tensor(cached), torch.tensor(new))
+        extend_attention(*args, max(new), out, scale, window=window, softcap=cap, translation=t)
+        ext.append(out.cpu())
+        det.append(deterministic_attention(*_on(dev, qe, kk, vv, table, row_of, pos), sm_scale=scale, window=window,
+                                           softcap=cap, translation=t).cpu())  # fmt: skip
+    if not torch.equal(*ext):
+        errors.append(f"extend through a translation: differs by {(ext[0] - ext[1]).abs().max():.3g}")
+    if not torch.equal(*det):
+        errors.append(f"deterministic through a translation: differs by {(det[0] - det[1]).abs().max():.3g}")
+    print("kernels through a window translation: checked")
     return errors
 
 

@@ -193,7 +193,13 @@ def ops() -> int:
     from minisgl.kernel import triton_bi_matmul as BI
 
     for dt, block_n in (("bf16", 32), ("bf16", 64), ("fp32", 32)):
-        bi = {"x_ptr": f"*{dt}", "w_ptr": f"*{dt}", "b_ptr": f"*{dt}", "y_ptr": f"*{dt}", **i32("M", "N", "K", "stride_xm", "stride_wn", "stride_ym")}
+        bi = {
+            "x_ptr": f"*{dt}",
+            "w_ptr": f"*{dt}",
+            "b_ptr": f"*{dt}",
+            "y_ptr": f"*{dt}",
+            **i32("M", "N", "K", "stride_xm", "stride_wn", "stride_ym"),
+        }
         consts = dict(HAS_BIAS=True, IEEE=dt == "fp32", BLOCK_M=BI.BLOCK_M, BLOCK_N=block_n, BLOCK_K=BI.BLOCK_K, GROUP_M=BI.GROUP_M)
         kern = build(BI._bi_matmul_kernel, bi, {**consts, "stride_xk": 1}, 4, 4)
         if kern is not None and dt == "bf16" and "wgmma" not in kern.asm["ptx"]:

@@ -238,4 +238,5 @@ class CpuDeterministicAttnBackend(CpuAttnBackend):
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         window = self.model_config.window_of(layer_id)
         blocks = chunk_blocks(positions.tolist())
-        return attend_walk(q, meta.table_row, positions, blocks, k_cache, v_cache, self.page_table, self.model_config, window)
+        return attend_walk(q, meta.table_row, positions, blocks, k_cache, v_cache, self.page_table, self.model_config, window,
+                           self.kv_cache.translation_of(layer_id))  # fmt: skip
