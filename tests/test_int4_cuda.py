@@ -117,7 +117,7 @@ def test_int4_checkpoint_keeps_int4_weights_on_cuda(name, quant_checkpoint, path
     ck = quant_checkpoint(name)
     said: List[str] = []
     monkeypatch.setattr(weight.logger, "info_rank0", lambda msg, *args: said.append(msg))
-    with running_engine(ck.quantized, attention_backend="triton") as engine:  # float32, quantization "auto"
+    with running_engine(ck.quantized, attention_backend="triton", quantization="int4") as engine:  # float32
         kept = _int4_linears(engine)
         layers = engine.model.model.layers
         assert len(kept) == 4 * len(layers), f"every projection should keep int4 codes, got {kept}"
@@ -128,7 +128,7 @@ def test_int4_checkpoint_keeps_int4_weights_on_cuda(name, quant_checkpoint, path
         assert engine.graph_runner.batch_sizes, "no decode graphs captured"
         graphs = _assert_exact(engine, path_oracle(ck.dense), f"{name} (graphs)")
     assert any(m.endswith("weights kept as int4 (W4A16 GEMM, activations in float32)") for m in said), said
-    with running_engine(ck.quantized, attention_backend="triton", cuda_graph_bs=[], cuda_graph_max_tokens=0) as engine:
+    with running_engine(ck.quantized, attention_backend="triton", quantization="int4", cuda_graph_bs=[], cuda_graph_max_tokens=0) as engine:
         assert len(_int4_linears(engine)) == len(kept)
         eager = run_generation(engine, allocated_reqs(engine, PROMPTS, STEPS), STEPS)
     assert graphs == eager, "CUDA graphs changed the tokens"
@@ -151,7 +151,7 @@ def _top5(engine: Any, hf: HFOracle, outs: List[List[int]], label: str) -> None:
 @pytest.mark.parametrize("name", ["awq", "gptq_asym_v2"])
 def test_int4_checkpoint_in_bf16(name, quant_checkpoint, path_oracle) -> None:
     ck = quant_checkpoint(name)
-    kw: dict[str, Any] = dict(dtype=torch.bfloat16, attention_backend="triton")
+    kw: dict[str, Any] = dict(dtype=torch.bfloat16, attention_backend="triton", quantization="int4")
     with running_engine(ck.quantized, **kw) as engine:
         kept = _int4_linears(engine)
         assert len(kept) == 4 * len(engine.model.model.layers)

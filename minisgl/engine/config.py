@@ -97,7 +97,7 @@ class EngineConfig:
     # weights and scales, a dense one's quantized per channel at load (opt-in until run on a GPU).
     # "int4" runs them on the W4A16 int4 GEMM (layers/int4.py): a dense model's weights quantized
     # at load (group-128 asymmetric); a 4-bit AWQ/GPTQ/compressed-tensors checkpoint keeps its own
-    # codes on that GEMM under "auto" and "int4" ("none": dequantized).
+    # codes on that GEMM under "int4" (opt-in until run on a GPU; "auto", "none": dequantized).
     # CPU only (see engine/cpu_decode.py): weight-only quantization of the small-batch decode
     # GEMMs ("auto" (None too): a GGUF's own codes (as "gguf", in bf16 with the C kernel), a 4-bit AWQ/GPTQ/compressed-tensors
     # checkpoint's own codes, else none; "none"; "gguf": the GGUF's own Q4_1/Q8_0 codes; "int4", "int8": rounded), and the C
@@ -109,7 +109,7 @@ class EngineConfig:
         "weight quantization. CPU: weight-only quantized decode GEMMs (auto: a GGUF's or a 4-bit AWQ/GPTQ/"
         "compressed-tensors checkpoint's own codes, else none; none: dense; gguf: the .gguf file's own Q4_1 codes; int4/int8: rounded). CUDA: fp8 runs the "
         "linear layers on the W8A8 FP8 GEMM (an FP8 checkpoint's own weights, a dense one's per-channel FP8 at load); int4 on the W4A16 "
-        "int4 GEMM (a dense model's weights as group-128 int4 at load); auto and int4 keep a 4-bit checkpoint's own codes on it, none dequantizes",
+        "int4 GEMM (a dense model's weights as group-128 int4 at load, a 4-bit checkpoint's own codes; auto and none dequantize those)",
         group=MODEL,
         choices=("auto", "none", "gguf", "int4", "int8", "fp8"),
     )

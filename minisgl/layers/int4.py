@@ -136,10 +136,11 @@ class Int4Packed:
 def keeps_int4(device: torch.device, deterministic: bool, quantization: str | None) -> bool:
     """Whether 4-bit checkpoints (AWQ, GPTQ, compressed-tensors) keep their codes on this engine:
     on CUDA with Triton (the W4A16 GEMM), not in deterministic mode (its GEMMs must be
-    batch-invariant; the dequantized weight's are), unless `--quantization none` asks for the
-    dequantized weights (or another choice for another path: fp8 re-quantizes the dense weights).
-    Elsewhere (the CPU: its own int4 decode GEMM, engine/cpu_decode.py) they are dequantized at load."""
-    if (quantization or "auto") not in ("auto", "int4"):
+    batch-invariant; the dequantized weight's are), where `--quantization int4` asks for it.
+    Opt-in, as FP8 is, until the kernels have run on a GPU (tests/test_int4_cuda.py decides):
+    `auto` dequantizes them, as before. Elsewhere (the CPU: its own int4 decode GEMM,
+    engine/cpu_decode.py) they are dequantized at load."""
+    if quantization != "int4":
         return False
     return device.type == "cuda" and not deterministic and importlib.util.find_spec("triton") is not None
 
