@@ -8,6 +8,7 @@ two tokens is below TIE_EPS.
 
 from __future__ import annotations
 
+import itertools
 import random
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
@@ -17,7 +18,7 @@ from helpers import TEST_ATTENTION_BACKEND, TEST_DEVICE, TIE_EPS, HFOracle
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
-from minisgl.scheduler import Scheduler
+from minisgl.scheduler import Scheduler, UserRequest
 
 TINY = "llama"  # the tiny architecture the scheduler tests run on (tests/helpers.py TINY_ARCHS)
 VOCAB = 256
@@ -205,3 +206,42 @@ def check_workload(results: Sequence[Any], refs: HFRefs, prompts: Sequence[Seque
         assert res.finish_reason == "length", (label, i, res.finish_reason)
         assert res.completion_tokens == len(res.token_ids) == n
         assert res.prompt_tokens == len(p)
+
+
+_STEP_UIDS = itertools.count(1 << 20)  # (apart from the LLM's own uids)
+
+
+def run_steps(
+    sched: Scheduler, reqs: List[Tuple[List[int], SamplingParams]], abort_at: Dict[int, int] | None = None
+) -> Tuple[Dict[int, List[int]], Dict[int, str], List[Dict[int, int]]]:
+    """Run `reqs` to the end on `sched` step by step: tokens and finish reason per request, and
+    per step how many tokens each request got. `abort_at`: request index -> abort it once it
+    has that many tokens."""
+    uids = []
+    for ids, params in reqs:
+        uid = next(_STEP_UIDS)
+        sched.add_request(UserRequest(uid, list(ids), params))
+        uids.append(uid)
+    index = {uid: i for i, uid in enumerate(uids)}
+    tokens: Dict[int, List[int]] = {i: [] for i in range(len(reqs))}
+    reasons: Dict[int, str] = {}
+    steps: List[Dict[int, int]] = []
+    for _ in range(10_000):
+        if not sched.has_work():
+            break
+        per_step: Dict[int, int] = {}
+        for out in sched.step():
+            i = index[out.uid]
+            if i in reasons:
+                continue
+            if out.token_id is not None:
+                tokens[i].append(out.token_id)
+                per_step[i] = per_step.get(i, 0) + 1
+            if out.finished:
+                reasons[i] = out.finish_reason or ""
+            elif abort_at and abort_at.get(i) is not None and len(tokens[i]) >= abort_at[i]:
+                sched.abort(out.uid)
+                reasons[i] = "abort"
+        steps.append(per_step)
+    assert not sched.has_work()
+    return tokens, reasons, steps

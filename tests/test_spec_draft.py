@@ -7,7 +7,6 @@ config's refusals; and rejection sampling against a non-one-hot draft distributi
 
 from __future__ import annotations
 
-import itertools
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
@@ -15,16 +14,15 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 import torch
 from helpers import build_tiny_model
-from sched_helpers import assert_idle_and_clean, llm_kwargs
+from sched_helpers import assert_idle_and_clean, llm_kwargs, run_steps
 from test_spec_ngram import CHI2_999, _chi2, _copy_heavy_prompts, _VerifyRow, _with_word_tokenizer
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.sampling_params import GrammarSpec
-from minisgl.scheduler import Scheduler, UserRequest
+from minisgl.scheduler import Scheduler
 
 K = 4  # speculative_num_tokens
-_UIDS = itertools.count(2_000_000)
 
 
 @pytest.fixture(scope="module")
@@ -63,37 +61,6 @@ def _spec_off(sched: Scheduler) -> Iterator[None]:
         sched.speculative = "draft"
 
 
-def _run(
-    sched: Scheduler, reqs: List[Tuple[List[int], SamplingParams]], abort_at: Dict[int, int] | None = None
-) -> Tuple[Dict[int, List[int]], Dict[int, str], List[Dict[int, int]]]:
-    """Tokens and finish reason per request, and per step the tokens each request got."""
-    uids = []
-    for ids, params in reqs:
-        uid = next(_UIDS)
-        sched.add_request(UserRequest(uid, list(ids), params))
-        uids.append(uid)
-    index = {uid: i for i, uid in enumerate(uids)}
-    tokens: Dict[int, List[int]] = {i: [] for i in range(len(reqs))}
-    reasons: Dict[int, str] = {}
-    steps: List[Dict[int, int]] = []
-    while sched.has_work():
-        per_step: Dict[int, int] = {}
-        for out in sched.step():
-            i = index[out.uid]
-            if i in reasons:
-                continue
-            if out.token_id is not None:
-                tokens[i].append(out.token_id)
-                per_step[i] = per_step.get(i, 0) + 1
-            if out.finished:
-                reasons[i] = out.finish_reason or ""
-            elif abort_at and abort_at.get(i) is not None and len(tokens[i]) >= abort_at[i]:
-                sched.abort(out.uid)
-                reasons[i] = "abort"
-        steps.append(per_step)
-    return tokens, reasons, steps
-
-
 def _assert_clean(sched: Scheduler) -> None:
     """Both pools: every target page free after the prefix cache is reset, every draft page free."""
     assert_idle_and_clean(sched)  # (check_invariants checks the draft proposer too)
@@ -106,10 +73,10 @@ def _both(llm: LLM, reqs: List[Tuple[List[int], SamplingParams]], **kw: Any) -> 
     sched = llm.scheduler
     with _spec_off(sched):
         sched.reset_prefix_cache()
-        off = _run(sched, reqs, **kw)
+        off = run_steps(sched, reqs, **kw)
         _assert_clean(sched)
     before = sched.stats()
-    on = _run(sched, reqs, **kw)
+    on = run_steps(sched, reqs, **kw)
     after = sched.stats()
     _assert_clean(sched)
     counts = (after.spec_proposed_tokens - before.spec_proposed_tokens, after.spec_accepted_tokens - before.spec_accepted_tokens,
@@ -162,7 +129,7 @@ def test_stop_id_eos_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch
     sched = llm.scheduler
     prompts = _copy_heavy_prompts(3, seed=22)
     with _spec_off(sched):
-        ref, _, _ = _run(sched, [(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts])
+        ref, _, _ = run_steps(sched, [(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts])
     cuts = [_inside_run(ref[i]) for i in range(len(prompts))]
     stop = [(p, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[i][j]])) for i, (p, j) in enumerate(zip(prompts, cuts))]
     length = [(p, SamplingParams(temperature=0.0, max_tokens=j + 1)) for p, j in zip(prompts, cuts)]
@@ -186,7 +153,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM) -> None:
     prompt = _copy_heavy_prompts(1, seed=23)[0]
     sched = llm.scheduler
     with _spec_off(sched):
-        ref, _, _ = _run(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=40))])
+        ref, _, _ = run_steps(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=40))])
     out = ref[0]
     j = _inside_run(out)
     params = SamplingParams(temperature=0.0, max_tokens=40, stop=[llm.tokenizer.decode([out[j]])])
@@ -234,10 +201,10 @@ def test_retracted_requests_resume_with_their_draft_kv_recomputed(llm: LLM) -> N
     reqs = [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts]
     sched = llm.scheduler
     with _spec_off(sched):
-        off = _run(sched, reqs)
+        off = run_steps(sched, reqs)
         _assert_clean(sched)
     before = sched.stats()
-    on = _run(sched, reqs)
+    on = run_steps(sched, reqs)
     after = sched.stats()
     _assert_clean(sched)
     assert on[0] == off[0] and on[1] == off[1]

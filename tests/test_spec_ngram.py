@@ -6,7 +6,6 @@ or max_tokens landing inside an accepted run, a stop string, and aborts; no page
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import random
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -14,12 +13,12 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
-from sched_helpers import TINY, assert_idle_and_clean, llm_kwargs
+from sched_helpers import TINY, assert_idle_and_clean, llm_kwargs, run_steps
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.sampling_params import GrammarSpec
-from minisgl.scheduler import Scheduler, UserRequest
+from minisgl.scheduler import Scheduler
 from minisgl.scheduler.spec_ngram import MAX_BACKOFF_STEPS, DraftLength, NgramIndex, propose
 
 # ---- the proposer -------------------------------------------------------------------------
@@ -121,8 +120,6 @@ def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> Non
 
 # ---- the engine: speculation on vs off ----------------------------------------------------
 
-_UIDS = itertools.count(1_000_000)  # (apart from the LLM's own uids)
-
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
 def llm(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
@@ -156,52 +153,16 @@ def _copy_heavy_prompts(n: int, seed: int) -> List[List[int]]:
     return prompts
 
 
-def _run(
-    sched: Scheduler, reqs: List[Tuple[List[int], SamplingParams]], abort_at: Dict[int, int] | None = None
-) -> Tuple[Dict[int, List[int]], Dict[int, str], List[Dict[int, int]]]:
-    """Run `reqs` to the end on `sched` step by step: tokens and finish reason per request, and
-    per step how many tokens each request got. `abort_at`: request index -> abort it once it
-    has that many tokens."""
-    uids = []
-    for ids, params in reqs:
-        uid = next(_UIDS)
-        sched.add_request(UserRequest(uid, list(ids), params))
-        uids.append(uid)
-    index = {uid: i for i, uid in enumerate(uids)}
-    tokens: Dict[int, List[int]] = {i: [] for i in range(len(reqs))}
-    reasons: Dict[int, str] = {}
-    steps: List[Dict[int, int]] = []
-    for _ in range(10_000):
-        if not sched.has_work():
-            break
-        per_step: Dict[int, int] = {}
-        for out in sched.step():
-            i = index[out.uid]
-            if i in reasons:
-                continue
-            if out.token_id is not None:
-                tokens[i].append(out.token_id)
-                per_step[i] = per_step.get(i, 0) + 1
-            if out.finished:
-                reasons[i] = out.finish_reason or ""
-            elif abort_at and abort_at.get(i) is not None and len(tokens[i]) >= abort_at[i]:
-                sched.abort(out.uid)
-                reasons[i] = "abort"
-        steps.append(per_step)
-    assert not sched.has_work()
-    return tokens, reasons, steps
-
-
 def _both(llm: LLM, reqs: List[Tuple[List[int], SamplingParams]], **kw: Any) -> Tuple[Any, Any, Any]:
     """The same requests with speculation off, then on: (off, on, the spec counters "on" added).
     The prefix cache is emptied before each so both prefill the same way."""
     sched = llm.scheduler
     with _spec_off(sched):
         sched.reset_prefix_cache()
-        off = _run(sched, reqs, **kw)
+        off = run_steps(sched, reqs, **kw)
         assert_idle_and_clean(sched)
     before = sched.stats()
-    on = _run(sched, reqs, **kw)
+    on = run_steps(sched, reqs, **kw)
     after = sched.stats()
     assert_idle_and_clean(sched)
     proposed = after.spec_proposed_tokens - before.spec_proposed_tokens
@@ -268,14 +229,14 @@ def test_penalty_bias_and_min_tokens_rows_speculate(llm: LLM, monkeypatch: pytes
     prompts.append(prompts[0])
     sched = llm.scheduler
     with _spec_off(sched):
-        ref, _, _ = _run(sched, list(zip(prompts, params)))
+        ref, _, _ = run_steps(sched, list(zip(prompts, params)))
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [ref[i] for i in range(5)], wrong_at).index)
     off, on, (proposed, accepted, rows) = _both(llm, list(zip(prompts, params)))
     assert on[0] == off[0] == ref and on[1] == off[1]
     ran = {i for step in on[2] for i, n in step.items() if n > 1}
     assert ran == {0, 1, 2, 3, 4} and accepted > 0 and (wrong_at is None) == (accepted == proposed)
     sampled = [dataclasses.replace(p, temperature=0.9, max_tokens=30, ignore_eos=True, stop_token_ids=[]) for p in params[:4]]
-    got, _, _ = _run(sched, list(zip(prompts, sampled)))
+    got, _, _ = run_steps(sched, list(zip(prompts, sampled)))
     assert all(len(got[i]) == 30 for i in range(4))
     assert_idle_and_clean(sched)
 
@@ -348,7 +309,7 @@ def test_drafts_that_never_match_back_off(llm: LLM, monkeypatch: pytest.MonkeyPa
     prompts = _copy_heavy_prompts(1, seed=9)
     sched = llm.scheduler
     with _spec_off(sched):
-        ref, _, _ = _run(sched, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
+        ref, _, _ = run_steps(sched, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [ref[0]], wrong_at=0).index)
     off, on, (proposed, accepted, rows) = _both(llm, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
     assert on[0] == off[0] == ref and accepted == 0
@@ -363,7 +324,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch:
     prompts = _copy_heavy_prompts(4, seed=5)
     sched = llm.scheduler
     with _spec_off(sched):
-        ref, _, _ = _run(sched, [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts])
+        ref, _, _ = run_steps(sched, [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts])
     outputs = [ref[i] for i in range(len(prompts))]
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, outputs, wrong_at).index)
     k = sched.config.speculative_num_tokens
@@ -402,7 +363,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.Monkey
     prompt = _copy_heavy_prompts(1, seed=6)[0]
     sched = llm.scheduler
     with _spec_off(sched):
-        ref, _, _ = _run(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=60))])
+        ref, _, _ = run_steps(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=60))])
     out = ref[0]
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer([prompt], [out]).index)
     j = _first_inside_run(out, sched.config.speculative_num_tokens)
@@ -440,7 +401,7 @@ def test_metrics_export_the_spec_counters(llm: LLM) -> None:
     from minisgl.server.metrics import ServerMetrics
 
     prompts = _copy_heavy_prompts(3, seed=1)
-    _run(llm.scheduler, [(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts])
+    run_steps(llm.scheduler, [(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts])
     stats = llm.scheduler.stats()
     assert stats.spec_proposed_tokens > 0
     metrics = ServerMetrics()
@@ -560,7 +521,7 @@ def test_sampled_rows_speculate(llm: LLM) -> None:
     prompts = _copy_heavy_prompts(4, seed=7)
     before = llm.scheduler.stats().spec_verify_rows
     reqs = [(p, SamplingParams(temperature=0.7, top_p=0.9, max_tokens=30)) for p in prompts]
-    tokens, reasons, _ = _run(llm.scheduler, reqs)
+    tokens, reasons, _ = run_steps(llm.scheduler, reqs)
     assert_idle_and_clean(llm.scheduler)
     assert llm.scheduler.stats().spec_verify_rows > before
     assert all(len(tokens[i]) == 30 and reasons[i] == "length" for i in range(len(prompts)))

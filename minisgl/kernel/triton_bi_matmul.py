@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.triton_tiles import grouped_tile
+
 BLOCK_M = 64
 BLOCK_K = 64
 GROUP_M = 8  # M tiles that walk one band of N tiles together (the band's weight stays in L2)
@@ -50,12 +52,7 @@ def _bi_matmul_kernel(
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # grouped launch order: GROUP_M row tiles finish one band of column tiles before the next
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

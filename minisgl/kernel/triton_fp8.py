@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.triton_tiles import grouped_tile
+
 GROUP = 128  # activation group along K == the weight scale block along K
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _EPS = 1e-10  # floor of a group's absmax (an all-zero group quantizes to zeros, scale > 0)
@@ -63,12 +65,7 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, bias_ptr, M, N, K, str
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # grouped launch order: GROUP_M row tiles share each weight tile while it is in L2
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.triton_tiles import grouped_tile
+
 GROUPS = (32, 64, 128)  # group sizes along K the kernel takes (one group per K step)
 PACK = 8  # 4-bit codes per int32 word
 MIN_GROUPS_PER_SPLIT = 4  # a split-K CTA streams at least this many groups (else the reduce costs more than it wins)
@@ -57,12 +59,7 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, M, N, K, stride_
     pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    # grouped launch order: GROUP_M row tiles share each weight tile while it is in L2
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, num_m, num_n, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernel.triton_tiles import grouped_tile
 from minisgl.moe.base import BaseMoeBackend, ClampedSwiglu, MoeCap
 from minisgl.utils.env import read_env
 
@@ -170,13 +171,7 @@ def _moe_gemm_kernel(
     silu-and-mul by GPT-OSS's clamped SwiGLU (moe/base.py ClampedSwiglu)."""
     pid = tl.program_id(0)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
-    # grouped ordering: GROUP_M row blocks share each column sweep (weight tiles stay in L2)
-    per_group = GROUP_M * num_n_blocks
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(pid, num_m_blocks, num_n_blocks, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(Total):
         return
 
