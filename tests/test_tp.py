@@ -391,7 +391,9 @@ def _engine_logits(rank: int, size: int, paths: List[str], addrs: List[str | Non
                 out.append(prefill_logits(engine, reqs))
             finally:
                 engine.shutdown()
-        queue.put((rank, out))
+        # by value (numpy): a torch tensor crosses a process as a shared-memory fd that the sender
+        # must still hold when it is received, and a rank may have exited by then
+        queue.put((rank, [t.float().numpy() for t in out]))
     except BaseException as exc:  # report instead of hanging the test
         import traceback
 
@@ -409,13 +411,13 @@ def _tp2_logits(paths: List[str]) -> Tuple[Any, Dict[int, Any]]:
     ctx = mp.get_context("spawn")
     ref_q = ctx.Queue()
     _engine_logits(0, 1, paths, [None] * len(paths), ref_q)  # tp=1: no rendezvous
-    _, ref = ref_q.get(timeout=5)
+    ref = [torch.from_numpy(a) for a in ref_q.get(timeout=5)[1]]
     stores, addrs = zip(*(host_rendezvous() for _ in paths))
     queue = ctx.Queue()
     procs = [ctx.Process(target=_engine_logits, args=(r, 2, paths, list(addrs), queue), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=240) for _ in procs)
+    results = {r: v if isinstance(v, str) else [torch.from_numpy(a) for a in v] for r, v in (queue.get(timeout=240) for _ in procs)}
     for p in procs:
         p.join(30)
     del stores  # kept until every rank is done
