@@ -245,3 +245,13 @@ def run_steps(
         steps.append(per_step)
     assert not sched.has_work()
     return tokens, reasons, steps
+
+
+@contextmanager
+def speculation_off(sched: Scheduler) -> Iterator[None]:
+    """The same scheduler and engine with speculation off: every decode step a plain one."""
+    previous, sched.speculative = sched.speculative, None
+    try:
+        yield
+    finally:
+        sched.speculative = previous

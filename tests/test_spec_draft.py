@@ -7,14 +7,14 @@ config's refusals; and rejection sampling against a non-one-hot draft distributi
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
 from helpers import build_tiny_model
-from sched_helpers import assert_idle_and_clean, llm_kwargs, run_steps
+from sched_helpers import assert_idle_and_clean, llm_kwargs, run_steps, speculation_off
 from test_spec_ngram import CHI2_999, _chi2, _copy_heavy_prompts, _VerifyRow, _with_word_tokenizer
 
 from minisgl.core import SamplingParams
@@ -52,15 +52,6 @@ def llm(request: pytest.FixtureRequest, models: Dict[str, Path]) -> Iterator[LLM
         llm.shutdown()
 
 
-@contextmanager
-def _spec_off(sched: Scheduler) -> Iterator[None]:
-    sched.speculative = None
-    try:
-        yield
-    finally:
-        sched.speculative = "draft"
-
-
 def _assert_clean(sched: Scheduler) -> None:
     """Both pools: every target page free after the prefix cache is reset, every draft page free."""
     assert_idle_and_clean(sched)  # (check_invariants checks the draft proposer too)
@@ -71,7 +62,7 @@ def _assert_clean(sched: Scheduler) -> None:
 def _both(llm: LLM, reqs: List[Tuple[List[int], SamplingParams]], **kw: Any) -> Tuple[Any, Any, Tuple[int, int, int]]:
     """The requests with speculation off, then on: (off, on, (proposed, accepted, verify rows) of "on")."""
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         sched.reset_prefix_cache()
         off = run_steps(sched, reqs, **kw)
         _assert_clean(sched)
@@ -128,7 +119,7 @@ def test_stop_id_eos_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch
         pytest.skip("the small pool's test is the retraction one")
     sched = llm.scheduler
     prompts = _copy_heavy_prompts(3, seed=22)
-    with _spec_off(sched):
+    with speculation_off(sched):
         ref, _, _ = run_steps(sched, [(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in prompts])
     cuts = [_inside_run(ref[i]) for i in range(len(prompts))]
     stop = [(p, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[i][j]])) for i, (p, j) in enumerate(zip(prompts, cuts))]
@@ -152,7 +143,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM) -> None:
         pytest.skip("the small pool's test is the retraction one")
     prompt = _copy_heavy_prompts(1, seed=23)[0]
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         ref, _, _ = run_steps(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=40))])
     out = ref[0]
     j = _inside_run(out)
@@ -160,7 +151,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM) -> None:
     results = {}
     for spec in (False, True):
         sched.reset_prefix_cache()
-        with _spec_off(sched) if not spec else nullcontext():
+        with speculation_off(sched) if not spec else nullcontext():
             res = llm.generate([prompt], params)[0]
         results[spec] = (res.token_ids, res.text, res.finish_reason)
         _assert_clean(sched)
@@ -200,7 +191,7 @@ def test_retracted_requests_resume_with_their_draft_kv_recomputed(llm: LLM) -> N
     prompts = _copy_heavy_prompts(8, seed=25)
     reqs = [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts]
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         off = run_steps(sched, reqs)
         _assert_clean(sched)
     before = sched.stats()

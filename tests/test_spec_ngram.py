@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
-from sched_helpers import TINY, assert_idle_and_clean, llm_kwargs, run_steps
+from sched_helpers import TINY, assert_idle_and_clean, llm_kwargs, run_steps, speculation_off
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.sampling_params import GrammarSpec
-from minisgl.scheduler import Scheduler
 from minisgl.scheduler.spec_ngram import MAX_BACKOFF_STEPS, DraftLength, NgramIndex, propose
 
 # ---- the proposer -------------------------------------------------------------------------
@@ -123,7 +122,7 @@ def test_config_refuses_bad_values(tiny_model_dir: Callable[[str], Path]) -> Non
 
 @pytest.fixture(scope="module", params=[1, 4], ids=["page1", "page4"])
 def llm(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
-    """One LLM with speculation on (one engine per process); `_spec_off` runs it without. With
+    """One LLM with speculation on (one engine per process); `speculation_off` runs it without. With
     page_size 4 a verify row's drafts often need a page of their own."""
     model_dir = _with_word_tokenizer(Path(tiny_model_dir(TINY)), tmp_path_factory.mktemp("spec"))
     llm = LLM(str(model_dir), **llm_kwargs(speculative_algorithm="ngram", page_size=request.param))
@@ -131,16 +130,6 @@ def llm(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path], t
         yield llm
     finally:
         llm.shutdown()
-
-
-@contextmanager
-def _spec_off(sched: Scheduler) -> Iterator[None]:
-    """The same scheduler and engine with speculation off: every decode step a plain one."""
-    sched.speculative = None
-    try:
-        yield
-    finally:
-        sched.speculative = "ngram"
 
 
 def _copy_heavy_prompts(n: int, seed: int) -> List[List[int]]:
@@ -157,7 +146,7 @@ def _both(llm: LLM, reqs: List[Tuple[List[int], SamplingParams]], **kw: Any) -> 
     """The same requests with speculation off, then on: (off, on, the spec counters "on" added).
     The prefix cache is emptied before each so both prefill the same way."""
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         sched.reset_prefix_cache()
         off = run_steps(sched, reqs, **kw)
         assert_idle_and_clean(sched)
@@ -228,7 +217,7 @@ def test_penalty_bias_and_min_tokens_rows_speculate(llm: LLM, monkeypatch: pytes
     ]
     prompts.append(prompts[0])
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         ref, _, _ = run_steps(sched, list(zip(prompts, params)))
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [ref[i] for i in range(5)], wrong_at).index)
     off, on, (proposed, accepted, rows) = _both(llm, list(zip(prompts, params)))
@@ -282,7 +271,7 @@ def test_logprobs_rows_speculate_with_the_same_logprobs(llm: LLM, monkeypatch: p
     params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3, prompt_logprobs=2 if i == 0 else None)
               for i in range(3)]  # fmt: skip
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         off = llm.generate(prompts, params)
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [r.token_ids for r in off], wrong_at=2).index)
     before = sched.stats()
@@ -308,7 +297,7 @@ def test_drafts_that_never_match_back_off(llm: LLM, monkeypatch: pytest.MonkeyPa
 
     prompts = _copy_heavy_prompts(1, seed=9)
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         ref, _, _ = run_steps(sched, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, [ref[0]], wrong_at=0).index)
     off, on, (proposed, accepted, rows) = _both(llm, [(prompts[0], SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True))])
@@ -323,7 +312,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(llm: LLM, monkeypatch:
 
     prompts = _copy_heavy_prompts(4, seed=5)
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         ref, _, _ = run_steps(sched, [(p, SamplingParams(temperature=0.0, max_tokens=60)) for p in prompts])
     outputs = [ref[i] for i in range(len(prompts))]
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer(prompts, outputs, wrong_at).index)
@@ -362,7 +351,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.Monkey
 
     prompt = _copy_heavy_prompts(1, seed=6)[0]
     sched = llm.scheduler
-    with _spec_off(sched):
+    with speculation_off(sched):
         ref, _, _ = run_steps(sched, [(prompt, SamplingParams(temperature=0.0, max_tokens=60))])
     out = ref[0]
     monkeypatch.setattr(policy, "NgramIndex", _OracleProposer([prompt], [out]).index)
@@ -371,7 +360,7 @@ def test_stop_string_inside_an_accepted_run(llm: LLM, monkeypatch: pytest.Monkey
     results = {}
     for spec in (False, True):
         sched.reset_prefix_cache()
-        with _spec_off(sched) if not spec else nullcontext():
+        with speculation_off(sched) if not spec else nullcontext():
             res = llm.generate([prompt], params)[0]
         results[spec] = (res.token_ids, res.text, res.finish_reason)
         assert_idle_and_clean(sched)

@@ -71,6 +71,8 @@ class Runner:
         # token ids of every table row on the device; the last row is the dummy request's
         self.token_pool = torch.zeros_like(engine.page_table)
         self.stream = create_stream(self.device)  # host-to-device staging, apart from the engine's stream
+        # a page's slot offsets, for the window pool's translation writes (made once, not per step)
+        self._page_offsets = torch.arange(engine.config.page_size, dtype=torch.int64, device=self.device)
 
     is_fatal = staticmethod(is_fatal)
 
@@ -140,7 +142,7 @@ class Runner:
         ps = self.engine.config.page_size
         with stream_context(self.stream):
             pairs_t = make_device_tensor([p for pair in pairs for p in pair], torch.int64, self.device).view(-1, 2)
-            offsets = torch.arange(ps, dtype=torch.int64, device=self.device)
+            offsets = self._page_offsets
             translation[(pairs_t[:, :1] * ps + offsets).view(-1)] = (pairs_t[:, 1:] * ps + offsets).view(-1)
 
     def _flush(self, target: torch.Tensor, writes: List[Write]) -> None:
