@@ -55,7 +55,7 @@ def _invariant_gemms(n: int, k: int, bias: bool, seed: int) -> List[tuple]:
             ("skinny GEMM, row-major", QuantLinear(w, None, b, gemv=ck.lib.gemv_bf16, gemv_max_rows=ALL_ROWS, batch_invariant=True), w)
         )
     if ck.has_amx and vnni_packable(w):
-        ql = QuantLinear(vnni_pack(w), None, b, gemv_max_rows=0, amx=ck.lib.gemm_amx_vnni_bf16, batch_invariant=True, nthreads=2)
+        ql = QuantLinear(vnni_pack(w), None, b, gemv_max_rows=0, gemm=ck.lib.gemm_amx_vnni_bf16, batch_invariant=True, nthreads=2)
         out.append(("AMX tiles, VNNI", ql, w))
     return out
 
@@ -80,7 +80,7 @@ def test_fused_gate_up_silu_rows_do_not_depend_on_the_batch() -> None:
     if not ck.has_amx:
         pytest.skip("no AMX: the fused gate_up + SiLU GEMM runs only on VNNI tiles")
     w = _bf16(256, 64, seed=5, scale=0.1)
-    ql = QuantLinear(vnni_pack(w), None, None, gemv_max_rows=0, amx=ck.lib.gemm_amx_vnni_bf16,
+    ql = QuantLinear(vnni_pack(w), None, None, gemv_max_rows=0, gemm=ck.lib.gemm_amx_vnni_bf16,
                      amx_silu=ck.lib.gemm_amx_vnni_silu_bf16, batch_invariant=True)  # fmt: skip
     x = _bf16(ROWS, 64, seed=6)
 

@@ -168,7 +168,7 @@ def test_amx_gemm_matches_fp32_reference(m, n, k):
     bias = torch.randn(n).to(torch.bfloat16)
     wide = torch.randn(m, k + 32).to(torch.bfloat16)
     for b, x in ((None, wide[:, :k].contiguous()), (bias, wide[:, :k])):
-        lin = QuantLinear(w, None, b, gemv=kern.lib.gemv_bf16, gemv_max_rows=8, nthreads=2, amx=kern.lib.gemm_amx_bf16)
+        lin = QuantLinear(w, None, b, gemv=kern.lib.gemv_bf16, gemv_max_rows=8, nthreads=2, gemm=kern.lib.gemm_amx_bf16)
         ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
         ours = lin(x)
         assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)
@@ -176,7 +176,7 @@ def test_amx_gemm_matches_fp32_reference(m, n, k):
         torch_err = (torch.nn.functional.linear(x, w, b).float() - ref).abs().mean()
         assert (ours.float() - ref).abs().mean() <= 1.5 * torch_err + 1e-6
     w_odd = (torch.randn(n, 40) * 0.05).to(torch.bfloat16)  # k % 32 != 0: declined, torch's GEMM
-    lin = QuantLinear(w_odd, None, amx=kern.lib.gemm_amx_bf16, nthreads=2)
+    lin = QuantLinear(w_odd, None, gemm=kern.lib.gemm_amx_bf16, nthreads=2)
     x = torch.randn(m, 40).to(torch.bfloat16)
     assert torch.equal(lin(x), torch.nn.functional.linear(x, w_odd))
 
@@ -506,13 +506,6 @@ def _hf(model_dir: str, dtype: torch.dtype):
 
 
 @torch.inference_mode()
-def _hf_greedy(model, ids: List[int], n: int):
-    x = torch.tensor([ids])
-    out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                         return_dict_in_generate=True, output_logits=True, pad_token_id=0)  # fmt: skip
-    return out.sequences[0, len(ids) :].tolist(), [lg[0].float() for lg in out.logits]
-
-
 def test_embedded_fp32_gguf_int4_is_exact(embedded_model_dir, embedded_oracle, embedded_tokenizer):
     """fp32 activations on the GGUF's own int4 codes compute with exactly the weights HF
     dequantized: greedy decoding stays token-exact (tie-aware) against HF fp32."""
@@ -524,29 +517,34 @@ def test_embedded_fp32_gguf_int4_is_exact(embedded_model_dir, embedded_oracle, e
     assert assert_greedy_match(ours, ref, ref_logits, eos_ids=[EOS], label="fp32 int4") >= 8
 
 
-def _bf16_tie_aware(ours: List[int], ref: List[int], ref_logits, label: str) -> int:
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            gap = abs(float(ref_logits[i][b] - ref_logits[i][a]))
-            assert gap < BF16_TIE_EPS, f"{label}: divergence at {i} ({a} vs HF {b}) with HF gap {gap:.3g}"
-            return i
-        if b == EOS:
-            return i + 1
-    return len(ref)
+def _teacher_forced_ties(hf, ids: List[int], ours: List[int], label: str) -> Tuple[int, int]:
+    """Our bf16 greedy tokens against HF float32 run on them (teacher-forced, so one tie does not
+    end the comparison): each must be HF's argmax at its position or within BF16_TIE_EPS of it (a
+    tie at bf16's precision, where summation order alone decides); returns (how many are HF's exact argmax, how many
+    were compared: up to EOS)."""
+    end = ours.index(EOS) + 1 if EOS in ours else len(ours)
+    ours = ours[:end]
+    with torch.inference_mode():
+        logits = hf(input_ids=torch.tensor([ids + ours])).logits[0, len(ids) - 1 : len(ids) - 1 + len(ours)].float()
+    best = logits.max(dim=-1).values
+    for j, t in enumerate(ours):
+        gap = float(best[j] - logits[j, t])
+        assert gap < BF16_TIE_EPS, f"{label}: token {j} ({t}) is {gap:.3g} below HF's best {int(logits[j].argmax())}: {ours}"
+    return sum(int(logits[j, t] == best[j]) for j, t in enumerate(ours)), len(ours)
 
 
-def test_embedded_bf16_agrees_with_hf_bf16(embedded_model_dir, embedded_tokenizer):
-    hf = _hf(embedded_model_dir, torch.bfloat16)
+def test_embedded_bf16_agrees_with_hf(embedded_model_dir, embedded_tokenizer):
+    """bf16 with the dequantized weights against HF float32 on our tokens: every greedy token HF's
+    argmax or a bf16 tie (the France question's first token is one: 25.33 vs 25.24), most exact."""
+    hf = _hf(embedded_model_dir, torch.float32)
     prompts = [_chat_ids(embedded_tokenizer, q) for q in QUESTIONS]
     with running_engine(embedded_model_dir, max_running_req=2, max_seq_len=128, dtype=torch.bfloat16, quantization="none") as engine:
         assert not any(g.quant is not None for g in bound_gemms(engine.model))  # none: the dequantized weights
         model = engine.model  # the runner moved the weights onto huge pages: the head stays tied
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
         outs = _generate(engine, prompts, 24)
-    for i, (ids, ours) in enumerate(zip(prompts, outs)):
-        ref, ref_logits = _hf_greedy(hf, ids, 24)
-        assert _bf16_tie_aware(ours, ref, ref_logits, f"bf16 prompt {i}") >= 4
-    assert "Paris" in embedded_tokenizer.decode(outs[0])
+    counts = [_teacher_forced_ties(hf, ids, ours, f"bf16 prompt {i}") for i, (ids, ours) in enumerate(zip(prompts, outs))]
+    assert sum(c[0] for c in counts) >= 0.75 * sum(c[1] for c in counts), (counts, outs)
 
 
 @pytest.mark.parametrize("method,kv", [("auto", "auto"), ("int8", "auto"), ("none", "int8")])
@@ -579,7 +577,8 @@ def test_embedded_bf16_quantized_top5(embedded_model_dir, embedded_tokenizer, me
     rate = differ / total
     print(f"\n{method}, KV {kv} vs HF bf16: {differ}/{total} tokens differ from HF's argmax ({rate:.1%})")
     assert rate <= 0.25
-    assert "Paris" in embedded_tokenizer.decode(outs[0])
+    # (not "Paris" for the France question: its first token is a tie at bf16's precision)
+    assert sum(c in embedded_tokenizer.decode(outs[1]).lower() for c in ("red", "blue", "yellow", "green")) >= 2
 
 
 @pytest.mark.parametrize("m,n,k", [(100, 3072, 576), (300, 576, 1536), (33, 1008, 576), (600, 576, 576)])
@@ -598,7 +597,7 @@ def test_amx_gemm_both_layouts(m, n, k):
     x = torch.randn(m, k).to(torch.bfloat16)
     for b in (None, bias):
         for threads in (1, 2):
-            lin = QuantLinear(w, None, b, amx=kern.lib.gemm_amx_bf16, nthreads=threads)
+            lin = QuantLinear(w, None, b, gemm=kern.lib.gemm_amx_bf16, nthreads=threads)
             ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
             ours = lin(x)
             assert ((ours.float() - ref).abs() <= 1.01 * (ref.abs() * 2**-8 + 1e-6)).all()
@@ -629,7 +628,7 @@ def test_vnni_gemms_match_fp32_reference(m, n, k):
     for fn in kernels:
         for b, x in ((None, wide[:, :k].contiguous()), (bias, wide[:, :k])):
             for threads in (1, 2):
-                lin = QuantLinear(packed, None, b, gemv=fn, gemv_max_rows=m, nthreads=threads, amx=fn)
+                lin = QuantLinear(packed, None, b, gemv=fn, gemv_max_rows=m, nthreads=threads, gemm=fn)
                 ref = x.float() @ w.float().t() + (b.float() if b is not None else 0)
                 ours = lin(x)
                 assert ours.dtype == torch.bfloat16 and ours.shape == (m, n)

@@ -71,13 +71,14 @@ def test_embedded_model_greedy_matches_hf(embedded_model_dir, embedded_oracle, e
 
 
 def test_embedded_model_runs_in_bf16_with_page_size_4(embedded_model_dir, embedded_tokenizer):
-    """bf16 (the fast CPU dtype) is not compared token for token, but it must run and answer."""
-    ids = _chat_ids(embedded_tokenizer, QUESTIONS[0])
+    """bf16 (the fast CPU dtype) is not compared token for token, but it must run and answer (the
+    colors question: the France one's first token is a tie at bf16's precision, 25.33 vs 25.24)."""
+    ids = _chat_ids(embedded_tokenizer, QUESTIONS[1])
     with running_engine(embedded_model_dir, page_size=4, max_running_req=1, max_seq_len=64, dtype=torch.bfloat16) as engine:
         alloc = PageAllocator(engine)
         alloc.allocate(0, len(ids) + 10)
         out = run_generation(engine, [make_req(ids, 0, output_len=10)], 10)[0]
-    assert "Paris" in embedded_tokenizer.decode(out)
+    assert sum(c in embedded_tokenizer.decode(out).lower() for c in ("red", "blue", "yellow", "green")) >= 2
 
 
 def test_a_copy_of_the_gguf_elsewhere_reuses_the_converted_folder(embedded_model_dir, tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ of the weights, not by FLOPs (docs/PERFORMANCE.md, "CPU forward"). The model's o
 kernels (kernel/cpu/ops.py), attention and the K/V store on the paged C kernels (the "cpu"
 attention backend, kernel/cpu/attention.py), and every projection on the C GEMM this module
 binds to it (`_Linear.cpu_gemm`: a `QuantLinear` over the module's own weight: a VDPBF16PS GEMV
-for one row (up to 4 on a CPU without AMX), AMX tiles above, optionally the weight-only int4/int8 records for small batches).
+for one row (up to 4 on a CPU without AMX), AMX tiles above, optionally the weight-only int4/int8
+records for small batches; on a CPU with AVX2 + FMA but no AVX512-BF16 the same roles run on
+skinny_avx2.c's GEMV and records and gemm_avx2.c's GEMM).
 
 A decode batch whose layers the C loop can describe runs them all in one C call instead
 (`CpuDecodeLoop`, kernel/cpu/decode_loop.c): the same kernels in the same order on the same
@@ -111,13 +113,15 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None, batch
     bf16 = all(m.weight.dtype == torch.bfloat16 for _, m in mods)
     ck = cpu_kernels() if bf16 else None
     gemv = ck.lib.gemv_bf16 if ck is not None and ck.has_gemv else None
-    amx = ck.lib.gemm_amx_bf16 if ck is not None and ck.has_amx else None
+    # the GEMM of many rows: AMX tiles, else AVX2 FMAs (neither: torch's)
+    gemm = ck.lib.gemm_amx_bf16 if ck is not None and ck.has_amx else None
+    gemm = ck.lib.gemm_avx2_bf16 if ck is not None and ck.has_avx2_gemm else gemm
     vnni = ck is not None and ck.has_amx and ck.has_gemv
     place_weights(model, [f"{n}.weight" for n, m in mods if vnni and isinstance(m, _Linear)])
     if ck is None and not quant:
         return []  # F.linear is what a QuantLinear would call
     nt = torch.get_num_threads()
-    gemv_rows = DEFAULT_GEMV_MAX_ROWS if amx is not None else NO_AMX_GEMV_MAX_ROWS
+    gemv_rows = DEFAULT_GEMV_MAX_ROWS if ck is not None and ck.has_amx else NO_AMX_GEMV_MAX_ROWS
     bound: List[QuantLinear] = []
     for name, mod in mods:
         w, bias, q = mod.weight, getattr(mod, "bias", None), quant.get(name)
@@ -125,7 +129,7 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None, batch
             if w.dim() == 5:
                 assert ck is not None
                 silu = ck.lib.gemm_amx_vnni_silu_bf16 if getattr(mod, "fused_kind", "") == "gated" else None
-                ql = QuantLinear(w, None, bias, gemv_max_rows=0, nthreads=nt, amx=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu,
+                ql = QuantLinear(w, None, bias, gemv_max_rows=0, nthreads=nt, gemm=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu,
                                  batch_invariant=True)  # fmt: skip
             elif gemv is not None:
                 ql = QuantLinear(w, None, bias, gemv=gemv, gemv_max_rows=ALL_ROWS, nthreads=nt, batch_invariant=True)
@@ -135,9 +139,9 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None, batch
             assert ck is not None
             silu = ck.lib.gemm_amx_vnni_silu_bf16 if getattr(mod, "fused_kind", "") == "gated" else None
             ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, ck.lib.gemv_vnni_bf16, nthreads=nt,
-                             amx=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu)  # fmt: skip
+                             gemm=ck.lib.gemm_amx_vnni_bf16, amx_silu=silu)  # fmt: skip
         else:
-            ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, gemv, gemv_rows, nthreads=nt, amx=amx)
+            ql = QuantLinear(w, q, bias, DEFAULT_DENSE_ABOVE, gemv, gemv_rows, nthreads=nt, gemm=gemm)
         mod.cpu_gemm = ql
         bound.append(ql)
     return bound

@@ -75,6 +75,14 @@ def _qgemv(name: str) -> Any:
     return getattr(k.lib, name) if k is not None and k.has_qgemv else None
 
 
+def _gemm_takes_any_shape() -> bool:
+    """Whether the many-row C GEMM is gemm_avx2.c's, which takes every shape (AMX's does not)."""
+    from minisgl.kernel.cpu import cpu_kernels
+
+    k = cpu_kernels()
+    return k is not None and k.has_avx2_gemm
+
+
 def _c_gemm(fn: GemvFn, x: torch.Tensor, weight: int, n: int, k: int, bias: int | None, nthreads: int) -> torch.Tensor | None:
     """y [rows, n] from one of the C GEMMs (their shared signature) over the weight at address
     `weight`, None where the kernel declined the shape."""
@@ -271,8 +279,9 @@ class QuantLinear:
     """y = x W^T (+ b) that reads the quantized weight for small row counts (memory-bound decode)
     and the dense one above `dense_above` rows (compute-bound: prefill, large batches). With
     `gemv` (the C bf16 skinny GEMM, kernel/cpu) dense calls of <= `gemv_max_rows` rows read the
-    plain bf16 weight in place; with `amx` (the C AMX GEMM) the larger ones do too (torch's GEMM
-    where a kernel declines).
+    plain bf16 weight in place; with `gemm` (the C GEMM of many rows: AMX tiles, amx.c, or on a
+    CPU without them AVX2 FMAs, gemm_avx2.c) the larger ones do too (torch's GEMM where a kernel
+    declines).
 
     A dense weight in VNNI tiles (`vnni_pack`, 5-D) is read by the kernels given for that layout
     (gemv.c's gemv_vnni_bf16, amx.c's gemm_amx_vnni_bf16, for any row count), and `amx_silu`
@@ -288,7 +297,7 @@ class QuantLinear:
 
     def __init__(self, dense: torch.Tensor, quant: QuantWeight | None, bias: torch.Tensor | None = None,
                  dense_above: int = DEFAULT_DENSE_ABOVE, gemv: GemvFn | None = None,
-                 gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS, nthreads: int = 1, amx: GemvFn | None = None,
+                 gemv_max_rows: int = DEFAULT_GEMV_MAX_ROWS, nthreads: int = 1, gemm: GemvFn | None = None,
                  amx_silu: Any = None, batch_invariant: bool = False) -> None:  # fmt: skip
         self.dense, self.quant, self.bias = dense, quant, bias
         self.batch_invariant = batch_invariant
@@ -297,7 +306,7 @@ class QuantLinear:
         ok = dense.dtype == torch.bfloat16 and dense.is_contiguous() and dense.device.type == "cpu"
         ok = ok and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         self.gemv = gemv if ok else None
-        self.amx = amx if ok else None
+        self.gemm = gemm if ok else None
         self.amx_silu = amx_silu if ok and self.vnni and bias is None else None
         self.gemv_max_rows = gemv_max_rows
         self.nthreads = nthreads
@@ -329,9 +338,10 @@ class QuantLinear:
             q_bits, q_rows, q_ptr = (4 if isinstance(self.quant, Int4Weight) else 8), self.dense_above, self.quant.records.data_ptr()
         dense_rows = range(q_rows + 1, rows + 1)  # the row counts the dense weight serves
         gemv_rows = self.gemv_max_rows if self.gemv is not None else 0
-        if any(r > gemv_rows for r in dense_rows):  # those take AMX: it must take the shape
+        if any(r > gemv_rows for r in dense_rows):  # those take the many-row GEMM: it must take the shape
             # (on a plain weight the AMX GEMM declines above AMX_MAX_ROWS; on VNNI tiles it takes any)
-            if self.amx is None or self._n % 16 or self._k % 32 or (rows > AMX_MAX_ROWS and not self.vnni):
+            amx_declines = self._n % 16 or self._k % 32 or (rows > AMX_MAX_ROWS and not self.vnni)
+            if self.gemm is None or (not _gemm_takes_any_shape() and amx_declines):
                 return None
         return q_ptr, q_bits, q_rows, self.dense.data_ptr(), gemv_rows, self._n, self._k, self._bias_ptr, int(self.vnni)
 
@@ -353,7 +363,7 @@ class QuantLinear:
         if self._dense_path(x.shape[0]):
             if x.dtype == torch.bfloat16:
                 fn = self.gemv if x.shape[0] <= self.gemv_max_rows else None
-                c = fn or self.amx
+                c = fn or self.gemm
                 y = _c_gemm(c, x, self.dense.data_ptr(), self._n, self._k, self._bias_ptr, self.nthreads) if c is not None else None
                 if y is not None:
                     return y

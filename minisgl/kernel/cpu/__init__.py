@@ -1,7 +1,8 @@
 """Fused C kernels for the CPU forward, built on first use and called through ctypes.
 
 `kernels.c` (norms, rotary, SiLU, paged attention), `kv_int8.c` (the int8 KV pool's store and decode attention), `argmax.c` (greedy sampling), `gemv.c` (the bf16 skinny GEMM of small
-decode batches) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
+decode batches; `skinny_avx2.c` has it and qgemv.c's for CPUs without AVX512-BF16, and
+`gemm_avx2.c` the GEMM of larger ones there) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
 Q4_1 / Q8_0 blocks), `attn_amx.c` (prefill attention on AMX tiles) and `decode_loop.c` (a small
 decode batch's whole layer stack in one call) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
 a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
@@ -28,7 +29,7 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 _SRCS = [
-    Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "decode_loop.c", "kv_int8.c", "argmax.c")
+    Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "skinny_avx2.c", "gemm_avx2.c", "decode_loop.c", "kv_int8.c", "argmax.c")
 ]
 _HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "attn_common.h", "vec_math.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
@@ -107,12 +108,16 @@ class CpuKernels:
         self.max_head_dim, self.max_group = lib.max_head_dim(), lib.max_group()
         lib.gemv_available.restype = ctypes.c_int
         lib.gemv_bf16.argtypes, lib.gemv_bf16.restype = [_P, _L, _L, _P, _L, _L, _P, _P, _I], ctypes.c_int
-        # 0 where the compiler had no AVX512-BF16 for this CPU: bf16 GEMMs stay on torch
+        # 0 where the compiler had neither AVX512-BF16 nor AVX2 + FMA for this CPU: bf16 GEMMs stay on torch
         self.has_gemv = bool(lib.gemv_available())
         lib.amx_available.restype = ctypes.c_int
         lib.gemm_amx_bf16.argtypes, lib.gemm_amx_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
         # 0 without AMX (compiler or CPU) or where Linux refuses the tile state
         self.has_amx = bool(lib.amx_available())
+        lib.gemm_avx2_available.restype = ctypes.c_int
+        lib.gemm_avx2_bf16.argtypes, lib.gemm_avx2_bf16.restype = lib.gemv_bf16.argtypes, ctypes.c_int
+        # 1 where the skinny GEMMs are skinny_avx2.c's: the GEMM of many rows without AMX
+        self.has_avx2_gemm = bool(lib.gemm_avx2_available())
         # the same GEMMs on weights stored in VNNI tiles (layers/quant.py vnni_pack), and gate_up
         # with its SiLU in one pass
         for name in ("gemm_amx_vnni_bf16", "gemv_vnni_bf16"):
@@ -124,7 +129,7 @@ class CpuKernels:
         for name in ("qgemv_q4_bf16", "qgemv_q8_bf16"):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = lib.gemv_bf16.argtypes, ctypes.c_int
-        # 0 without AVX512-BF16: quantized GEMMs stay on torch's kernels
+        # 0 without AVX512-BF16 or AVX2 + FMA: quantized GEMMs stay on torch's kernels
         self.has_qgemv = bool(lib.qgemv_available())
         lib.decode_layers_bf16.argtypes, lib.decode_layers_bf16.restype = [_P, _L, _P], ctypes.c_int
         lib.prefill_attention_amx_bf16.argtypes = [_P, _L, _L, _L, _L, _L, _F, _P, _L, _I]

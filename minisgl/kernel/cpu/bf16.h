@@ -19,4 +19,14 @@ static inline uint16_t f_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+
+/* Which skinny decode GEMMs this build has (gemv_bf16, qgemv_q4/q8_bf16): 512, the VDPBF16PS
+ * ones (gemv.c, qgemv.c); 2, the AVX2 + FMA ones (skinny_avx2.c); 0, none (torch's GEMMs). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
+#define MINISGL_SKINNY_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MINISGL_SKINNY_ISA 2
+#else
+#define MINISGL_SKINNY_ISA 0
+#endif
 #endif

@@ -39,6 +39,8 @@ int qgemv_q8_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n,
 
 int gemm_amx_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
                   uint16_t *y, int nthreads);
+int gemm_avx2_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
+                   uint16_t *y, int nthreads);
 int gemv_vnni_bf16(const uint16_t *x, long ldx, long m, const uint32_t *w, long n, long k, const uint16_t *bias,
                    uint16_t *y, int nthreads);
 int gemm_amx_vnni_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
@@ -81,7 +83,9 @@ static int run_gemm(const DecodeGemm *g, const uint16_t *x, long m, uint16_t *y,
         return m <= g->gemv_rows ? gemv_vnni_bf16(x, g->k, m, (const uint32_t *)g->w, g->n, g->k, g->bias, y, nt)
                                  : gemm_amx_vnni_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
     if (m <= g->gemv_rows) return gemv_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
-    return gemm_amx_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
+    /* the many-row GEMM: at most one of the two is built (AMX beside AVX512-BF16, else AVX2) */
+    return gemm_amx_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt) ||
+           gemm_avx2_bf16(x, g->k, m, g->w, g->n, g->k, g->bias, y, nt);
 }
 
 /* act = silu(gate) * up of the MLP input x, as _Linear.forward_silu_and_mul: one pass over the

@@ -7,15 +7,15 @@
  * fp32 like oneDNN (results differ from it by summation order only). A tile of R weight rows is
  * dotted with every activation row while it sits in L1, so M rows cost one pass over the weight.
  *
- * Without AVX512-BF16 at compile time the entry point reports 0 (not available) and the caller
- * keeps torch's GEMM.
+ * Without AVX512-BF16 at compile time skinny_avx2.c has the same entry point for AVX2 + FMA;
+ * without either it reports 0 (not available) and the caller keeps torch's GEMM.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if MINISGL_SKINNY_ISA == 512
 #include <immintrin.h>
 #include <omp.h>
 
@@ -283,15 +283,17 @@ int gemv_vnni_bf16(const uint16_t *x, long ldx, long m, const uint32_t *w, long 
 }
 int gemv_available(void) { return 1; }
 #else
+int gemv_vnni_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
+                   void *y, int nthreads) { /* VNNI tiles exist only beside AMX */
+    (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
+    return 0;
+}
+#if MINISGL_SKINNY_ISA == 0
 int gemv_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
               void *y, int nthreads) {
     (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
     return 0;
 }
-int gemv_vnni_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
-                   void *y, int nthreads) {
-    (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
-    return 0;
-}
 int gemv_available(void) { return 0; }
+#endif
 #endif

@@ -25,8 +25,8 @@
  * q8 stores q + 128 and splits each byte into its two nibbles the same way (see q8_tile).
  * fp32 sums throughout, one rounding to bf16.
  *
- * Without AVX512-BF16 at compile time, or for k % 32 != 0, the entry points return 0 and the
- * caller falls back to torch. The Python side (layers/quant.py) builds the records.
+ * For k % 32 != 0, or without AVX512-BF16 at compile time (and without AVX2 + FMA, for
+ * skinny_avx2.c's twins), the entry points return 0 and the caller falls back to torch. The Python side (layers/quant.py) builds the records.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -34,7 +34,7 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__F16C__)
+#if MINISGL_SKINNY_ISA == 512
 #include <immintrin.h>
 
 /* DRAM latency, not the stream, bounds a lone core here: without help one core reads the records
@@ -232,7 +232,7 @@ int qgemv_q8_bf16(const uint16_t *x, long ldx, long m, const uint8_t *w, long n,
     return qgemv(8, x, ldx, m, w, n, k, bias, y, nthreads);
 }
 int qgemv_available(void) { return 1; }
-#else
+#elif MINISGL_SKINNY_ISA == 0
 int qgemv_q4_bf16(const void *x, long ldx, long m, const void *w, long n, long k, const void *bias,
                   void *y, int nthreads) {
     (void)x, (void)ldx, (void)m, (void)w, (void)n, (void)k, (void)bias, (void)y, (void)nthreads;
