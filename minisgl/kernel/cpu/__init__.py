@@ -29,7 +29,19 @@ from minisgl.utils.logger import init_logger
 logger = init_logger(__name__)
 
 _SRCS = [
-    Path(__file__).with_name(n) for n in ("kernels.c", "gemv.c", "amx.c", "attn_amx.c", "qgemv.c", "skinny_avx2.c", "gemm_avx2.c", "decode_loop.c", "kv_int8.c", "argmax.c")
+    Path(__file__).with_name(n)
+    for n in (
+        "kernels.c",
+        "gemv.c",
+        "amx.c",
+        "attn_amx.c",
+        "qgemv.c",
+        "skinny_avx2.c",
+        "gemm_avx2.c",
+        "decode_loop.c",
+        "kv_int8.c",
+        "argmax.c",
+    )
 ]
 _HEADERS = [Path(__file__).with_name(n) for n in ("bf16.h", "amx_tiles.h", "attn_common.h", "vec_math.h")]  # part of the cache key
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
