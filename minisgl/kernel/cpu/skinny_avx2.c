@@ -30,6 +30,21 @@
 #include <immintrin.h>
 #include <omp.h>
 
+/* Tuning knobs (bytes prefetched ahead of a weight row's stream, 0: none; weight rows per tile
+ * at one activation row), swept in docs/PERFORMANCE.md. */
+#ifndef BF_PF
+#define BF_PF 1024
+#endif
+#ifndef Q_PF
+#define Q_PF 512
+#endif
+#ifndef BF_R1
+#define BF_R1 2
+#endif
+#ifndef Q_R1
+#define Q_R1 2
+#endif
+
 /* The sum of 8 lanes in one fixed tree: (i, i + 4), (i, i + 2), (i, i + 1). */
 static inline float hsum8(__m256 a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -62,7 +77,10 @@ static inline __attribute__((always_inline)) void bf16_tile(const float *xp, lon
     const uint16_t *wr = w + n0 * k;
     long kk = 0;
     for (; kk + 16 <= k; kk += 16) {
-        for (int r = 0; r < R; r++) _mm_prefetch((const char *)(wr + r * k + kk) + 1024, _MM_HINT_T0);
+#if BF_PF
+        if (kk % 32 == 0)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(wr + r * k + kk) + BF_PF, _MM_HINT_T0);
+#endif
         for (int r = 0; r < R; r++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(wr + r * k + kk));
             __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), wo = _mm256_castsi256_ps(_mm256_and_si256(v, hi_mask));
@@ -99,7 +117,7 @@ static void bf16_rows(const float *xp, long kp, long M, const uint16_t *w, long 
         for (; n < hi; n++) bf16_tile(xp, kp, w, k, n, bias, y, ldy, 1, MM);                       \
         break;
     switch (M) {
-        BCASE(1, 4)
+        BCASE(1, BF_R1)
         BCASE(2, 2)
         BCASE(3, 1)
         BCASE(4, 1)
@@ -199,13 +217,17 @@ static inline __attribute__((always_inline)) void q_tile(const float *xp, const 
             __m256i h0, h1; /* the vectors' two 32-byte sources */
             if (bits == 4) {
                 __m256i b = _mm256_loadu_si256((const __m256i *)(row + p * 32));
-                _mm_prefetch((const char *)(row + p * 32) + 512, _MM_HINT_T0);
+#if Q_PF
+                if (p % 2 == 0) _mm_prefetch((const char *)(row + p * 32) + Q_PF, _MM_HINT_T0);
+#endif
                 h0 = _mm256_and_si256(b, low4);
                 h1 = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
             } else {
                 h0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + p * 64)), flip);
                 h1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(row + p * 64 + 32)), flip);
-                _mm_prefetch((const char *)(row + p * 64) + 1024, _MM_HINT_T0);
+#if Q_PF
+                _mm_prefetch((const char *)(row + p * 64) + 2 * Q_PF, _MM_HINT_T0);
+#endif
             }
             __m256 q[8];
             q[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h0, sp0));
@@ -247,7 +269,7 @@ static inline __attribute__((always_inline)) void q_tile(const float *xp, const 
                      long hi, const uint16_t *bias, uint16_t *y, long ldy) {                       \
         long n = lo;                                                                               \
         switch (M) {                                                                               \
-            QCASE(BITS, 1, 4) QCASE(BITS, 2, 2) QCASE(BITS, 3, 1) QCASE(BITS, 4, 1)                \
+            QCASE(BITS, 1, Q_R1) QCASE(BITS, 2, 2) QCASE(BITS, 3, 1) QCASE(BITS, 4, 1)                \
         }                                                                                          \
     }
 #define QCASE(BITS, MM, RR)                                                                        \
