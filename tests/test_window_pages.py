@@ -10,7 +10,11 @@ keep K/V in a window pool whose pages are freed once a request's end is a window
   16; concurrent requests; a warm prefix-cache hit that continues each conversation): greedy
   tokens identical to the window-unaware pool (every layer keeps every token) and tie-aware equal
   to HF float32; the window pages a decoding request holds stay bounded by its window; aborts and
-  retractions leave both pools whole.
+  retractions leave both pools whole;
+- admission under window pressure (a window pool of two long requests' claims, twelve requests
+  at once): nobody is admitted without its window pages (checked on the allocator at every
+  plan; the mutation that ignores the window pool is caught), decoders that outgrow optimistic
+  claims are retracted, and the tokens equal the solo runs' and the window-unaware pool's.
 """
 
 from __future__ import annotations
@@ -31,9 +35,9 @@ import minisgl.engine.engine as engine_module
 from minisgl.core import SamplingParams
 from minisgl.kvcache.window import (
     DECODE_AHEAD_TOKENS,
+    TYPICAL_CONTEXT_TOKENS,
     HybridPageAllocator,
     KVPageSizing,
-    TYPICAL_CONTEXT_TOKENS,
     WindowPoolSizing,
     kv_page_sizing,
     window_match_pages,
@@ -390,8 +394,10 @@ def test_aborts_and_retractions_return_both_pools(model_dir, window_unaware):
     window page is free or held by the prefix cache (then all free after a reset)."""
     path = model_dir("gemma2")
     prompts = random_prompts([20, 26, 9, 33, 14, 21], seed=520)
+    # (a window page per main page: the main pool is what runs short here; the window pool's
+    # pressure is test_window_pool_admission_under_pressure's)
     kw: Dict[str, Any] = dict(page_size=4, max_extend_tokens=16, max_running_req=4, max_seq_len_override=96, num_page_override=40,
-                              num_window_page_override=34)  # fmt: skip
+                              num_window_page_override=40)  # fmt: skip
 
     def run() -> Tuple[Dict[int, List[int]], int]:
         out: Dict[int, List[int]] = {}
@@ -420,6 +426,95 @@ def test_aborts_and_retractions_return_both_pools(model_dir, window_unaware):
     window_unaware()
     ref, _ = run()
     assert got == ref
+
+
+def watch_window_admission(sched: Any) -> Dict[str, int]:
+    """Check every plan against the allocator: each request admitted for the step runs its
+    first chunk in it (none waits in a row for window pages), every page a planned request reads
+    from its window on has a window page, and the admitted requests' claims fit the window pool
+    less a step's chunks. Returns the most rows held at once."""
+    allocator = sched.allocator
+    admitted: List[int] = []
+    seen = {"rows": 0}
+    real_admitted, real_plan = sched._admitted, sched._plan
+
+    def admitted_hook(req: Any, reserve: int) -> None:
+        admitted.append(req.uid)
+        real_admitted(req, reserve)
+
+    def plan_hook(pick: Any) -> Any:
+        plan = real_plan(pick)
+        missing = set(admitted) - set(plan.uids)
+        assert not missing, f"requests {missing} were admitted without the window pages of their first chunk"
+        admitted.clear()
+        for req in plan.reqs:
+            live = req.pages[sched._window_dead(req) :]
+            assert all(allocator.win_of[p] >= 0 for p in live), f"request {req.uid} reads a page without its window page"
+        assert sched._window_claimed + sched._window_step_pages <= allocator.window.num_pages, "window claims overflow the pool"
+        seen["rows"] = max(seen["rows"], sum(r.holds_row for r in sched.active.values()))
+        return plan
+
+    sched._admitted, sched._plan = admitted_hook, plan_hook
+    return seen
+
+
+# more requests than the window pool holds at once: long prompts (2-5 windows) and short ones
+# whose outputs take them past the window; a tiny window pool beside a main pool that never runs short
+BARRAGE = dict(page_size=4, max_extend_tokens=16, cache_type="radix", max_running_req=8, max_seq_len_override=96,
+               num_page_override=8 * 96 // 4 + 16, num_window_page_override=20)  # fmt: skip
+BARRAGE_ADMISSION = {
+    # claims of the expected length at a low estimate: decoders outgrow them and are retracted
+    "optimistic": dict(admission="optimistic", init_new_token_ratio=0.05, min_new_token_ratio=0.05),
+    "worst-case": dict(admission="worst-case"),  # claims are bounds: never short, never retracted
+}
+
+
+def _barrage(path: Path, prompts: List[List[int]], admission: str, window_aware: bool = True) -> Tuple[Run, int, int]:
+    """(the run, retractions, most rows at once) of every prompt at once."""
+    with running_llm(path, enable_overlap=False, **BARRAGE, **BARRAGE_ADMISSION[admission]) as llm:
+        sched = llm.scheduler
+        assert isinstance(sched.allocator, HybridPageAllocator) == window_aware
+        seen = watch_window_admission(sched) if window_aware else {"rows": 0}
+        if window_aware:
+            poison_on_drop(sched)
+        run = _generate(sched, prompts, 24, 0)
+        retractions = sched.stats().retractions
+        if window_aware:  # (running_llm's exit checks both pools; after a reset every window page is free)
+            stats = sched.stats()
+            assert stats.window_total_pages == 20 and stats.window_free_pages == 20, stats
+    return run, retractions, seen["rows"]
+
+
+@pytest.mark.parametrize("admission", sorted(BARRAGE_ADMISSION))
+def test_window_pool_admission_under_pressure(admission, model_dir, window_unaware):
+    """Twelve requests at once through a window pool of 20 pages (two long requests' claims):
+    admission waits for window pages (`watch_window_admission`), optimistic claims are outgrown
+    and those decoders retracted (the main pool never runs short), and every request's greedy
+    tokens equal its solo run's and the window-unaware pool's; both pools end whole."""
+    path = model_dir("gemma3")
+    prompts = random_prompts([4, 3, 5, 4, 3, 6, 4, 5, 21, 30, 41, 3], seed=560)
+    (tokens, _, _), retractions, rows = _barrage(path, prompts, admission)
+    assert rows < len(prompts), "the window pool held every request at once"
+    if admission == "optimistic":
+        assert retractions > 0, "no decoder outgrew its window claim"
+    else:
+        assert retractions == 0
+    with running_llm(path, enable_overlap=False, **BARRAGE) as llm:
+        solo = [_generate(llm.scheduler, [p], 24, 100 + i)[0][0] for i, p in enumerate(prompts)]
+    assert tokens == solo
+    window_unaware()
+    assert _barrage(path, prompts, admission, window_aware=False)[0][0] == tokens
+
+
+def test_admission_ignoring_the_window_pool_is_caught(model_dir, monkeypatch):
+    """The mutation: admission that does not look at the window pool admits requests whose
+    window pages are not there (`watch_window_admission` fails)."""
+    from minisgl.scheduler.policy import Policy
+
+    monkeypatch.setattr(Policy, "_window_admits", lambda self, req, match, claim, budget: True)
+    prompts = random_prompts([4, 3, 5, 4, 3, 6, 4, 5, 21, 30, 41, 3], seed=560)
+    with pytest.raises(Exception, match="without the window pages|claims overflow"):  # (a StepFailed around it)
+        _barrage(model_dir("gemma3"), prompts, "worst-case")
 
 
 def test_engine_splits_its_page_budget(model_dir, monkeypatch):

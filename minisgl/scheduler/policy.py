@@ -803,14 +803,14 @@ class Policy:
 
     def _window_claim(self, req: SchedReq) -> int:
         """The window pages `req` may read at once as it decodes (kvcache/window.py
-        `window_row_pages`), its whole length's at most. Optimistic admission counts the length
-        it is expected to reach: a decoder past its claim takes window pages while some are
-        left, and is retracted when none are (`must_retract`); worst-case admission never has to."""
+        `window_row_pages`), its whole length's at most. Optimistic admission counts the pages
+        of the length it is expected to reach (as `_future_pages`; pages ahead of need come from
+        what is left over): a decoder past its claim takes window pages while some are left,
+        and is retracted when none are (`must_retract`); worst-case admission never has to."""
         ps = self.page_size
         if self.config.admission != "optimistic":
             return min(self._window_row_pages, div_ceil(req.max_device_len, ps))
-        expected = len(req.token_ids) + math.ceil(max(0, req.output_len - req.num_output) * self.effective_new_token_ratio)
-        return min(self._window_row_pages, div_ceil(expected, ps) + self._window_ahead_pages)
+        return min(self._window_row_pages, self._future_pages(len(req.token_ids), req.output_len - req.num_output, 0))
 
     def _window_admits(self, req: SchedReq, match: MatchResult, claim: int, budget: int) -> bool:
         """Whether `req` (its cached prefix `match`) may be admitted beside the window pool's
