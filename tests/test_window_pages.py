@@ -10,7 +10,11 @@ keep K/V in a window pool whose pages are freed once a request's end is a window
   16; concurrent requests; a warm prefix-cache hit that continues each conversation): greedy
   tokens identical to the window-unaware pool (every layer keeps every token) and tie-aware equal
   to HF float32; the window pages a decoding request holds stay bounded by its window; aborts and
-  retractions leave both pools whole.
+  retractions leave both pools whole;
+- admission under window pressure (a window pool of two long requests' claims, twelve requests
+  at once): nobody is admitted without its window pages (checked on the allocator at every
+  plan; the mutation that ignores the window pool is caught), decoders that outgrow optimistic
+  claims are retracted, and the tokens equal the solo runs' and the window-unaware pool's.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ import minisgl.engine.engine as engine_module
 from minisgl.core import SamplingParams
 from minisgl.kvcache.window import (
     DECODE_AHEAD_TOKENS,
+    TYPICAL_CONTEXT_TOKENS,
     HybridPageAllocator,
     KVPageSizing,
+    WindowPoolSizing,
     kv_page_sizing,
-    split_kv_budget,
     window_match_pages,
-    window_pool_pages,
+    window_row_pages,
 )
 from minisgl.models import ModelConfig
 from minisgl.scheduler.request import UserRequest
@@ -64,52 +69,92 @@ def _gpt_oss_20b() -> ModelConfig:
     return ModelConfig.from_hf(hf)
 
 
+CONTEXT = 131_072  # both models' context length (the engine passes its max_seq_len)
+
+
 def capacity(cfg: ModelConfig, budget: int, max_running_req: int, page_size: int = 16) -> Tuple[int, int, int]:
     """(tokens with window pages, tokens without, window pool tokens) of a bf16 pool of `budget`
     bytes as the engine sizes it (the server's 8192-token chunks, 4 draft tokens ahead)."""
-    sizing = kv_page_sizing(cfg, "auto", torch.bfloat16, 1, page_size, max_running_req, 8192, DECODE_AHEAD_TOKENS + 4)
+    sizing = kv_page_sizing(cfg, "auto", torch.bfloat16, 1, page_size, max_running_req, 8192, DECODE_AHEAD_TOKENS + 4, CONTEXT)
     main, window = sizing.pages(budget)
     assert window is not None
     plain = KVPageSizing(sizing.page_bytes, sizing.page_bytes, 0, None).pages(budget)[0]
     return main * page_size, plain * page_size, window * page_size
 
 
+def expected_capacity(cfg: ModelConfig, budget: int, max_running_req: int, ps: int = 16) -> Tuple[int, int, int]:
+    """`capacity` from the rule as docs/MODELS.md states it, on the layer geometry alone: the
+    window pool gets, besides one step's chunks, a claim per row for the rows whose typical
+    context (8192 tokens) in the main pool and claim in the window pool fill the budget (1 to
+    max_running_req of them); the main pool the rest; both even if the main pool would not be larger."""
+    token = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16, one layer
+    sliding = sum(w is not None for w in cfg.layer_windows)
+    window = max(w for w in cfg.layer_windows if w is not None)
+    main_page, window_page = ps * token * (cfg.num_layers - sliding), ps * token * sliding
+    claim = -(-(window - 1) // ps) + 2 + -(-(DECODE_AHEAD_TOKENS + 4) // ps) + 1
+    step = 8192 // ps
+    rows = (budget - step * window_page) // (8192 // ps * main_page + claim * window_page)
+    window_pages = min(max_running_req, max(1, rows)) * claim + step
+    main = (budget - window_pages * window_page) // main_page
+    if main <= window_pages:
+        main = window_pages = budget // (main_page + window_page)
+    return main * ps, budget // (main_page + window_page) * ps, window_pages * ps
+
+
 def test_layer_patterns_of_the_documented_models() -> None:
     g3, oss = _gemma3_12b(), _gpt_oss_20b()
     assert sum(w is None for w in g3.layer_windows) == 8 and set(g3.layer_windows) == {1024, None}
     assert sum(w is None for w in oss.layer_windows) == 12 and set(oss.layer_windows) == {128, None}
+    assert TYPICAL_CONTEXT_TOKENS == 8192  # (expected_capacity's)
 
 
-# The table of docs/MODELS.md ("Window pages"): (model, KV budget GiB, max running requests) ->
-# (tokens with window pages, tokens without, window pool tokens); 16-token pages.
-DOCUMENTED = {
-    ("gemma3-12b", 40, 16): (524_800, 109_216, 26_112),
-    ("gemma3-12b", 40, 64): (256_000, 109_216, 79_872),
-    ("gemma3-12b", 40, 128): (109_216, 109_216, 109_216),
-    ("gemma3-12b", 100, 64): (1_239_040, 273_056, 79_872),
-    ("gemma3-12b", 100, 128): (880_640, 273_056, 151_552),
-    ("gemma3-12b", 100, 256): (273_056, 273_056, 273_056),
-    ("gpt-oss-20b", 40, 64): (1_725_088, 873_808, 22_528),
-    ("gpt-oss-20b", 40, 256): (1_682_080, 873_808, 65_536),
-    ("gpt-oss-20b", 100, 256): (4_303_520, 2_184_528, 65_536),
-}
+def documented_capacity() -> Dict[Tuple[str, int, int], Tuple[int, int, float, int | None]]:
+    """docs/MODELS.md's capacity table ("Window pages"): (model, KV budget GiB, max running
+    requests) -> (tokens with window pages, tokens without, gain, window pool tokens or None:
+    = main); 16-token pages."""
+    text = (Path(__file__).parent.parent / "docs" / "MODELS.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[0] in ("Gemma-3-12B", "GPT-OSS-20B") and cells[1].endswith("GiB"):
+            name = "gemma3-12b" if cells[0] == "Gemma-3-12B" else "gpt-oss-20b"
+            key = (name, int(cells[1].split()[0]), int(cells[2].split()[0]))
+            num = lambda c: int(c.replace(",", ""))  # noqa: E731
+            rows[key] = (num(cells[3]), num(cells[4]), float(cells[5].rstrip("x")), None if cells[6] == "(= main)" else num(cells[6]))
+    return rows
 
 
-@pytest.mark.parametrize("key", sorted(DOCUMENTED))
-def test_documented_capacity_numbers(key: Tuple[str, int, int]) -> None:
-    name, budget, running = key
-    cfg = _gemma3_12b() if name == "gemma3-12b" else _gpt_oss_20b()
-    assert capacity(cfg, budget * GIB, running) == DOCUMENTED[key]
+def test_documented_capacity_numbers() -> None:
+    """Every row of the table in docs/MODELS.md is what the engine's sizing gives, and what the
+    rule computed independently gives; the brief's configurations are all there."""
+    table = documented_capacity()
+    assert {("gemma3-12b", 100, r) for r in (64, 128, 256)} | {("gpt-oss-20b", 100, 256)} <= set(table), sorted(table)
+    for (name, budget, running), (tokens, plain, gain, window) in table.items():
+        cfg = _gemma3_12b() if name == "gemma3-12b" else _gpt_oss_20b()
+        got = capacity(cfg, budget * GIB, running)
+        assert got == expected_capacity(cfg, budget * GIB, running), (name, budget, running)
+        assert got == (tokens, plain, tokens if window is None else window), (name, budget, running, got)
+        assert gain == round(tokens / plain, 2), (name, budget, running, tokens / plain)
+    # the default 256 rows of Gemma-3-12B at 100 GiB gained nothing when the window pool was
+    # sized for every row's worst case; now it gains what 116 rows' windows leave
+    tokens, plain, _ = capacity(_gemma3_12b(), 100 * GIB, 256)
+    assert tokens / plain > 3.5
 
 
 def test_split_rule() -> None:
-    # the window pool gets what the running set needs, the main pool the rest
-    assert split_kv_budget(1000, 10, 50, 4) == ((1000 - 4 * 50) // 10, 4)
-    # unless the main pool would then be the smaller: both even (no gain, never short)
-    assert split_kv_budget(1000, 10, 50, 100) == (16, 16)
+    # claim 10 pages a row, a step's chunks 4, 8 rows at most, a typical context of 20 pages
+    rule = WindowPoolSizing(row_pages=10, step_pages=4, max_rows=8, context_pages=20)
+    assert (rule.floor, rule.cap) == (14, 84)
+    # a row costs 20 main pages of 10 bytes and 10 window pages of 5: 250 bytes; 1000 bytes
+    # (less the chunks' 20) hold 3 rows: the window pool gets their claims, the main pool the rest
+    assert rule.split(1000, 10, 5) == ((1000 - 34 * 5) // 10, 34)
+    assert rule.split(100_000, 10, 5) == ((100_000 - 84 * 5) // 10, 84)  # at most every row's (the cap)
+    assert rule.split(300, 10, 5)[1] == 14  # one row at least (the floor)
+    assert rule.split(200, 10, 50) == (3, 3)  # the main pool would be no larger: both even, no gain
+    assert rule.for_main(45) == 2 * 10 + 4 and rule.for_main(5) == 14 and rule.for_main(10_000) == 84
     # per row a window's tail (7 positions back from the last page boundary, +2 pages) and the
-    # pages ahead; a step's chunks
-    assert window_pool_pages(8, 1, 2, 16, 20) == 2 * (9 + 21) + 16 + 2
+    # pages ahead (+1)
+    assert window_row_pages(8, 1, 20) == 9 + 21
 
 
 def test_match_is_cut_where_the_window_has_kv() -> None:
@@ -168,7 +213,7 @@ def window_unaware(monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
 
     def off() -> None:
         real = engine_module.kv_page_sizing
-        monkeypatch.setattr(engine_module, "kv_page_sizing", lambda *a, **k: dataclasses.replace(real(*a, **k), window_need=None))
+        monkeypatch.setattr(engine_module, "kv_page_sizing", lambda *a, **k: dataclasses.replace(real(*a, **k), window=None))
 
     return off
 
@@ -349,7 +394,10 @@ def test_aborts_and_retractions_return_both_pools(model_dir, window_unaware):
     window page is free or held by the prefix cache (then all free after a reset)."""
     path = model_dir("gemma2")
     prompts = random_prompts([20, 26, 9, 33, 14, 21], seed=520)
-    kw: Dict[str, Any] = dict(page_size=4, max_extend_tokens=16, max_running_req=4, max_seq_len_override=96, num_page_override=40)
+    # (a window page per main page: the main pool is what runs short here; the window pool's
+    # pressure is test_window_pool_admission_under_pressure's)
+    kw: Dict[str, Any] = dict(page_size=4, max_extend_tokens=16, max_running_req=4, max_seq_len_override=96, num_page_override=40,
+                              num_window_page_override=40)  # fmt: skip
 
     def run() -> Tuple[Dict[int, List[int]], int]:
         out: Dict[int, List[int]] = {}
@@ -380,11 +428,100 @@ def test_aborts_and_retractions_return_both_pools(model_dir, window_unaware):
     assert got == ref
 
 
+def watch_window_admission(sched: Any) -> Dict[str, int]:
+    """Check every plan against the allocator: each request admitted for the step runs its
+    first chunk in it (none waits in a row for window pages), every page a planned request reads
+    from its window on has a window page, and the admitted requests' claims fit the window pool
+    less a step's chunks. Returns the most rows held at once."""
+    allocator = sched.allocator
+    admitted: List[int] = []
+    seen = {"rows": 0}
+    real_admitted, real_plan = sched._admitted, sched._plan
+
+    def admitted_hook(req: Any, reserve: int) -> None:
+        admitted.append(req.uid)
+        real_admitted(req, reserve)
+
+    def plan_hook(pick: Any) -> Any:
+        plan = real_plan(pick)
+        missing = set(admitted) - set(plan.uids)
+        assert not missing, f"requests {missing} were admitted without the window pages of their first chunk"
+        admitted.clear()
+        for req in plan.reqs:
+            live = req.pages[sched._window_dead(req) :]
+            assert all(allocator.win_of[p] >= 0 for p in live), f"request {req.uid} reads a page without its window page"
+        assert sched._window_claimed + sched._window_step_pages <= allocator.window.num_pages, "window claims overflow the pool"
+        seen["rows"] = max(seen["rows"], sum(r.holds_row for r in sched.active.values()))
+        return plan
+
+    sched._admitted, sched._plan = admitted_hook, plan_hook
+    return seen
+
+
+# more requests than the window pool holds at once: long prompts (2-5 windows) and short ones
+# whose outputs take them past the window; a tiny window pool beside a main pool that never runs short
+BARRAGE = dict(page_size=4, max_extend_tokens=16, cache_type="radix", max_running_req=8, max_seq_len_override=96,
+               num_page_override=8 * 96 // 4 + 16, num_window_page_override=20)  # fmt: skip
+BARRAGE_ADMISSION = {
+    # claims of the expected length at a low estimate: decoders outgrow them and are retracted
+    "optimistic": dict(admission="optimistic", init_new_token_ratio=0.05, min_new_token_ratio=0.05),
+    "worst-case": dict(admission="worst-case"),  # claims are bounds: never short, never retracted
+}
+
+
+def _barrage(path: Path, prompts: List[List[int]], admission: str, window_aware: bool = True) -> Tuple[Run, int, int]:
+    """(the run, retractions, most rows at once) of every prompt at once."""
+    with running_llm(path, enable_overlap=False, **BARRAGE, **BARRAGE_ADMISSION[admission]) as llm:
+        sched = llm.scheduler
+        assert isinstance(sched.allocator, HybridPageAllocator) == window_aware
+        seen = watch_window_admission(sched) if window_aware else {"rows": 0}
+        if window_aware:
+            poison_on_drop(sched)
+        run = _generate(sched, prompts, 24, 0)
+        retractions = sched.stats().retractions
+        if window_aware:  # (running_llm's exit checks both pools; after a reset every window page is free)
+            stats = sched.stats()
+            assert stats.window_total_pages == 20 and stats.window_free_pages == 20, stats
+    return run, retractions, seen["rows"]
+
+
+@pytest.mark.parametrize("admission", sorted(BARRAGE_ADMISSION))
+def test_window_pool_admission_under_pressure(admission, model_dir, window_unaware):
+    """Twelve requests at once through a window pool of 20 pages (two long requests' claims):
+    admission waits for window pages (`watch_window_admission`), optimistic claims are outgrown
+    and those decoders retracted (the main pool never runs short), and every request's greedy
+    tokens equal its solo run's and the window-unaware pool's; both pools end whole."""
+    path = model_dir("gemma3")
+    prompts = random_prompts([4, 3, 5, 4, 3, 6, 4, 5, 21, 30, 41, 3], seed=560)
+    (tokens, _, _), retractions, rows = _barrage(path, prompts, admission)
+    assert rows < len(prompts), "the window pool held every request at once"
+    if admission == "optimistic":
+        assert retractions > 0, "no decoder outgrew its window claim"
+    else:
+        assert retractions == 0
+    with running_llm(path, enable_overlap=False, **BARRAGE) as llm:
+        solo = [_generate(llm.scheduler, [p], 24, 100 + i)[0][0] for i, p in enumerate(prompts)]
+    assert tokens == solo
+    window_unaware()
+    assert _barrage(path, prompts, admission, window_aware=False)[0][0] == tokens
+
+
+def test_admission_ignoring_the_window_pool_is_caught(model_dir, monkeypatch):
+    """The mutation: admission that does not look at the window pool admits requests whose
+    window pages are not there (`watch_window_admission` fails)."""
+    from minisgl.scheduler.policy import Policy
+
+    monkeypatch.setattr(Policy, "_window_admits", lambda self, req, match, claim, budget: True)
+    prompts = random_prompts([4, 3, 5, 4, 3, 6, 4, 5, 21, 30, 41, 3], seed=560)
+    with pytest.raises(Exception, match="without the window pages|claims overflow"):  # (a StepFailed around it)
+        _barrage(model_dir("gemma3"), prompts, "worst-case")
+
+
 def test_engine_splits_its_page_budget(model_dir, monkeypatch):
     """The engine's page budget for a model with sliding layers is `kv_page_sizing`'s split of
     the same bytes; its pool holds the global layers per main slot and the sliding ones in the
     window pool (+ the dummy page's twin); num_page_override sizes the main pool, the window pool
-    then the smaller of it and the bound."""
+    then by the same rule (at most one window page per main page)."""
     from helpers import running_engine
 
     from minisgl.kvcache.pool import HybridKVCachePool
@@ -397,12 +534,21 @@ def test_engine_splits_its_page_budget(model_dir, monkeypatch):
         monkeypatch.setattr(engine, "_sync_get_memory", lambda: (64 * GIB, 7 * GIB))
         cfg = dataclasses.replace(engine.config, num_page_override=None, memory_ratio=0.5, cpu_kv_cache_bytes=1 << 40)
         main, window = engine._determine_num_pages(10 * GIB, cfg)
-        sizing = kv_page_sizing(engine.config.model_config, "auto", torch.float32, 1, 4, 2, 8192, DECODE_AHEAD_TOKENS + 4)
+        sizing = kv_page_sizing(engine.config.model_config, "auto", torch.float32, 1, 4, 2, 8192, DECODE_AHEAD_TOKENS + 4,
+                                engine.config.max_seq_len)  # fmt: skip
         assert (main, window) == sizing.pages(2 * GIB) and window is not None and window < main
         # 2 of 3 layers slide: a main page costs a third of a plain one, and the window pool is small
         assert main * sizing.main_page_bytes + window * sizing.window_page_bytes <= 2 * GIB < (main + window + 1) * sizing.page_bytes
+        rule = sizing.window
+        assert rule is not None
         cfg = dataclasses.replace(cfg, num_page_override=50)
-        assert engine._determine_num_pages(10 * GIB, cfg) == (50, min(50, sizing.window_need or 0))
+        assert engine._determine_num_pages(10 * GIB, cfg) == (50, min(50, rule.for_main(50)))
+        # the window pool's own override, never below one request's claim and a step's chunks
+        # (a bare engine's steps may be 8192 tokens: 2048 pages of chunks)
+        cfg = dataclasses.replace(cfg, num_page_override=5000)
+        assert engine._determine_num_pages(10 * GIB, dataclasses.replace(cfg, num_window_page_override=rule.floor)) == (5000, rule.floor)
+        with pytest.raises(ValueError, match="num_window_page_override"):
+            engine._determine_num_pages(10 * GIB, dataclasses.replace(cfg, num_window_page_override=rule.floor - 1))
 
 
 # ---- CUDA (MINISGL_TEST_DEVICE=cuda) -----------------------------------------------------------

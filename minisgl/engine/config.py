@@ -87,6 +87,10 @@ class EngineConfig:
         type=positive_int,
         default_text="from --memory-ratio",
     )
+    # A model with sliding layers (kvcache/window.py): the window pool's pages instead of its
+    # share of the budget (tests and experiments; at least one request's window pages and a step's
+    # chunks). The main pool is sized as without it.
+    num_window_page_override: int | None = None
     # "HOST:PORT" of rank 0's rendezvous for several machines (--dist-init-addr); None: this
     # machine, at distributed_port (the seed's distributed_addr)
     dist_init_addr: str | None = None

@@ -478,12 +478,12 @@ class Engine:
         step_tokens = getattr(config, "max_extend_tokens", 8192)
         ahead = DECODE_AHEAD_TOKENS + getattr(config, "speculative_num_tokens", 4)
         sizing = kv_page_sizing(mc, config.kv_cache_dtype, self.dtype, config.tp_info.size, config.page_size,
-                                config.max_running_req, step_tokens, ahead)  # fmt: skip
+                                config.max_running_req, step_tokens, ahead, config.max_seq_len)  # fmt: skip
         if self.reserve is not None:  # a draft model's pool holds as many pages: each main page costs both
             extra = self.reserve.kv_bytes_per_slot * config.page_size
             sizing = dataclasses.replace(sizing, page_bytes=sizing.page_bytes + extra, main_page_bytes=sizing.main_page_bytes + extra)
         num_pages = config.num_page_override
-        window_pages = None if sizing.window_need is None else min(num_pages or 0, sizing.window_need)
+        window_pages = None
         if num_pages is None:
             new_free_memory = self._sync_get_memory()[1]
             model_memory = old_free_memory - new_free_memory
@@ -493,6 +493,17 @@ class Engine:
             if not is_cuda(self.device):
                 available = min(available, config.cpu_kv_cache_bytes)
             num_pages, window_pages = sizing.pages(available)
+        elif sizing.window is not None:
+            window_pages = sizing.window.for_main(num_pages)
+        if sizing.window is not None and config.num_window_page_override is not None:
+            window_pages = config.num_window_page_override
+            if window_pages < sizing.window.floor:
+                raise ValueError(
+                    f"num_window_page_override={window_pages} is below one request's window pages and a step's chunks "
+                    f"({sizing.window.floor}): admission could never start a long request"
+                )
+        if window_pages is not None:
+            window_pages = min(window_pages, num_pages)  # (a window page per main page at most: then never short)
         if num_pages <= 1:
             raise ValueError(
                 f"not enough memory for the KV cache: num_pages={num_pages} (need > 1, {sizing.page_bytes} bytes each); "

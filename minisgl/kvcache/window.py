@@ -22,12 +22,15 @@ Who owns what:
   such a stale entry, and their weight is exactly zero; and a step in flight that still reads a
   dropped page finishes before the next step (same stream) writes into it.
 
-Sizing (`window_pool_pages`, `split_kv_budget`): the window pool holds what the admitted
-requests can read at once, so a window page is never missing: per table row a window's pages
-plus the pages a decode step allocates ahead, and one step's prompt tokens. The main pool takes
-the rest of the budget at the global layers' cost per token; where that would leave it smaller
-than the window pool, both get the same number of pages (today's sizing: every token keeps every
-layer's K/V).
+Sizing (`WindowPoolSizing`): an admitted request reads at most `window_row_pages` window pages
+at once (its window's tail plus what is allocated ahead of its decode), and a step's prompt
+chunks a few more; the policy admits a request only while those claims fit the window pool
+(`Policy._window_admits`), and retracts a decoder that cannot get one (`Policy.must_retract`).
+The pool itself is a share of the KV budget: as many rows' claims as the main pool holds rows of
+`TYPICAL_CONTEXT_TOKENS` (at least one row, at most max_running_req), plus one step's chunks; the
+main pool takes the rest at the global layers' cost per token. Where that would leave the main
+pool no larger than the window pool, both get the same number of pages (every page keeps its
+window: no gain, and the window pool never runs short).
 """
 
 from __future__ import annotations
@@ -46,32 +49,69 @@ from minisgl.utils.misc import div_ceil
 # window pool counts them.
 DECODE_AHEAD_TOKENS = 16
 
+# The context (prompt + output tokens) a request is expected to reach, for sizing the window pool
+# against the main pool: the rows whose windows the pool holds are those the main pool holds at
+# this context. Shorter requests hold less than a whole window (and are capped by their length),
+# so more of them run; longer ones are bounded by the main pool, whose share grows the larger
+# this is. 8192 sits between chat turns (a few thousand tokens) and long documents; a model's
+# shorter context (max_seq_len) replaces it.
+TYPICAL_CONTEXT_TOKENS = 8192
+
 # (main page, window page): one translation entry per slot of the page, written by the runner
 WindowWrite = Tuple[int, int]
 
 
-def window_pool_pages(window: int, page_size: int, max_running_req: int, step_tokens: int, ahead_tokens: int) -> int:
-    """Window pages the admitted requests may read at once (a bound, not an estimate).
+def window_row_pages(window: int, page_size: int, ahead_tokens: int) -> int:
+    """The most window pages one request reads in a decode step (a bound, not an estimate).
 
-    A request reads the window pages of positions [b - window + 1, allocated end), b its last
-    page boundary at or before cached_len (`Policy._window_dead`), its own pages or cached ones
-    it matched: at most div_ceil(window - 1, ps) + 2 pages of tail, plus those allocated ahead
-    of its decode (or, for a prompt chunk, the chunk's; the step's chunks total `step_tokens` at
-    most). Every other window page (a cached prefix's tail, pinned or not) may be reclaimed."""
-    tail = div_ceil(window - 1, page_size) + 2
-    ahead = div_ceil(ahead_tokens, page_size) + 1
-    step = div_ceil(step_tokens, page_size) + max_running_req  # (each chunk may start mid-page)
-    return max_running_req * (tail + ahead) + step
+    It reads the window pages of positions [b - window + 1, allocated end), b its last page
+    boundary at or before cached_len (`Policy._window_dead`), its own pages or cached ones it
+    matched: at most div_ceil(window - 1, ps) + 2 pages of tail, plus those allocated ahead of
+    its decode (`ahead_tokens`: the decode-ahead pages and a verify step's drafts). A prompt
+    chunk reads at most div_ceil(chunk, ps) - 2 pages more than this, so a step's chunks need
+    div_ceil(step tokens, ps) beyond the rows' claims. Every other window page (a cached
+    prefix's tail, pinned or not) may be reclaimed."""
+    return div_ceil(window - 1, page_size) + 2 + div_ceil(ahead_tokens, page_size) + 1
 
 
-def split_kv_budget(budget_bytes: int, main_page_bytes: int, window_page_bytes: int, window_need_pages: int) -> Tuple[int, int]:
-    """(main pages, window pages) within `budget_bytes`: the window pool gets `window_need_pages`
-    and the main pool the rest, unless the main pool would then be the smaller one; then both get
-    budget / (main + window page bytes) pages (no gain: every page keeps its window)."""
-    even = budget_bytes // (main_page_bytes + window_page_bytes)
-    if even <= window_need_pages:
-        return even, even
-    return (budget_bytes - window_need_pages * window_page_bytes) // main_page_bytes, window_need_pages
+@dataclass(frozen=True)
+class WindowPoolSizing:
+    """How many window pages a pool gets (the module docstring's rule)."""
+
+    row_pages: int  # window_row_pages: what the policy claims per admitted request
+    step_pages: int  # one step's prompt chunks, beyond the rows' claims
+    max_rows: int  # max_running_req: more rows never run at once
+    context_pages: int  # a row's typical context in the main pool (TYPICAL_CONTEXT_TOKENS)
+
+    @property
+    def floor(self) -> int:
+        """One request of any length and a step's chunks: admission never deadlocks."""
+        return self.row_pages + self.step_pages
+
+    @property
+    def cap(self) -> int:
+        """Every row's claim and a step's chunks: a larger window pool is never used."""
+        return self.max_rows * self.row_pages + self.step_pages
+
+    def pages_for(self, rows: int) -> int:
+        return min(self.max_rows, max(1, rows)) * self.row_pages + self.step_pages
+
+    def for_main(self, main_pages: int) -> int:
+        """The window pool beside a main pool of `main_pages` (a fixed page count)."""
+        return self.pages_for(main_pages // self.context_pages)
+
+    def split(self, budget_bytes: int, main_page_bytes: int, window_page_bytes: int) -> Tuple[int, int]:
+        """(main pages, window pages) within `budget_bytes`: the rows for which a typical
+        context in the main pool and a claim in the window pool fill the budget get their
+        claims; the main pool the rest. Unless the main pool would then be no larger: both get
+        budget / (main + window page bytes) pages (no gain, never short of window pages)."""
+        per_row = self.context_pages * main_page_bytes + self.row_pages * window_page_bytes
+        window = self.pages_for((budget_bytes - self.step_pages * window_page_bytes) // per_row)
+        main = (budget_bytes - window * window_page_bytes) // main_page_bytes
+        if main <= window:
+            even = budget_bytes // (main_page_bytes + window_page_bytes)
+            return even, even
+        return main, window
 
 
 @dataclass(frozen=True)
@@ -81,18 +121,18 @@ class KVPageSizing:
     page_bytes: int  # a page of every layer (the pool without window pages)
     main_page_bytes: int  # a page of the global layers (the main pool of a hybrid one)
     window_page_bytes: int  # a page of the sliding layers (a window page)
-    window_need: int | None  # window_pool_pages; None: no sliding layer, no window pool
+    window: WindowPoolSizing | None  # None: no sliding layer, no window pool
 
     def pages(self, budget_bytes: int) -> Tuple[int, int | None]:
         """(main pages, window pages or None) that `budget_bytes` buys."""
-        if self.window_need is None:
+        if self.window is None:
             return budget_bytes // self.page_bytes, None
-        return split_kv_budget(budget_bytes, self.main_page_bytes, self.window_page_bytes, self.window_need)
+        return self.window.split(budget_bytes, self.main_page_bytes, self.window_page_bytes)
 
 
 def kv_page_sizing(
     model_config: ModelConfig, kv_cache_dtype: str, dtype: torch.dtype, tp_size: int, page_size: int,
-    max_running_req: int, step_tokens: int, ahead_tokens: int,
+    max_running_req: int, step_tokens: int, ahead_tokens: int, max_seq_len: int,
 ) -> KVPageSizing:  # fmt: skip
     """The page costs of `model_config`'s pool; a window pool where it has sliding layers (and a
     K/V pool: MLA models have none)."""
@@ -103,8 +143,9 @@ def kv_page_sizing(
     if not sliding or model_config.latent_attention is not None:
         return KVPageSizing(page, page, 0, None)
     window = max(w for w in windows if w is not None)
-    need = window_pool_pages(window, page_size, max_running_req, step_tokens, ahead_tokens)
-    return KVPageSizing(page, per_layers(model_config.num_layers - sliding), per_layers(sliding), need)
+    context = div_ceil(min(TYPICAL_CONTEXT_TOKENS, max_seq_len), page_size)
+    rows = WindowPoolSizing(window_row_pages(window, page_size, ahead_tokens), div_ceil(step_tokens, page_size), max_running_req, context)
+    return KVPageSizing(page, per_layers(model_config.num_layers - sliding), per_layers(sliding), rows)
 
 
 def window_match_pages(has_window: Sequence[bool], window: int, page_size: int) -> int:

@@ -61,6 +61,10 @@ class SchedulerStats:
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_verify_rows: int = 0
+    # a model with sliding layers (kvcache/window.py): the window pool's pages, and those free or
+    # held only where no admitted request reads them (as free_pages counts evictable ones); 0: none
+    window_total_pages: int = 0
+    window_free_pages: int = 0
     # set by the scheduler process (scheduler/process.py)
     num_active: int = 0  # requests holding a table row (running + finished but not yet released)
     aborted_requests: int = 0

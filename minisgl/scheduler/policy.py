@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Tuple
 
 from minisgl.kvcache import MatchResult, PageAllocator, create_cache_manager
-from minisgl.kvcache.window import DECODE_AHEAD_TOKENS, HybridPageAllocator, window_match_pages
+from minisgl.kvcache.window import DECODE_AHEAD_TOKENS, HybridPageAllocator, window_match_pages, window_row_pages
 from minisgl.message.outputs import SchedulerStats  # crosses processes as itself
 from minisgl.sampling_params import InvalidRequest, check_context, check_token_ids
 from minisgl.scheduler.config import SchedulerConfig
@@ -133,9 +133,22 @@ class Policy:
         self.fast_step_tokens = limits.fast_step_tokens
         self.window = limits.window if limits.window_pages is not None else None
         self.allocator = PageAllocator(limits.num_pages)
+        # Window pages (kvcache/window.py): each admitted request claims what it may read at once
+        # (`_window_claim`); admission keeps the claims within the pool, less a step's chunks.
+        # A window pool as large as the main pool cannot run short: no claims then.
+        self._window_checked = False
+        self._window_claimed = 0  # window pages claimed by the requests holding a row
+        self._window_left = 0  # this step's window pages not yet spoken for (`_window_take`)
+        self._window_exact = False  # whether _window_left counts the reclaimable ones too
         if limits.window_pages is not None:
             assert limits.window is not None, "a window pool needs its window"
             self.allocator = HybridPageAllocator(limits.num_pages, limits.window_pages)
+            self._window_checked = limits.window_pages < limits.num_pages
+            # (the engine sized the pool with the same bound: engine._determine_num_pages)
+            ahead_tokens = DECODE_AHEAD_TOKENS + config.speculative_num_tokens
+            self._window_ahead_pages = div_ceil(ahead_tokens, self.page_size) + 1
+            self._window_row_pages = window_row_pages(limits.window, self.page_size, ahead_tokens)
+            self._window_step_pages = div_ceil(config.max_extend_tokens, self.page_size)
         self.cache = create_cache_manager(config.cache_type, self.page_size)
         self.free_rows: List[int] = list(range(config.max_running_req - 1, -1, -1))
         self._group_rows: Dict[int, int] = {}  # group -> table rows its requests hold (fair admission)
@@ -330,10 +343,13 @@ class Policy:
         return self._plan(pick) if pick is not None else None
 
     def _schedule(self, decodable: List[SchedReq], need: int, in_flight: StepPlan | None) -> _Pick | None:
-        if need > self.available_pages():
+        if self.must_retract(decodable, need):
             assert in_flight is None, "retraction with a step in flight"
             decodable, need = self._retract_until_fits(decodable, need)
         self._decode_need = need
+        if self._window_checked:  # (the free ones first; `_window_take` adds the reclaimable ones when short)
+            self._window_left = self._window_pool.num_free - self._decode_page_need(decodable)
+            self._window_exact = False
         want_prefill = bool(self.waiting or self._prefilling)
         if want_prefill and decodable and self.config.mixed_batches:
             # One batch: every decode row (one token each) plus prefill chunks in the rest of
@@ -381,13 +397,12 @@ class Policy:
                 k = 0
             if proposer.batched:
                 # the caps hold for the asked length (the rows draft together, after this loop)
-                if k and optimistic:
+                if k and (optimistic or self._window_checked):
                     extra = self._extra_pages(req, k)
-                    if extra > spare:
+                    if not self._draft_fits(extra, spare if optimistic else extra):
                         k = 0
-                    else:
+                    elif optimistic:
                         spare -= extra
-                        self._decode_need += extra
                 if room is not None:
                     room -= k
                 asked.append(k)
@@ -398,13 +413,12 @@ class Policy:
                     draft = within_grammar(req.grammar_matcher, draft)
                 if room is not None:
                     room -= len(draft)
-            if draft and optimistic:
+            if draft and (optimistic or self._window_checked):
                 extra = self._extra_pages(req, len(draft))
-                if extra > spare:
+                if not self._draft_fits(extra, spare if optimistic else extra):
                     draft = []
-                else:
+                elif optimistic:
                     spare -= extra
-                    self._decode_need += extra
             drafts.append(draft)
         if proposer.batched:
             drafts = proposer.propose(reqs, asked, self.grammar) if any(asked) else [[] for _ in reqs]
@@ -412,6 +426,15 @@ class Policy:
         if not any(drafts):
             return _Pick(reqs, "decode")
         return _Pick(reqs, "prefill", drafts=drafts)
+
+    def _draft_fits(self, extra: int, spare: int) -> bool:
+        """Whether a verify row's `extra` pages fit the main pool's `spare` and the window
+        ledger; if so they are counted in both."""
+        if extra > spare or (self._window_checked and not self._window_take(extra)):
+            return False
+        if self.config.admission == "optimistic":
+            self._decode_need += extra
+        return True
 
     def _extra_pages(self, req: SchedReq, num_drafts: int) -> int:
         """Pages a verify row of `num_drafts` drafts needs beyond what its decode step needs."""
@@ -458,11 +481,20 @@ class Policy:
         ps = self.page_size
         return sum(max(0, div_ceil(r.device_len, ps) - len(r.pages)) for r in reqs)
 
+    def must_retract(self, decodable: List[SchedReq], need: int) -> bool:
+        """Whether the decode step of `decodable` (needing `need` pages beyond its reservations,
+        `decodable()`) cannot get its main pages, or their window pages (a decoder past its
+        window claim, kvcache/window.py), without retracting some of them."""
+        if need > self.available_pages():
+            return True
+        return self._window_checked and self._window_short(self._decode_page_need(decodable))
+
     def _retract_until_fits(self, decodable: List[SchedReq], need: int) -> tuple[List[SchedReq], int]:
         """Take pages back from the least urgent decoders until this decode step's `need`
-        fits; returns who stays and what they need (no step is in flight: freed pages are unused)."""
+        fits, and its window pages; returns who stays and what they need (no step is in flight:
+        freed pages are unused)."""
         keep = sorted(decodable, key=lambda r: retraction_order(r, self._group_rows))  # the first to go last
-        while keep and need > self.available_pages():
+        while keep and self.must_retract(keep, need):
             # Everyone may go: prefilling requests hold reserved pages and always progress, and
             # the retracted resume (from the front of the queue) as pages return.
             victim = keep.pop()
@@ -546,6 +578,10 @@ class Policy:
             if not self._fits(need, future, expected - crowd if new_group else expected):
                 self.cache.unlock(match.handle)
                 break  # wait for running requests to finish and return pages
+            claim = self._window_claim(req) if self._window_checked else 0
+            if claim and not self._window_admits(req, match, claim, budget):
+                self.cache.unlock(match.handle)
+                break  # wait for admitted requests to give window pages back
             self.waiting.pop()
             self._group_rows[req.group] = self._group_rows.get(req.group, 0) + 1
             first = req.status is Status.WAITING
@@ -555,6 +591,8 @@ class Policy:
             if first:
                 self._hit_tokens += req.cached_len
             self._admitted(req, need)
+            req.window_claim = claim
+            self._window_claimed += claim
             expected += future
             crowd += future if self._group_rows[req.group] > 1 else 0
             budget = self._add_chunk(req, budget, reqs)
@@ -609,6 +647,10 @@ class Policy:
             # every position of its chunk goes through the LM head: short chunks, so the
             # others' decode rows run between them (their logprobs are the same either way)
             chunk = min(chunk, PROMPT_LOGPROB_CHUNK)
+        if self._window_checked:
+            chunk = self._window_chunk(req, chunk)
+            if chunk == 0:
+                return budget  # its next chunk waits for window pages (decoders give theirs back)
         req.device_len = req.cached_len + chunk
         reqs.append(req)
         return budget - chunk
@@ -665,6 +707,8 @@ class Policy:
                 ahead = 0
         if isinstance(self.allocator, HybridPageAllocator):
             self._drop_windows(self.allocator, reqs)
+            if self._window_checked and self._window_left < len(reqs) * self._window_ahead_pages:
+                ahead = 0  # (pages ahead are an optimization: only from window pages left over)
         for req in reqs:
             if req.device_len > len(req.pages) * ps:
                 # Allocate a few steps ahead: with page_size 1 a decode step would otherwise
@@ -697,26 +741,106 @@ class Policy:
         they lie wholly below the window before its last page boundary at or before cached_len
         (that window is kept for the prefix cache: a conversation continued from the cache finds
         it there)."""
+        return self._window_dead_at(req.cached_len)
+
+    def _window_dead_at(self, cached_len: int) -> int:
         assert self.window is not None
         ps = self.page_size
-        return max(0, req.cached_len // ps * ps - self.window + 1) // ps
+        return max(0, cached_len // ps * ps - self.window + 1) // ps
 
     def _reclaim_windows(self, allocator: HybridPageAllocator, short: int) -> None:
         """Free `short` window pages that no admitted request reads: cached pages' windows (the
         tails of cached prefixes, pinned or not) outside every admitted request's live window,
-        the oldest first. The window pool holds every admitted request's live window
-        (kvcache/window.py), so there are always enough. Those prefixes then no longer match
+        the oldest first. There are always enough: the step's window ledger counted them
+        (`_window_take`) before anything was allocated. Those prefixes then no longer match
         there (`_match` cuts)."""
-        live = set()
-        for r in self.active.values():
-            if r.holds_row:  # (finished ones awaiting release too: a step in flight may read them)
-                live.update(r.pages[self._window_dead(r) :])
+        live = self._live_window_pages()
         victims = [p for p, w in enumerate(allocator.win_of) if w >= 0 and p not in live]
         assert len(victims) >= short, f"window pool: {short} pages short, {len(victims)} reclaimable"
         victims.sort(key=allocator.win_age.__getitem__)
         # an eighth of the pool at least: the scan walks every main page, so it should not run
         # again at the next allocation
         allocator.drop_window(victims[: max(short, allocator.window.num_pages // 8)])
+
+    @property
+    def _window_pool(self) -> PageAllocator:
+        allocator = self.allocator
+        assert isinstance(allocator, HybridPageAllocator), "no window pool"
+        return allocator.window
+
+    def _live_window_pages(self) -> set[int]:
+        """The main pages whose window pages some admitted request reads (`_window_dead`)."""
+        live: set[int] = set()
+        for r in self.active.values():
+            if r.holds_row:  # (finished ones awaiting release too: a step in flight may read them)
+                live.update(r.pages[self._window_dead(r) :])
+        return live
+
+    def _window_available(self) -> int:
+        """Window pages free, or held only where no admitted request reads them (own pages a
+        window behind, cached prefixes' tails: `_drop_windows` / `_reclaim_windows` free those)."""
+        allocator = self.allocator
+        assert isinstance(allocator, HybridPageAllocator)
+        held = allocator.win_of
+        return allocator.window.num_pages - sum(held[p] >= 0 for p in self._live_window_pages())
+
+    def _window_short(self, pages: int) -> bool:
+        """Whether `pages` new window pages cannot be had now (the cheap test first)."""
+        if pages <= self._window_pool.num_free:
+            return False
+        return pages > self._window_available()
+
+    def _window_take(self, pages: int) -> bool:
+        """Count `pages` against this step's window ledger, if they are there."""
+        if pages > self._window_left and not self._window_exact:
+            free = self._window_pool.num_free
+            self._window_left += self._window_available() - free
+            self._window_exact = True
+        if pages > self._window_left:
+            return False
+        self._window_left -= pages
+        return True
+
+    def _window_claim(self, req: SchedReq) -> int:
+        """The window pages `req` may read at once as it decodes (kvcache/window.py
+        `window_row_pages`), its whole length's at most. Optimistic admission counts the pages
+        of the length it is expected to reach (as `_future_pages`; pages ahead of need come from
+        what is left over): a decoder past its claim takes window pages while some are left,
+        and is retracted when none are (`must_retract`); worst-case admission never has to."""
+        ps = self.page_size
+        if self.config.admission != "optimistic":
+            return min(self._window_row_pages, div_ceil(req.max_device_len, ps))
+        return min(self._window_row_pages, self._future_pages(len(req.token_ids), req.output_len - req.num_output, 0))
+
+    def _window_admits(self, req: SchedReq, match: MatchResult, claim: int, budget: int) -> bool:
+        """Whether `req` (its cached prefix `match`) may be admitted beside the window pool's
+        other claims (and one step's chunks, the sizing's share), and its first chunk's window
+        pages, with its matched window tail, are there this step; the tail is counted if so
+        (`_add_chunk` counts the chunk's)."""
+        window_pages = self._window_pool.num_pages
+        if self._window_claimed + claim + self._window_step_pages > window_pages:
+            return False
+        ps = self.page_size
+        matched = match.num_pages
+        tail = matched - self._window_dead_at(matched * ps)
+        chunk = min(len(req.token_ids) - matched * ps, budget)
+        first = tail + max(0, div_ceil(matched * ps + chunk, ps) - matched)
+        if not self._window_take(first):
+            return False
+        self._window_left += first - tail  # (the chunk's pages are counted by _add_chunk)
+        return True
+
+    def _window_chunk(self, req: SchedReq, chunk: int) -> int:
+        """`chunk`, or the part of it whose window pages are left this step (counted)."""
+        ps = self.page_size
+        have = len(req.pages)
+        pages = max(0, div_ceil(req.cached_len + chunk, ps) - have)
+        if not self._window_take(pages):
+            chunk = max(0, min(chunk, (have + self._window_left) * ps - req.cached_len))
+            pages = max(0, div_ceil(req.cached_len + chunk, ps) - have)
+            taken = self._window_take(pages)
+            assert taken
+        return chunk
 
     def _drop_windows(self, allocator: HybridPageAllocator, reqs: List[SchedReq]) -> None:
         """Free the window pages of each request's own pages that no query of its reads from this
@@ -932,6 +1056,8 @@ class Policy:
         self.cache.unlock(req.cache_handle)
         req.cache_handle = None
         self.allocator.free(to_free)
+        self._window_claimed -= req.window_claim
+        req.window_claim = 0
         self._reserved -= req.reserved_pages
         req.reserved_pages = 0
         req.pages = []
@@ -949,12 +1075,16 @@ class Policy:
 
     def stats(self) -> SchedulerStats:
         running, waiting = self.load()
+        allocator = self.allocator
+        window = allocator.window.num_pages if isinstance(allocator, HybridPageAllocator) else 0
         return SchedulerStats(
             num_running=running,
             num_waiting=waiting,
             total_pages=self.allocator.num_pages,
             free_pages=self.allocator.num_free + self.cache.evictable_pages,
             cached_pages=self.cache.cached_pages,
+            window_total_pages=window,
+            window_free_pages=self._window_available() if window else 0,
             prompt_tokens=self._prompt_tokens,
             cache_hit_tokens=self._hit_tokens,
             generated_tokens=self._generated,
@@ -993,6 +1123,7 @@ class Policy:
             free = set(allocator._free)
             assert not any(allocator.win_of[p] >= 0 for p in free), "a free page still holds a window page"
         assert self._reserved == 0, f"{self._reserved} pages still reserved"
+        assert self._window_claimed == 0, f"{self._window_claimed} window pages still claimed"
         assert self._num_penalized == 0, "a finished request is still counted as using penalties"
         assert self._num_constrained == 0, "a finished request is still counted as constrained"
         self.proposer.check_idle()

@@ -67,6 +67,7 @@ class SchedReq(Req):
         self.reserved_pages = 0  # pages promised to this request but not yet allocated
         # with window pages (kvcache/window.py): pages before this one had their window dropped
         self.window_from = 0
+        self.window_claim = 0  # window pages counted for it while it holds a row (Policy._window_claim)
         self.finish_reason: str | None = None
         self.stop_ids: set[int] = set()
         self.kv_trusted = True  # False after a failed step: its KV must not enter the prefix cache

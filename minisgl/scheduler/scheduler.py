@@ -153,7 +153,7 @@ class Scheduler(Policy):
     def _step(self) -> List[TokenOutput]:
         outputs: List[TokenOutput] = []
         decodable, need = self.decodable()
-        if self._in_flight is not None and need > self.available_pages():
+        if self._in_flight is not None and self.must_retract(decodable, need):
             # Retraction frees pages at once: first finish the step that may still write them
             # (its tokens are real output; finished requests return their pages too).
             flight, self._in_flight = self._in_flight, None

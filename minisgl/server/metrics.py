@@ -72,6 +72,10 @@ class ServerMetrics:
         self.kv_usage = Gauge("minisgl_kv_cache_usage", "Share of KV pages in use by requests (0..1)", registry=r)
         self.kv_total = Gauge("minisgl_kv_pages_total", "KV pages in the pool", registry=r)
         self.kv_free = Gauge("minisgl_kv_pages_free", "KV pages free or evictable", registry=r)
+        self.window_total = Gauge("minisgl_window_pages_total", "Window KV pages of the sliding layers (0: no window pool)", registry=r)
+        self.window_free = Gauge(
+            "minisgl_window_pages_free", "Window KV pages free or held only where no admitted request reads them", registry=r
+        )
         self.cached_pages = Gauge("minisgl_prefix_cache_pages", "KV pages held by the prefix cache", registry=r)
         self.cache_hit_rate = Gauge("minisgl_cache_hit_rate", "Prompt tokens served from the prefix cache / all prompt tokens", registry=r)
         self.throughput = Gauge("minisgl_gen_throughput_tokens_per_second", "Output tokens per second (recent)", registry=r)
@@ -107,6 +111,8 @@ class ServerMetrics:
         self.kv_usage.set(s.kv_usage)
         self.kv_total.set(s.total_pages)
         self.kv_free.set(s.free_pages)
+        self.window_total.set(s.window_total_pages)
+        self.window_free.set(s.window_free_pages)
         self.cached_pages.set(s.cached_pages)
         self.cache_hit_rate.set(s.cache_hit_rate)
         self.throughput.set(s.gen_throughput)
