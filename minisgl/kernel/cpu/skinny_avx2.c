@@ -29,17 +29,18 @@
 #if MINISGL_SKINNY_ISA == 2
 #include <immintrin.h>
 #include <omp.h>
+#include <pthread.h>
 
 /* Tuning knobs (bytes prefetched ahead of a weight row's stream, 0: none; weight rows per tile
  * at one activation row), swept in docs/PERFORMANCE.md. */
 #ifndef BF_PF
-#define BF_PF 1024
+#define BF_PF 16384
 #endif
 #ifndef Q_PF
-#define Q_PF 512
+#define Q_PF 16384
 #endif
 #ifndef BF_R1
-#define BF_R1 2
+#define BF_R1 1
 #endif
 #ifndef Q_R1
 #define Q_R1 2
@@ -179,12 +180,16 @@ static void q_prepare(const uint16_t *x, long ldx, long M, long k, long kp, floa
 
 /* Byte 4 j + i of each 128-bit lane into 32-bit lane i, at bit `shift` (0: q4's nibbles as
  * integers; 24: q8's signed bytes, as q * 2^24). */
+static int8_t spread_masks[2][4][32] __attribute__((aligned(32))); /* [q8][j]: filled once, by spread_init */
+static void spread_init(void) {
+    for (int q8 = 0; q8 < 2; q8++)
+        for (int j = 0; j < 4; j++)
+            for (int L = 0; L < 2; L++)
+                for (int i = 0; i < 4; i++)
+                    for (int b = 0; b < 4; b++) spread_masks[q8][j][16 * L + 4 * i + b] = (int8_t)(b == (q8 ? 3 : 0) ? 4 * j + i : -128);
+}
 static inline __m256i byte_spread(int j, int shift) {
-    int8_t s[32];
-    for (int L = 0; L < 2; L++)
-        for (int i = 0; i < 4; i++)
-            for (int b = 0; b < 4; b++) s[16 * L + 4 * i + b] = (int8_t)(8 * b == shift ? 4 * j + i : -128);
-    return _mm256_loadu_si256((const __m256i *)s);
+    return _mm256_load_si256((const __m256i *)spread_masks[shift ? 1 : 0][j]);
 }
 
 /* The pair's two fp16 scales as [dA, dA, dB, dB] x 2, times `mul`. */
@@ -205,8 +210,6 @@ static inline __attribute__((always_inline)) void q_tile(const float *xp, const 
     const long G = kp / 32, P = G / 2, d_off = bits == 4 ? kp / 2 : kp;
     const int shift = bits == 4 ? 0 : 24;
     const __m256i low4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80);
-    const __m256i sp0 = byte_spread(0, shift), sp1 = byte_spread(1, shift), sp2 = byte_spread(2, shift),
-                  sp3 = byte_spread(3, shift);
     __m256 acc[4][4];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
@@ -229,25 +232,18 @@ static inline __attribute__((always_inline)) void q_tile(const float *xp, const 
                 _mm_prefetch((const char *)(row + p * 64) + 2 * Q_PF, _MM_HINT_T0);
 #endif
             }
-            __m256 q[8];
-            q[0] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h0, sp0));
-            q[1] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h0, sp1));
-            q[2] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h0, sp2));
-            q[3] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h0, sp3));
-            q[4] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h1, sp0));
-            q[5] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h1, sp1));
-            q[6] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h1, sp2));
-            q[7] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(h1, sp3));
             __m256 d = pair_scales(row + d_off + 4 * p, bits == 4 ? 1.f : 0x1p-24f);
+            /* t0: the 4 vectors of h0, t1: those of h1 (the masks are read from memory, as
+             * vpshufb's operand: in registers they and the code vectors would spill) */
+            __m256 q[8];
+            for (int v = 0; v < 8; v++) q[v] = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(v < 4 ? h0 : h1, byte_spread(v & 3, shift)));
             for (int m = 0; m < M; m++) {
                 const float *xv = xp + m * kp + p * 64;
-                __m256 t0 = _mm256_mul_ps(q[0], _mm256_loadu_ps(xv)), t1 = _mm256_mul_ps(q[4], _mm256_loadu_ps(xv + 32));
-                t0 = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xv + 8), t0);
-                t1 = _mm256_fmadd_ps(q[5], _mm256_loadu_ps(xv + 40), t1);
-                t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xv + 16), t0);
-                t1 = _mm256_fmadd_ps(q[6], _mm256_loadu_ps(xv + 48), t1);
-                t0 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xv + 24), t0);
-                t1 = _mm256_fmadd_ps(q[7], _mm256_loadu_ps(xv + 56), t1);
+                __m256 t0 = _mm256_mul_ps(q[0], _mm256_load_ps(xv)), t1 = _mm256_mul_ps(q[4], _mm256_load_ps(xv + 32));
+                for (int v = 1; v < 4; v++) {
+                    t0 = _mm256_fmadd_ps(q[v], _mm256_load_ps(xv + 8 * v), t0);
+                    t1 = _mm256_fmadd_ps(q[v + 4], _mm256_load_ps(xv + 32 + 8 * v), t1);
+                }
                 acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), d, acc[r][m]);
             }
         }
@@ -293,6 +289,8 @@ static int qgemv(int bits, const uint16_t *x, long ldx, long m, const uint8_t *w
         free(xs), free(xp);
         return 0;
     }
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, spread_init);
     q_prepare(x, ldx, m, k, kp, xp, xs);
     const long chunk = 16, nchunks = (n + chunk - 1) / chunk;
     int nt = n * k < (1l << 16) ? 1 : nthreads;
