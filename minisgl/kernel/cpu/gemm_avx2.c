@@ -33,11 +33,13 @@ static void pack_x(const uint16_t *x, long ldx, long m, long m0, long k, float *
     }
 }
 
-/* weight rows [n0, n0 + NR) -> bp [k][NR] fp32 (rows past n are zero): 8 columns of 8 rows at a
- * time, widened (a bf16 is an fp32's top half) and transposed in registers. */
-static void pack_w(const uint16_t *w, long n, long n0, long k, float *bp) {
+/* weight rows [n0, n0 + NR), columns [k0, k0 + kc) -> bp [kc][NR] fp32 (rows past n are zero):
+ * 8 columns of 8 rows at a time, widened (a bf16 is an fp32's top half) and transposed in
+ * registers. */
+static void pack_w(const uint16_t *w, long n, long n0, long k, long k0, long kc, float *bp) {
+    w += k0;
     long kk = 0;
-    for (; kk + 8 <= k; kk += 8)
+    for (; kk + 8 <= kc; kk += 8)
         for (int h = 0; h < NR; h += 8) {
             __m256 r[8];
             for (int j = 0; j < 8; j++)
@@ -59,17 +61,26 @@ static void pack_w(const uint16_t *w, long n, long n0, long k, float *bp) {
                            _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
             for (int j = 0; j < 8; j++) _mm256_store_ps(bp + (kk + j) * NR + h, c[j]);
         }
-    for (; kk < k; kk++)
+    for (; kk < kc; kk++)
         for (int j = 0; j < NR; j++) bp[kk * NR + j] = n0 + j < n ? bf16_to_f(w[(n0 + j) * k + kk]) : 0.f;
 }
 
-/* y rows [m0, m0 + mr) x columns [n0, n0 + nr) from one x panel and one weight panel. The 12
- * accumulators are named variables: as an array, GCC stores them to the stack every step. */
-static void block_6x16(const float *ap, const float *bp, long k, const uint16_t *bias, long n0, int mr, int nr,
-                       uint16_t *y, long ldy) {
+/* One 6 x 16 block of outputs over columns [k0, k0 + kc) of one x panel and one weight panel:
+ * the partial sums continue from `part` (unless `first`) and go back there, or, at the last
+ * column block, to y as bf16 (+ bias). A partial sum stored and reloaded is exact, so each
+ * output is still one FMA chain over k in order. The 12 accumulators are named variables: as an
+ * array, GCC stores them to the stack every step. */
+static void block_6x16(const float *ap, const float *bp, long kc, float *part, int first, int last,
+                       const uint16_t *bias, long n0, int mr, int nr, uint16_t *y, long ldy) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-    for (long kk = 0; kk < k; kk++) {
+    if (!first) {
+        c00 = _mm256_load_ps(part), c01 = _mm256_load_ps(part + 8), c10 = _mm256_load_ps(part + 16);
+        c11 = _mm256_load_ps(part + 24), c20 = _mm256_load_ps(part + 32), c21 = _mm256_load_ps(part + 40);
+        c30 = _mm256_load_ps(part + 48), c31 = _mm256_load_ps(part + 56), c40 = _mm256_load_ps(part + 64);
+        c41 = _mm256_load_ps(part + 72), c50 = _mm256_load_ps(part + 80), c51 = _mm256_load_ps(part + 88);
+    }
+    for (long kk = 0; kk < kc; kk++) {
         const __m256 b0 = _mm256_load_ps(bp + kk * NR), b1 = _mm256_load_ps(bp + kk * NR + 8);
         const float *a = ap + kk * MR;
         __m256 v = _mm256_broadcast_ss(a);
@@ -85,6 +96,13 @@ static void block_6x16(const float *ap, const float *bp, long k, const uint16_t 
         v = _mm256_broadcast_ss(a + 5);
         c50 = _mm256_fmadd_ps(v, b0, c50), c51 = _mm256_fmadd_ps(v, b1, c51);
     }
+    if (!last) {
+        _mm256_store_ps(part, c00), _mm256_store_ps(part + 8, c01), _mm256_store_ps(part + 16, c10);
+        _mm256_store_ps(part + 24, c11), _mm256_store_ps(part + 32, c20), _mm256_store_ps(part + 40, c21);
+        _mm256_store_ps(part + 48, c30), _mm256_store_ps(part + 56, c31), _mm256_store_ps(part + 64, c40);
+        _mm256_store_ps(part + 72, c41), _mm256_store_ps(part + 80, c50), _mm256_store_ps(part + 88, c51);
+        return;
+    }
     float out[MR][NR];
     _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
     _mm256_storeu_ps(out[1], c10), _mm256_storeu_ps(out[1] + 8, c11);
@@ -96,9 +114,15 @@ static void block_6x16(const float *ap, const float *bp, long k, const uint16_t 
         for (int j = 0; j < nr; j++) y[i * ldy + n0 + j] = f_to_bf16(out[i][j] + (bias ? bf16_to_f(bias[n0 + j]) : 0.f));
 }
 
+/* Columns per block: a 16-row weight panel's block (16 KiB fp32) stays in L1 while every x panel
+ * passes it; the outputs' partial sums wait in a per-thread buffer between blocks. */
+#ifndef KC
+#define KC 256
+#endif
+
 /* Returns 1 when it ran, 0 when it could not allocate (the caller falls back). The 16-row
- * weight panels are split over the threads in contiguous ranges; each thread packs its panel and
- * runs every x panel over it. */
+ * weight panels are split over the threads in contiguous ranges; each thread packs its panel one
+ * column block at a time and runs every x panel over it. */
 int gemm_avx2_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long n, long k, const uint16_t *bias,
                    uint16_t *y, int nthreads) {
     if (m < 1 || n < 1 || k < 1) return 0;
@@ -110,22 +134,28 @@ int gemm_avx2_bf16(const uint16_t *x, long ldx, long m, const uint16_t *w, long 
     {
 #pragma omp for schedule(static)
         for (long i = 0; i < mp; i++) pack_x(x, ldx, m, i * MR, k, ap + i * MR * k);
-        float *bp = aligned_alloc(32, (size_t)(NR * k * sizeof(float) + 31) / 32 * 32);
-        if (!bp) {
+        float *bp = aligned_alloc(32, NR * KC * sizeof(float));
+        float *part = k > KC ? aligned_alloc(32, (size_t)mp * MR * NR * sizeof(float)) : NULL;
+        if (!bp || (k > KC && !part)) {
 #pragma omp atomic write
             ok = 0;
         }
 #pragma omp for schedule(static)
         for (long j = 0; j < np; j++) {
-            if (!bp) continue;
-            pack_w(w, n, j * NR, k, bp);
+            if (!bp || (k > KC && !part)) continue;
             int nr = n - j * NR < NR ? (int)(n - j * NR) : NR;
-            for (long i = 0; i < mp; i++) {
-                int mr = m - i * MR < MR ? (int)(m - i * MR) : MR;
-                block_6x16(ap + i * MR * k, bp, k, bias, j * NR, mr, nr, y + i * MR * n, n);
+            for (long k0 = 0; k0 < k; k0 += KC) {
+                long kc = k - k0 < KC ? k - k0 : KC;
+                pack_w(w, n, j * NR, k, k0, kc, bp);
+                for (long i = 0; i < mp; i++) {
+                    int mr = m - i * MR < MR ? (int)(m - i * MR) : MR;
+                    block_6x16(ap + i * MR * k + k0 * MR, bp, kc, part ? part + i * MR * NR : NULL, k0 == 0, k0 + kc >= k,
+                               bias, j * NR, mr, nr, y + i * MR * n, n);
+                }
             }
         }
         free(bp);
+        free(part);
     }
     free(ap);
     return ok;
