@@ -668,15 +668,17 @@ def test_vnni_gate_up_silu_is_bitwise_the_two_steps(m, inter, k):
 
 @pytest.mark.parametrize("n", [1, 17, 100, 333])
 @pytest.mark.parametrize("hq,hk,d", [(9, 3, 64), (4, 4, 128), (2, 1, 32)])
-def test_amx_prefill_attention_matches_sdpa(n, hq, hk, d):
-    """kernel/cpu/attn_amx.c (causal prefill attention on AMX tiles, q/k/v read in place from the
-    fused qkv rows, GQA): no further from the fp32 reference than torch's bf16 SDPA, plus a
-    bf16 step; lengths off the 32-query and 32-key blocks."""
+@pytest.mark.parametrize("kernel", ["amx", "avx2"])
+def test_prefill_attention_kernel_matches_sdpa(n, hq, hk, d, kernel):
+    """kernel/cpu/attn_amx.c (causal prefill attention on AMX tiles) and attn_avx2.c (the same on
+    AVX2 FMAs, where the CPU has no AVX512-BF16), q/k/v read in place from the fused qkv rows,
+    GQA: no further from the fp32 reference than torch's bf16 SDPA, plus a bf16 step; lengths
+    off the 32-query, 6-query and 16/32-key blocks."""
     from minisgl.kernel.cpu import cpu_kernels
 
     kern = cpu_kernels()
-    if kern is None or not kern.has_amx:
-        pytest.skip("no C compiler or no AMX here")
+    if kern is None or not (kern.has_amx if kernel == "amx" else kern.has_avx2_gemm):
+        pytest.skip(f"no C compiler or no {kernel} kernel on this CPU")
     torch.manual_seed(n)
     qs, ks = hq * d, hk * d
     qkv = (torch.randn(n, qs + 2 * ks) * 2).to(torch.bfloat16)
@@ -689,8 +691,8 @@ def test_amx_prefill_attention_matches_sdpa(n, hq, hk, d):
         return o[0].transpose(0, 1).reshape(n, qs)
 
     out = torch.full((n, qs + 8), 7.0, dtype=torch.bfloat16)  # a strided output: padding untouched
-    ok = kern.lib.prefill_attention_amx_bf16(qkv.data_ptr(), qkv.stride(0), n, hq, hk, d, d**-0.5,
-                                             out.data_ptr(), out.stride(0), 2)  # fmt: skip
+    fn = getattr(kern.lib, f"prefill_attention_{kernel}_bf16")
+    ok = fn(qkv.data_ptr(), qkv.stride(0), n, hq, hk, d, d**-0.5, out.data_ptr(), out.stride(0), 2)
     assert ok
     ref = sdpa(qkv.float())
     ours_err = (out[:, :qs].float() - ref).abs()

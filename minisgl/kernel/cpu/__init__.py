@@ -2,7 +2,7 @@
 
 `kernels.c` (norms, rotary, SiLU, paged attention), `kv_int8.c` (the int8 KV pool's store and decode attention), `argmax.c` (greedy sampling), `gemv.c` (the bf16 skinny GEMM of small
 decode batches; `skinny_avx2.c` has it and qgemv.c's for CPUs without AVX512-BF16, and
-`gemm_avx2.c` the GEMM of larger ones there) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
+`gemm_avx2.c` the GEMM of larger ones there, `attn_avx2.c` attn_amx.c's prefill attention) and `amx.c` (the bf16 GEMM on AMX tiles for larger ones), `qgemv.c` (the skinny GEMM on GGUF's
 Q4_1 / Q8_0 blocks), `attn_amx.c` (prefill attention on AMX tiles) and `decode_loop.c` (a small
 decode batch's whole layer stack in one call) are compiled once with the system C compiler (`cc -O3 -march=native -fopenmp`, under
 a second) into MINISGL_CACHE_DIR, keyed by the source hash, the flags and the host CPU; no torch
@@ -38,6 +38,7 @@ _SRCS = [
         "qgemv.c",
         "skinny_avx2.c",
         "gemm_avx2.c",
+        "attn_avx2.c",
         "decode_loop.c",
         "kv_int8.c",
         "argmax.c",
@@ -146,6 +147,8 @@ class CpuKernels:
         lib.decode_layers_bf16.argtypes, lib.decode_layers_bf16.restype = [_P, _L, _P], ctypes.c_int
         lib.prefill_attention_amx_bf16.argtypes = [_P, _L, _L, _L, _L, _L, _F, _P, _L, _I]
         lib.prefill_attention_amx_bf16.restype = ctypes.c_int
+        lib.prefill_attention_avx2_bf16.argtypes = lib.prefill_attention_amx_bf16.argtypes
+        lib.prefill_attention_avx2_bf16.restype = ctypes.c_int
         for suf in SUFFIX.values():
             fn = getattr(lib, f"argmax_rows_{suf}")
             fn.argtypes, fn.restype = [_P, _L, _L, _L, _P, _I], None

@@ -8,7 +8,7 @@ applies the optional q/k RMSNorm and the rotary in place and stores K/V into the
 - decode rows and small prefill chunks attend through the paged kernel, which reads each
   request's keys in place by slot (one query row per token, causal over the cached prefix);
 - a larger prefill request attends through AMX tiles (attn_amx.c) where it has no cached
-  prefix and the CPU has them, else torch's SDPA on 4-D bf16 inputs with enable_gqa (oneDNN's
+  prefix and the CPU has them (AVX2 + FMA without AVX512-BF16: attn_avx2.c), else torch's SDPA on 4-D bf16 inputs with enable_gqa (oneDNN's
   flash kernel; 3-D inputs or repeated KV heads take the much slower math path).
 
 Where the kernels do not apply (no C compiler, an fp16 model, partial rotary, a head size or
@@ -87,7 +87,11 @@ class CpuAttnBackend(TorchAttnBackend):
         q8 = self.kv_cache.scales is not None
         self._rope = k.get("rope_store_q8" if q8 else "rope_store", dtype)
         self._attend = k.get("paged_attention_q8" if q8 else "paged_attention", dtype)
-        self._amx = k.lib.prefill_attention_amx_bf16 if dtype == torch.bfloat16 and k.has_amx else None
+        # a large prompt's attention: AMX tiles, else AVX2 FMAs (attn_avx2.c), else SDPA
+        self._prefill_kernel = None
+        if dtype == torch.bfloat16:
+            self._prefill_kernel = k.lib.prefill_attention_amx_bf16 if k.has_amx else None
+            self._prefill_kernel = k.lib.prefill_attention_avx2_bf16 if k.has_avx2_gemm else self._prefill_kernel
 
     def takes(self, layer: Any) -> bool:
         """Whether the kernels run this attention layer (full rotate-half rotary, the default
@@ -188,15 +192,15 @@ class CpuAttnBackend(TorchAttnBackend):
 
     def _prefill(self, qkv: torch.Tensor, out: torch.Tensor, layer: Any, plan: Tuple[int, int, int, int, int],
                  scale: float) -> None:  # fmt: skip
-        """One large request of a prefill: AMX tiles or SDPA (keys from its own rows when nothing
-        is cached, else all of them from the pool, which holds this step's already)."""
+        """One large request of a prefill: AMX tiles / AVX2 FMAs or SDPA (keys from its own rows
+        when nothing is cached, else all of them from the pool, which holds this step's already)."""
         hq, hk, d = layer.num_q_heads, layer.num_kv_heads, layer.head_dim
         qs, ks = hq * d, hk * d
         start, n, cached, total, row = plan
         rows = qkv[start : start + n]
-        if cached == 0 and self._amx is not None:
+        if cached == 0 and self._prefill_kernel is not None:
             o_rows = out[start : start + n]
-            if self._amx(rows.data_ptr(), qkv.stride(0), n, hq, hk, d, scale, o_rows.data_ptr(), out.stride(0),
+            if self._prefill_kernel(rows.data_ptr(), qkv.stride(0), n, hq, hk, d, scale, o_rows.data_ptr(), out.stride(0),
                          self.nthreads):  # fmt: skip
                 return
         q = rows[:, :qs].view(n, hq, d).transpose(0, 1).unsqueeze(0)
