@@ -90,9 +90,13 @@ def test_outputs_do_not_depend_on_batch_chunking_or_cache(tiny_dir, sampling) ->
         assert got[1] == cold[1], f"{name}: logprobs differ (bitwise)"
 
 
-def test_default_mode_is_not_batch_invariant(tiny_dir) -> None:
+def test_default_mode_is_not_batch_invariant(tiny_dir, monkeypatch) -> None:
     """The control: without --deterministic the same comparisons do see differences (chunked
-    prefill and decode-vs-prefill round differently), so the test above can fail."""
+    prefill and decode-vs-prefill round differently), so the test above can fail. Where this
+    machine's kernels happen to give the same bits on this tiny model anyway (the AVX2 GEMV and
+    GEMM, whose bf16 roundings hide their different fp32 orders at these widths), the GEMMs of
+    more than one row split K, as libraries may by shape (`split_k_above_one_row`)."""
+    split_k_above_one_row(monkeypatch)
     out = scenarios(tiny_dir, params()[0], deterministic=False)
     cold = out["cold"]
     assert any(got[1] != cold[1] for got in out.values())
@@ -219,13 +223,11 @@ class SplitKLinear(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def test_default_mode_rescoring_differs(tiny_dir, monkeypatch) -> None:
-    """The control: without --deterministic the same harness finds differences, so the two tests
-    above can fail. Prefill attends through other kernels than decode, and a batch's GEMMs may
-    change kernel with its rows; where this machine's kernels happen to give the same bits anyway
-    (a CPU without AVX512-BF16 runs torch's fp32-accumulating GEMMs on this tiny model), the
-    module path's GEMMs split K above one row, as cuBLAS and oneDNN may by shape."""
+def split_k_above_one_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The module path's GEMMs of more than one row split K (`SplitKLinear`), F.linear and the
+    C GEMMs bound to the layers (`QuantLinear`) alike."""
     from minisgl.engine.runners import ModuleRunner
+    from minisgl.layers.quant import QuantLinear, vnni_unpack
 
     run = ModuleRunner.run
 
@@ -233,7 +235,21 @@ def test_default_mode_rescoring_differs(tiny_dir, monkeypatch) -> None:
         with SplitKLinear():
             return run(self, batch)
 
+    def split_k_gemm(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
+        w = vnni_unpack(self.dense) if self.vnni else self.dense
+        return SplitKLinear().__torch_function__(F.linear, (), (x, w, self.bias))
+
     monkeypatch.setattr(ModuleRunner, "run", split_k_run)
+    monkeypatch.setattr(QuantLinear, "__call__", split_k_gemm)
+
+
+def test_default_mode_rescoring_differs(tiny_dir, monkeypatch) -> None:
+    """The control: without --deterministic the same harness finds differences, so the two tests
+    above can fail. Prefill attends through other kernels than decode, and a batch's GEMMs may
+    change kernel with its rows; where this machine's kernels happen to give the same bits anyway
+    on this tiny model, the module path's GEMMs split K above one row, as cuBLAS and oneDNN may
+    by shape."""
+    split_k_above_one_row(monkeypatch)
     out = mixed_runs(tiny_dir, deterministic=False, chunks=(CHUNKS[0],))
     ref = out[f"chunk {CHUNKS[0]}, alone, cold"]
     rescored = out[f"rescored, chunk {CHUNKS[0]}"]
