@@ -138,8 +138,14 @@ def _adjust_config(config: EngineConfig) -> EngineConfig:
             )
         if config.kv_cache_dtype != "auto":
             raise ValueError(f"deterministic mode needs the model-dtype KV cache, got kv_cache_dtype={config.kv_cache_dtype!r}")
-        if config.tp_info.size > 1:
-            raise ValueError("deterministic mode needs tp=1 (all-reduce order is not batch-invariant here)")
+        # Two ranks' partial sums add to the same bits in either order (IEEE addition commutes),
+        # so a 2-rank all-reduce is batch-invariant; three or more associate by chunk, and the
+        # chunks move with the number of rows.
+        if config.tp_info.size > 2:
+            raise ValueError(
+                f"deterministic mode supports tp <= 2, got tp={config.tp_info.size} (an all-reduce over more ranks "
+                "associates its sums by chunk, which changes with the batch)"
+            )
         # on a CPU with the C kernels: the paged attention kernel for every row and the C GEMMs
         # fixed to one kernel per weight (engine/cpu_decode.py); else the torch walk and tiles
         cpu_kernels = device.type == "cpu" and config.cpu_fast_decode
