@@ -779,10 +779,9 @@ class Policy:
     def _window_available(self) -> int:
         """Window pages free, or held only where no admitted request reads them (own pages a
         window behind, cached prefixes' tails: `_drop_windows` / `_reclaim_windows` free those)."""
-        allocator = self.allocator
-        assert isinstance(allocator, HybridPageAllocator)
-        held = allocator.win_of
-        return allocator.window.num_pages - sum(held[p] >= 0 for p in self._live_window_pages())
+        pool = self._window_pool  # (checks that the allocator is the hybrid one)
+        held = self.allocator.win_of  # type: ignore[attr-defined]
+        return pool.num_pages - sum(held[p] >= 0 for p in self._live_window_pages())
 
     def _window_short(self, pages: int) -> bool:
         """Whether `pages` new window pages cannot be had now (the cheap test first)."""

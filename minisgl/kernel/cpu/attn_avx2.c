@@ -27,10 +27,6 @@
 #define QB 6  /* query rows per task */
 #define KB 16 /* keys per score block, and d columns per output block */
 
-static inline __m256 widen8(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
 /* One KV head's keys -> kp [key block][d][KB] (keys past n zero); values -> vp [d / KB][n][KB]. */
 static void pack_kv(const uint16_t *k, const uint16_t *v, long ld, long n, long d, float *kp, float *vp) {
     const long nb = (n + KB - 1) / KB;
@@ -41,8 +37,8 @@ static void pack_kv(const uint16_t *k, const uint16_t *v, long ld, long n, long 
         }
     for (long db = 0; db < d / KB; db++)
         for (long key = 0; key < n; key++) {
-            _mm256_storeu_ps(vp + (db * n + key) * KB, widen8(v + key * ld + db * KB));
-            _mm256_storeu_ps(vp + (db * n + key) * KB + 8, widen8(v + key * ld + db * KB + 8));
+            _mm256_storeu_ps(vp + (db * n + key) * KB, ld8_bf16(v + key * ld + db * KB));
+            _mm256_storeu_ps(vp + (db * n + key) * KB + 8, ld8_bf16(v + key * ld + db * KB + 8));
         }
 }
 

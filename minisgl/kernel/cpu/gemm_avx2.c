@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "vec_math.h"
+
 #define MR 6
 #define NR 16
 
@@ -43,9 +45,7 @@ static void pack_w(const uint16_t *w, long n, long n0, long k, long k0, long kc,
         for (int h = 0; h < NR; h += 8) {
             __m256 r[8];
             for (int j = 0; j < 8; j++)
-                r[j] = n0 + h + j < n ? _mm256_castsi256_ps(_mm256_slli_epi32(
-                                             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + (n0 + h + j) * k + kk))), 16))
-                                      : _mm256_setzero_ps();
+                r[j] = n0 + h + j < n ? ld8_bf16(w + (n0 + h + j) * k + kk) : _mm256_setzero_ps();
             /* 8 x 8 transpose: r[j][c] -> out[c][j] */
             __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
             __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);

@@ -231,21 +231,6 @@ DEFINE_FAST_ATTN(bf16, uint16_t, 128)
  * divide): on AVX2 its row runs 8 lanes at a time with the scalar loop's exact arithmetic (the
  * same polynomial, the divide, the two roundings), so the same bits; it was 11% of a 500-token
  * prefill (docs/PERFORMANCE.md). */
-static inline __m256 ld8_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-static inline __m256i bf16_bits8(__m256 v) { /* f_to_bf16 on 8 lanes, in the low halves */
-    __m256i u = _mm256_castps_si256(v);
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
-    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
-    return _mm256_srli_epi32(r, 16);
-}
-static inline __m256 rnd8_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
-static inline void st8_bf16(uint16_t *p, __m256 v) {
-    __m256i b = bf16_bits8(v);
-    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-}
 /* The sum of each of 8 vectors, as the lanes of one: lane b = the sum of a[b]'s 8 lanes. */
 static inline __m256 hsum8x8(const __m256 a[8]) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -296,9 +281,10 @@ static void attn_task_bf16_avx2(const uint16_t *q, const uint16_t *k_cache, cons
             float bm = -INFINITY;
             for (int b = 0; b < nb; b++) bm = sc[b] > bm ? sc[b] : bm;
             if (bm > mx[j]) {
-                const __m256 corr = _mm256_set1_ps(fast_exp(mx[j] - bm));
-                den[j] *= fast_exp(mx[j] - bm);
-                for (long c = 0; c < d; c += 8) _mm256_store_ps(acc[j] + c, _mm256_mul_ps(_mm256_load_ps(acc[j] + c), corr));
+                const float corr = fast_exp(mx[j] - bm);
+                den[j] *= corr;
+                for (long c = 0; c < d; c += 8)
+                    _mm256_store_ps(acc[j] + c, _mm256_mul_ps(_mm256_load_ps(acc[j] + c), _mm256_set1_ps(corr)));
                 mx[j] = bm;
             }
             __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc), _mm256_set1_ps(mx[j])));

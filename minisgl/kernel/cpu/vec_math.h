@@ -6,6 +6,15 @@
 #include <stdint.h>
 #include <string.h>
 
+/* fast_exp's polynomial for 2^f, f in [-0.5, 0.5] (highest degree first), shared by its vector
+ * forms so that all of them compute the same function */
+#define EXP_C6 1.535336188319500e-4f
+#define EXP_C5 1.339887440266574e-3f
+#define EXP_C4 9.618437357674640e-3f
+#define EXP_C3 5.550332471162809e-2f
+#define EXP_C2 2.402264791363012e-1f
+#define EXP_C1 6.931472028550421e-1f
+
 /* exp(x), branch-free so loops over it vectorize (libm's expf
  * does not without -ffast-math): 2^(x log2 e) split into 2^n * 2^f, 2^f by a degree-6
  * polynomial on [-0.5, 0.5]; relative error ~2e-7; x is clamped to [-87, 88]. */
@@ -14,12 +23,12 @@ static inline float fast_exp(float x) {
     float t = x * 1.44269504088896341f;
     float n = __builtin_rintf(t);
     float f = t - n;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
+    float p = EXP_C6;
+    p = p * f + EXP_C5;
+    p = p * f + EXP_C4;
+    p = p * f + EXP_C3;
+    p = p * f + EXP_C2;
+    p = p * f + EXP_C1;
     p = p * f + 1.0f;
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
@@ -34,15 +43,32 @@ static inline __m256 exp256(__m256 x) {
     __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    __m256 p = _mm256_set1_ps(EXP_C6);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP_C1));
     p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+/* 8 bf16 -> fp32 lanes (a bf16 is an fp32's top half) */
+static inline __m256 ld8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* f_to_bf16 on 8 lanes (round to nearest even, NaN kept quiet), in the lanes' low halves */
+static inline __m256i bf16_bits8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_srli_epi32(r, 16);
+}
+static inline __m256 rnd8_bf16(__m256 v) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+static inline void st8_bf16(uint16_t *p, __m256 v) {
+    __m256i b = bf16_bits8(v);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 #endif
 #ifdef __AVX512F__
@@ -52,12 +78,12 @@ static inline __m512 exp512(__m512 x) {
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    __m512 p = _mm512_set1_ps(EXP_C6);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP_C1));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n); /* p * 2^n, exact (n in [-126, 127] after the clamp) */
 }
