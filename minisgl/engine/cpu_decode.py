@@ -30,11 +30,18 @@ from minisgl.kernel.cpu import DecodeGemm, DecodeLayer, DecodeStep, cpu_kernels
 from minisgl.kernel.cpu.attention import CpuAttnBackend, CpuAttnMetadata
 from minisgl.kernel.cpu.memory import hugepage_pool, hugepage_records, place_weights
 from minisgl.kvcache.pool import KVCachePool
-from minisgl.layers import quant as q_
 from minisgl.layers.embedding import ParallelLMHead
 from minisgl.layers.linear import _Linear
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.quant import ALL_ROWS, DEFAULT_DENSE_ABOVE, QuantLinear, QuantWeight
+from minisgl.layers.quant import (
+    ALL_ROWS,
+    AVX2_GEMV_MAX_ROWS,
+    DEFAULT_DENSE_ABOVE,
+    DEFAULT_GEMV_MAX_ROWS,
+    NO_AMX_GEMV_MAX_ROWS,
+    QuantLinear,
+    QuantWeight,
+)
 from minisgl.models.base import DecoderLayer, DecoderModel, GatedMLP, SelfAttention
 from minisgl.models.gguf_quant import gguf_source
 from minisgl.utils.logger import init_logger
@@ -122,9 +129,9 @@ def bind_cpu_gemms(model: nn.Module, quant: Dict[str, QuantWeight] | None, batch
     if ck is None and not quant:
         return []  # F.linear is what a QuantLinear would call
     nt = torch.get_num_threads()
-    gemv_rows = q_.NO_AMX_GEMV_MAX_ROWS
+    gemv_rows = NO_AMX_GEMV_MAX_ROWS
     if ck is not None:
-        gemv_rows = q_.DEFAULT_GEMV_MAX_ROWS if ck.has_amx else q_.AVX2_GEMV_MAX_ROWS if ck.has_avx2_gemm else gemv_rows
+        gemv_rows = DEFAULT_GEMV_MAX_ROWS if ck.has_amx else AVX2_GEMV_MAX_ROWS if ck.has_avx2_gemm else gemv_rows
     bound: List[QuantLinear] = []
     for name, mod in mods:
         w, bias, q = mod.weight, getattr(mod, "bias", None), quant.get(name)
